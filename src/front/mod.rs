@@ -1,0 +1,6 @@
+//! The front end: the decode-graph language's grammar, parser and AST.
+
+pub mod ast;
+mod parser;
+
+pub use parser::{parse_str, MAX_NESTING};

@@ -1,0 +1,505 @@
+//! The parser: graph source text to the spanned AST of [`super::ast`].
+//!
+//! pest does the recognising (grammar/mkc.pest); this file builds the tree
+//! and turns pest's errors into diagnostics that name what was expected in
+//! words a graph author knows. Nesting deeper than [`MAX_NESTING`] is refused
+//! before pest runs, so hostile input cannot exhaust the stack.
+
+use pest::iterators::{Pair, Pairs};
+use pest::pratt_parser::{Assoc, Op, PrattParser};
+use pest::Parser as _;
+
+use super::ast::*;
+use crate::diag::{Error, ErrorKind, Result, Span};
+
+#[derive(pest_derive::Parser)]
+#[grammar = "../grammar/mkc.pest"]
+struct GraphParser;
+
+/// Deepest bracket nesting accepted.
+pub const MAX_NESTING: usize = 64;
+
+/// Parses a graph file.
+pub fn parse_str(src: &str) -> Result<File> {
+    check_nesting(src)?;
+    let mut pairs = GraphParser::parse(Rule::file, src).map_err(syntax_error)?;
+    let file = pairs.next().expect("pest returns the file rule");
+    build_file(file)
+}
+
+fn check_nesting(src: &str) -> Result<()> {
+    let mut depth = 0usize;
+    let mut in_comment = false;
+    let mut in_string = false;
+    for (i, c) in src.char_indices() {
+        match c {
+            '\n' => {
+                in_comment = false;
+                in_string = false;
+            }
+            _ if in_comment => {}
+            '"' => in_string = !in_string,
+            _ if in_string => {}
+            '#' => in_comment = true,
+            '(' | '[' | '{' => {
+                depth += 1;
+                if depth > MAX_NESTING {
+                    return Err(Error::new(
+                        ErrorKind::Limit,
+                        format!("brackets nest deeper than {MAX_NESTING} levels"),
+                    )
+                    .at(Span::new(i, i + 1))
+                    .label("too deep"));
+                }
+            }
+            ')' | ']' | '}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn rule_name(rule: &Rule) -> Option<&'static str> {
+    Some(match rule {
+        Rule::EOI => "end of file",
+        Rule::model_decl => "`model NAME`",
+        Rule::params_block => "`params { ... }`",
+        Rule::block_def => "`block`",
+        Rule::graph_def => "`graph`",
+        Rule::ident | Rule::ident_any => "a name",
+        Rule::expr | Rule::dim => "an expression",
+        Rule::int => "an integer",
+        Rule::float => "a number",
+        Rule::string => "a string",
+        Rule::tensor_type => "a tensor type like `bf16[hidden]`",
+        Rule::param_type | Rule::const_type => "a type",
+        Rule::block_param => "a parameter `name: type`",
+        Rule::ret_types => "`->`",
+        Rule::body => "`{`",
+        Rule::weight_decl => "`weight`",
+        Rule::state_decl => "`state`",
+        Rule::input_decl => "`input`",
+        Rule::output_stmt => "`output`",
+        Rule::for_stmt => "`for`",
+        Rule::if_stmt => "`if`",
+        Rule::require_stmt => "`require`",
+        Rule::let_stmt => "`let`",
+        Rule::return_stmt => "`return`",
+        Rule::assign => "an assignment",
+        Rule::value | Rule::op_call => "a value",
+        Rule::named_arg => "a named argument",
+        Rule::scale_key => "`, scale`",
+        Rule::weight_index => "`[`",
+        Rule::param => "a parameter `name = expr`",
+        Rule::coalesce
+        | Rule::or
+        | Rule::and
+        | Rule::eq
+        | Rule::ne
+        | Rule::le
+        | Rule::ge
+        | Rule::lt
+        | Rule::gt
+        | Rule::in_op
+        | Rule::add
+        | Rule::sub
+        | Rule::mul
+        | Rule::floordiv
+        | Rule::div
+        | Rule::rem => "an operator",
+        Rule::member | Rule::index => "`.` or `[`",
+        Rule::kw_then => "`then`",
+        Rule::kw_else => "`else`",
+        Rule::kw_in => "`in`",
+        Rule::kw_scale => "`scale`",
+        Rule::any_dim => "`_`",
+        _ => return None,
+    })
+}
+
+fn syntax_error(e: pest::error::Error<Rule>) -> Error {
+    let (start, end) = match e.location {
+        pest::error::InputLocation::Pos(p) => (p, p),
+        pest::error::InputLocation::Span((s, t)) => (s, t),
+    };
+    let reason = match &e.variant {
+        pest::error::ErrorVariant::ParsingError { positives, .. } => {
+            let mut names: Vec<&str> = positives.iter().filter_map(rule_name).collect();
+            names.sort_unstable();
+            names.dedup();
+            match names.len() {
+                0 => "unexpected input".to_string(),
+                1 => format!("expected {}", names[0]),
+                n => format!("expected {} or {}", names[..n - 1].join(", "), names[n - 1]),
+            }
+        }
+        pest::error::ErrorVariant::CustomError { message } => message.clone(),
+    };
+    Error::new(ErrorKind::Syntax, format!("syntax error: {reason}"))
+        .at(Span::new(start, end.max(start + 1)))
+        .label("here")
+}
+
+fn span_of(p: &Pair<Rule>) -> Span {
+    let s = p.as_span();
+    Span::new(s.start(), s.end())
+}
+
+fn ident(p: Pair<Rule>) -> Ident {
+    Spanned::new(p.as_str().to_string(), span_of(&p))
+}
+
+fn build_file(file: Pair<Rule>) -> Result<File> {
+    let mut inner = file.into_inner();
+    let model_decl = inner.next().expect("model_decl");
+    let model = ident(model_decl.into_inner().next().expect("model name"));
+    let mut out = File { model, params: vec![], blocks: vec![], graph: None };
+    for item in inner {
+        match item.as_rule() {
+            Rule::params_block => {
+                for p in item.into_inner() {
+                    let mut pi = p.into_inner();
+                    let name = ident(pi.next().expect("param name"));
+                    let value = build_expr(pi.next().expect("param value"))?;
+                    out.params.push(Param { name, value });
+                }
+            }
+            Rule::block_def => out.blocks.push(build_block(item)?),
+            Rule::graph_def => {
+                let span = span_of(&item);
+                if out.graph.is_some() {
+                    return Err(Error::new(ErrorKind::Syntax, "a file has one `graph`").at(span).label("second graph"));
+                }
+                let body = build_body(item.into_inner().next().expect("graph body"))?;
+                out.graph = Some(Spanned::new(body, span));
+            }
+            Rule::EOI => {}
+            r => unreachable!("grammar item {r:?}"),
+        }
+    }
+    Ok(out)
+}
+
+fn build_block(p: Pair<Rule>) -> Result<BlockDef> {
+    let span = span_of(&p);
+    let mut inner = p.into_inner();
+    let name = ident(inner.next().expect("block name"));
+    let mut block = BlockDef { name, params: vec![], returns: None, body: vec![], span };
+    for part in inner {
+        match part.as_rule() {
+            Rule::block_params => {
+                for bp in part.into_inner() {
+                    let mut bi = bp.into_inner();
+                    let name = ident(bi.next().expect("param name"));
+                    let ty = bi.next().expect("param type").into_inner().next().expect("type");
+                    let ty = match ty.as_rule() {
+                        Rule::const_type => {
+                            let kind = match ty.as_str() {
+                                "int" => ConstKind::Int,
+                                "float" => ConstKind::Float,
+                                "bool" => ConstKind::Bool,
+                                _ => ConstKind::Str,
+                            };
+                            ParamType::Const(Spanned::new(kind, span_of(&ty)))
+                        }
+                        _ => ParamType::Tensor(build_tensor_type(ty)?),
+                    };
+                    block.params.push(BlockParam { name, ty });
+                }
+            }
+            Rule::ret_types => {
+                block.returns = Some(part.into_inner().map(build_tensor_type).collect::<Result<_>>()?);
+            }
+            Rule::body => block.body = build_body(part)?,
+            r => unreachable!("block part {r:?}"),
+        }
+    }
+    Ok(block)
+}
+
+fn build_tensor_type(p: Pair<Rule>) -> Result<TensorTypeExpr> {
+    let span = span_of(&p);
+    let mut inner = p.into_inner();
+    let dtype = ident(inner.next().expect("dtype"));
+    let dims = inner
+        .map(|d| {
+            let d = d.into_inner().next().expect("dim");
+            match d.as_rule() {
+                Rule::any_dim => Ok(DimExpr::Any(span_of(&d))),
+                _ => Ok(DimExpr::Expr(build_expr(d)?)),
+            }
+        })
+        .collect::<Result<_>>()?;
+    Ok(TensorTypeExpr { dtype, dims, span })
+}
+
+fn build_body(p: Pair<Rule>) -> Result<Vec<Stmt>> {
+    p.into_inner().map(build_stmt).collect()
+}
+
+fn build_stmt(p: Pair<Rule>) -> Result<Stmt> {
+    let span = span_of(&p);
+    let rule = p.as_rule();
+    let mut inner = p.into_inner().filter(|q| !is_keyword_rule(q.as_rule())).peekable();
+    Ok(match rule {
+        Rule::weight_decl => {
+            let name = ident(inner.next().expect("weight name"));
+            let mut index = None;
+            if inner.peek().map(|q| q.as_rule()) == Some(Rule::weight_index) {
+                let mut wi = inner.next().expect("index").into_inner();
+                let var = ident(wi.next().expect("index name"));
+                index = Some((var, build_expr(wi.next().expect("index count"))?));
+            }
+            let ty = build_tensor_type(inner.next().expect("weight type"))?;
+            let key = build_expr(inner.next().expect("weight key"))?;
+            let scale = match inner.next() {
+                Some(s) => {
+                    let e = s.into_inner().find(|q| q.as_rule() == Rule::expr).expect("scale");
+                    Some(build_expr(e)?)
+                }
+                None => None,
+            };
+            Stmt::Weight(WeightDecl { name, index, ty, key, scale, span })
+        }
+        Rule::state_decl | Rule::input_decl => {
+            let name = ident(inner.next().expect("name"));
+            let ty = build_tensor_type(inner.next().expect("type"))?;
+            if rule == Rule::state_decl {
+                Stmt::State { name, ty }
+            } else {
+                Stmt::Input { name, ty }
+            }
+        }
+        Rule::output_stmt => Stmt::Output(inner.map(ident).collect()),
+        Rule::return_stmt => Stmt::Return(inner.map(ident).collect()),
+        Rule::for_stmt => {
+            let var = ident(inner.next().expect("loop var"));
+            let lo = build_expr(inner.next().expect("lo"))?;
+            let hi = build_expr(inner.next().expect("hi"))?;
+            let body = build_body(inner.next().expect("body"))?;
+            Stmt::For { var, lo, hi, body }
+        }
+        Rule::if_stmt => {
+            let cond = build_expr(inner.next().expect("cond"))?;
+            let then = build_body(inner.next().expect("then"))?;
+            let otherwise = match inner.next() {
+                Some(q) if q.as_rule() == Rule::if_stmt => vec![build_stmt(q)?],
+                Some(q) => build_body(q)?,
+                None => vec![],
+            };
+            Stmt::If { cond, then, otherwise }
+        }
+        Rule::require_stmt => {
+            let cond = build_expr(inner.next().expect("cond"))?;
+            let message = inner.next().map(|s| Spanned::new(unquote(s.as_str()), span_of(&s)));
+            Stmt::Require { cond, message }
+        }
+        Rule::let_stmt => {
+            let name = ident(inner.next().expect("name"));
+            let value = build_expr(inner.next().expect("value"))?;
+            Stmt::Let { name, value }
+        }
+        Rule::assign => {
+            let mut targets = vec![];
+            let mut value = None;
+            for q in inner {
+                match q.as_rule() {
+                    Rule::ident => targets.push(ident(q)),
+                    Rule::value => value = Some(build_value(q)?),
+                    r => unreachable!("assign part {r:?}"),
+                }
+            }
+            Stmt::Assign { targets, value: value.expect("assign value") }
+        }
+        r => unreachable!("statement {r:?}"),
+    })
+}
+
+fn is_keyword_rule(r: Rule) -> bool {
+    matches!(
+        r,
+        Rule::kw_weight
+            | Rule::kw_scale
+            | Rule::kw_state
+            | Rule::kw_input
+            | Rule::kw_output
+            | Rule::kw_for
+            | Rule::kw_in
+            | Rule::kw_if
+            | Rule::kw_then
+            | Rule::kw_else
+            | Rule::kw_require
+            | Rule::kw_let
+            | Rule::kw_return
+    )
+}
+
+fn build_value(p: Pair<Rule>) -> Result<Value> {
+    let q = p.into_inner().next().expect("value");
+    match q.as_rule() {
+        Rule::ident => Ok(Value::Name(ident(q))),
+        Rule::op_call => {
+            let span = span_of(&q);
+            let mut inner = q.into_inner();
+            let callee = ident(inner.next().expect("callee"));
+            let mut call = Call { callee, args: vec![], named: vec![], span };
+            for a in inner {
+                match a.as_rule() {
+                    Rule::value => {
+                        if !call.named.is_empty() {
+                            return Err(Error::new(ErrorKind::Syntax, "positional arguments come before named ones")
+                                .at(span_of(&a))
+                                .label("positional argument after a named one"));
+                        }
+                        call.args.push(build_value(a)?)
+                    }
+                    Rule::named_arg => {
+                        let mut ni = a.into_inner();
+                        let name = ident(ni.next().expect("arg name"));
+                        let value = build_expr(ni.next().expect("arg value"))?;
+                        call.named.push((name, value));
+                    }
+                    r => unreachable!("call arg {r:?}"),
+                }
+            }
+            Ok(Value::Call(call))
+        }
+        r => unreachable!("value {r:?}"),
+    }
+}
+
+fn unquote(s: &str) -> String {
+    let body = &s[1..s.len() - 1];
+    let mut out = String::with_capacity(body.len());
+    let mut chars = body.chars();
+    while let Some(c) = chars.next() {
+        if c == '\\' {
+            match chars.next() {
+                Some('n') => out.push('\n'),
+                Some('t') => out.push('\t'),
+                Some(o) => out.push(o),
+                None => {}
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn pratt() -> PrattParser<Rule> {
+    PrattParser::new()
+        .op(Op::infix(Rule::coalesce, Assoc::Left))
+        .op(Op::infix(Rule::or, Assoc::Left))
+        .op(Op::infix(Rule::and, Assoc::Left))
+        .op(Op::prefix(Rule::not))
+        .op(Op::infix(Rule::eq, Assoc::Left)
+            | Op::infix(Rule::ne, Assoc::Left)
+            | Op::infix(Rule::lt, Assoc::Left)
+            | Op::infix(Rule::le, Assoc::Left)
+            | Op::infix(Rule::gt, Assoc::Left)
+            | Op::infix(Rule::ge, Assoc::Left)
+            | Op::infix(Rule::in_op, Assoc::Left))
+        .op(Op::infix(Rule::add, Assoc::Left) | Op::infix(Rule::sub, Assoc::Left))
+        .op(Op::infix(Rule::mul, Assoc::Left)
+            | Op::infix(Rule::div, Assoc::Left)
+            | Op::infix(Rule::floordiv, Assoc::Left)
+            | Op::infix(Rule::rem, Assoc::Left))
+        .op(Op::prefix(Rule::neg))
+        .op(Op::postfix(Rule::member) | Op::postfix(Rule::index))
+}
+
+thread_local! {
+    static PRATT: PrattParser<Rule> = pratt();
+}
+
+fn build_expr(p: Pair<Rule>) -> Result<Expr> {
+    PRATT.with(|pratt| build_expr_with(pratt, p.into_inner()))
+}
+
+fn build_expr_with(pratt: &PrattParser<Rule>, pairs: Pairs<Rule>) -> Result<Expr> {
+    pratt
+        .map_primary(build_primary)
+        .map_prefix(|op, rhs| {
+            let rhs = rhs?;
+            let span = span_of(&op).join(rhs.span);
+            let u = if op.as_rule() == Rule::neg { UnaryOp::Neg } else { UnaryOp::Not };
+            Ok(Spanned::new(ExprKind::Unary(u, Box::new(rhs)), span))
+        })
+        .map_postfix(|lhs, op| {
+            let lhs = lhs?;
+            let span = lhs.span.join(span_of(&op));
+            match op.as_rule() {
+                Rule::member => {
+                    let name = ident(op.into_inner().next().expect("member name"));
+                    Ok(Spanned::new(ExprKind::Member(Box::new(lhs), name), span))
+                }
+                _ => {
+                    let idx = build_expr(op.into_inner().next().expect("index expr"))?;
+                    Ok(Spanned::new(ExprKind::Index(Box::new(lhs), Box::new(idx)), span))
+                }
+            }
+        })
+        .map_infix(|lhs, op, rhs| {
+            let (lhs, rhs) = (lhs?, rhs?);
+            let span = lhs.span.join(rhs.span);
+            let b = match op.as_rule() {
+                Rule::coalesce => BinOp::Coalesce,
+                Rule::or => BinOp::Or,
+                Rule::and => BinOp::And,
+                Rule::eq => BinOp::Eq,
+                Rule::ne => BinOp::Ne,
+                Rule::lt => BinOp::Lt,
+                Rule::le => BinOp::Le,
+                Rule::gt => BinOp::Gt,
+                Rule::ge => BinOp::Ge,
+                Rule::in_op => BinOp::In,
+                Rule::add => BinOp::Add,
+                Rule::sub => BinOp::Sub,
+                Rule::mul => BinOp::Mul,
+                Rule::div => BinOp::Div,
+                Rule::floordiv => BinOp::FloorDiv,
+                Rule::rem => BinOp::Rem,
+                r => unreachable!("infix {r:?}"),
+            };
+            Ok(Spanned::new(ExprKind::Binary(b, Box::new(lhs), Box::new(rhs)), span))
+        })
+        .parse(pairs)
+}
+
+fn build_primary(p: Pair<Rule>) -> Result<Expr> {
+    let span = span_of(&p);
+    let kind = match p.as_rule() {
+        Rule::int => {
+            let v = p.as_str().parse::<i64>().map_err(|_| {
+                Error::new(ErrorKind::Syntax, "integer literal out of range").at(span).label("does not fit in 64 bits")
+            })?;
+            ExprKind::Int(v)
+        }
+        Rule::float => ExprKind::Float(
+            p.as_str()
+                .parse::<f64>()
+                .map_err(|_| Error::new(ErrorKind::Syntax, "bad number").at(span).label("not a number"))?,
+        ),
+        Rule::string => ExprKind::Str(unquote(p.as_str())),
+        Rule::boolean => ExprKind::Bool(p.as_str() == "true"),
+        Rule::null => ExprKind::Null,
+        Rule::ident => ExprKind::Name(p.as_str().to_string()),
+        Rule::paren => return build_expr(p.into_inner().next().expect("paren expr")),
+        Rule::list => ExprKind::List(p.into_inner().map(build_expr).collect::<Result<_>>()?),
+        Rule::if_expr => {
+            let mut parts = p.into_inner().filter(|q| q.as_rule() == Rule::expr);
+            let c = build_expr(parts.next().expect("if cond"))?;
+            let a = build_expr(parts.next().expect("then"))?;
+            let b = build_expr(parts.next().expect("else"))?;
+            ExprKind::If(Box::new(c), Box::new(a), Box::new(b))
+        }
+        Rule::func_call => {
+            let mut inner = p.into_inner();
+            let name = ident(inner.next().expect("function name"));
+            ExprKind::Func(name, inner.map(build_expr).collect::<Result<_>>()?)
+        }
+        r => unreachable!("primary {r:?}"),
+    };
+    Ok(Spanned::new(kind, span))
+}

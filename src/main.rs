@@ -1,0 +1,119 @@
+//! The `mkc` command line: parses flags, calls the library, renders reports.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use mkc::config::Config;
+use mkc::lower::Limits;
+use mkc::{checkpoint, diag, dot, report, Error};
+
+#[derive(Parser)]
+#[command(name = "mkc", version, about = "Compile an LLM decode-step graph to a CUDA megakernel")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate a graph and print its summary; optionally check a checkpoint.
+    Check {
+        /// The graph file (`model_graphs/<model>/graph.mkc`).
+        graph: PathBuf,
+        /// The model config (`config.json` or YAML); default: the checkpoint's
+        /// config.json, else config.json beside the graph.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// A Hugging Face checkpoint directory to check tensor by tensor.
+        #[arg(long)]
+        checkpoint: Option<PathBuf>,
+        /// Context length the per-sequence state is sized for.
+        #[arg(long, default_value_t = 4096)]
+        context: u64,
+    },
+    /// Print the op graph.
+    Graph {
+        /// The graph file.
+        graph: PathBuf,
+        /// The model config (default: config.json beside the graph).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Print Graphviz dot.
+        #[arg(long)]
+        dot: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(msg) => {
+            eprint!("{msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load(graph: &Path, config: Option<&Path>, checkpoint: Option<&Path>) -> Result<mkc::valid::Validated, String> {
+    let source =
+        std::fs::read_to_string(graph).map_err(|e| format!("error: cannot read {}: {e}\n", graph.display()))?;
+    let config_path = match (config, checkpoint) {
+        (Some(c), _) => c.to_path_buf(),
+        (None, Some(dir)) => dir.join("config.json"),
+        (None, None) => mkc::default_config_path(graph),
+    };
+    let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
+    let config = Config::load(&config_path).map_err(|e| render(&e))?;
+    mkc::compile_str(&source, &config, Limits::default()).map_err(|e| render(&e))
+}
+
+fn run(cli: Cli) -> Result<ExitCode, String> {
+    match cli.command {
+        Command::Check { graph, config, checkpoint: ckpt, context } => {
+            let v = load(&graph, config.as_deref(), ckpt.as_deref())?;
+            print!("{}", report::summarize(&v, context, &[1, 8]).render());
+            if let Some(dir) = ckpt {
+                let r = checkpoint::check(&dir, &v).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
+                println!(
+                    "checkpoint {}: {} file(s), {} tensors, {} needed, {} unused",
+                    dir.display(),
+                    r.files.len(),
+                    r.tensors,
+                    r.required,
+                    r.unused
+                );
+                if !r.problems.is_empty() {
+                    for p in &r.problems {
+                        println!("  {p}");
+                    }
+                    println!("checkpoint does not match the graph: {} problem(s)", r.problems.len());
+                    return Ok(ExitCode::FAILURE);
+                }
+                println!("checkpoint matches the graph");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Graph { graph, config, dot: as_dot } => {
+            let v = load(&graph, config.as_deref(), None)?;
+            if as_dot {
+                print!("{}", dot::to_dot(&v));
+            } else {
+                let g = v.graph();
+                for id in v.order() {
+                    let n = g.node(*id);
+                    let operands: Vec<String> = g.operands(*id).iter().map(|o| g.node(o.node).name.clone()).collect();
+                    println!(
+                        "{:<48} {:?} <- [{}]",
+                        n.name,
+                        n.outputs.iter().map(|t| t.to_string()).collect::<Vec<_>>(),
+                        operands.join(", ")
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

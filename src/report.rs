@@ -1,0 +1,187 @@
+//! The summary `mkc check` prints: op counts, parameters, the weight bytes a
+//! decode step reads, and per-sequence state.
+//!
+//! Definitions (docs/check.md says more):
+//! - *total parameters*: every element of every weight, experts included
+//!   (quantized values count one each; scales are not parameters);
+//! - *active parameters*: the parameters one token multiplies with: all
+//!   weights except the embedding table (a lookup reads one row) and, of each
+//!   routed-expert family, `top_k` experts of `E`;
+//! - *bytes read per step at batch B*: every non-expert weight once, `B`
+//!   embedding rows, and per MoE op the expected number of distinct experts
+//!   `E (1 - (1 - k/E)^B)` under uniform routing (so batch 1 reads exactly k);
+//!   scales included. KV-cache and state traffic are reported separately.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use crate::ir::NodeKind;
+use crate::ops::OpKind;
+use crate::valid::Validated;
+
+/// What `mkc check` reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    /// The model's name.
+    pub model: String,
+    /// Op nodes by op name.
+    pub ops: BTreeMap<&'static str, u64>,
+    /// Weight declarations after dedup (a family counts once).
+    pub weights: u64,
+    /// Checkpoint tensors the graph reads (families expanded, scales included).
+    pub checkpoint_tensors: u64,
+    /// All parameters.
+    pub total_params: u64,
+    /// Parameters one token uses.
+    pub active_params: u64,
+    /// Bytes of all weights, scales included.
+    pub weight_bytes: u64,
+    /// (batch, weight bytes read per decode step).
+    pub bytes_per_step: Vec<(u64, u64)>,
+    /// The context length the state is sized for.
+    pub context: u64,
+    /// Per-sequence state by local name: (name, count, bytes in all).
+    pub state: Vec<(String, u64, u64)>,
+}
+
+/// Counts and sizes for `graph`, with state sized at `context` tokens and
+/// bytes per step at each batch in `batches`.
+pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
+    let g = v.graph();
+    let mut ops = BTreeMap::new();
+    let (mut total, mut active, mut weight_bytes, mut weights, mut tensors) = (0u64, 0u64, 0u64, 0u64, 0u64);
+    // (bytes at batch b) accumulated per batch.
+    let mut per_batch = vec![0f64; batches.len()];
+    let mut state: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for id in g.nodes() {
+        let node = g.node(id);
+        match &node.kind {
+            NodeKind::Op { op, .. } => *ops.entry(op.name()).or_insert(0) += 1,
+            NodeKind::Weight(w) => {
+                weights += 1;
+                let n = w.count();
+                tensors += n * if w.scale_key.is_some() { 2 } else { 1 };
+                let elems = w.ty.elements();
+                let bytes = w.ty.bytes();
+                total += n * elems;
+                weight_bytes += n * bytes;
+                let users: Vec<_> = g
+                    .users(id)
+                    .into_iter()
+                    .filter_map(|u| match &g.node(u).kind {
+                        NodeKind::Op { op, .. } => Some((u, *op)),
+                        _ => None,
+                    })
+                    .collect();
+                let only = |k: OpKind| !users.is_empty() && users.iter().all(|(_, op)| *op == k);
+                if only(OpKind::Embedding) {
+                    let row = w.ty.bytes() / w.ty.shape[0].max(1);
+                    for (i, b) in batches.iter().enumerate() {
+                        per_batch[i] += (*b * row) as f64;
+                    }
+                } else if w.family.is_some() && only(OpKind::Moe) {
+                    let k = users.iter().map(|(u, _)| g.value_type(g.operands(*u)[1]).elements()).max().unwrap_or(n);
+                    active += k.min(n) * elems;
+                    for (i, b) in batches.iter().enumerate() {
+                        let p = k.min(n) as f64 / n as f64;
+                        let distinct = n as f64 * (1.0 - (1.0 - p).powf(*b as f64));
+                        per_batch[i] += distinct * bytes as f64;
+                    }
+                } else {
+                    active += n * elems;
+                    for x in per_batch.iter_mut() {
+                        *x += (n * bytes) as f64;
+                    }
+                }
+            }
+            NodeKind::State(s) => {
+                let local = node.name.rsplit('/').next().unwrap_or(&node.name).to_string();
+                let e = state.entry(local).or_insert((0, 0));
+                e.0 += 1;
+                e.1 += s.bytes(context);
+            }
+            NodeKind::Input => {}
+        }
+    }
+    Summary {
+        model: g.model.clone(),
+        ops,
+        weights,
+        checkpoint_tensors: tensors,
+        total_params: total,
+        active_params: active,
+        weight_bytes,
+        bytes_per_step: batches.iter().zip(per_batch).map(|(b, x)| (*b, x.round() as u64)).collect(),
+        context,
+        state: state.into_iter().map(|(k, (n, b))| (k, n, b)).collect(),
+    }
+}
+
+/// `1234567` as `1,234,567`.
+pub fn grouped(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A count with an SI suffix: `2.78T`, `104.1B`, `48.0M`.
+pub fn si(n: u64) -> String {
+    let x = n as f64;
+    for (scale, suffix) in [(1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")] {
+        if x >= scale {
+            let digits = if x >= 100.0 * scale { 1 } else { 2 };
+            return format!("{:.*}{suffix}", digits, x / scale);
+        }
+    }
+    n.to_string()
+}
+
+/// Bytes in decimal units: `137.0 GB`.
+pub fn bytes(n: u64) -> String {
+    let x = n as f64;
+    for (scale, suffix) in [(1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "KB")] {
+        if x >= scale {
+            return format!("{:.2} {suffix}", x / scale);
+        }
+    }
+    format!("{n} B")
+}
+
+impl Summary {
+    /// The report as `mkc check` prints it.
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        let n_ops: u64 = self.ops.values().sum();
+        let _ = writeln!(s, "model {}: valid", self.model);
+        let _ = writeln!(s, "ops: {}", grouped(n_ops));
+        for (k, v) in &self.ops {
+            let _ = writeln!(s, "  {k:<16} {v:>8}");
+        }
+        let _ = writeln!(
+            s,
+            "weights: {} declarations, {} checkpoint tensors, {}",
+            grouped(self.weights),
+            grouped(self.checkpoint_tensors),
+            bytes(self.weight_bytes)
+        );
+        let _ = writeln!(s, "parameters: total {} ({})", grouped(self.total_params), si(self.total_params));
+        let _ = writeln!(s, "parameters: active {} ({})", grouped(self.active_params), si(self.active_params));
+        for (b, x) in &self.bytes_per_step {
+            let _ = writeln!(s, "weight bytes read per decode step at batch {b}: {} ({})", grouped(*x), bytes(*x));
+        }
+        let total: u64 = self.state.iter().map(|x| x.2).sum();
+        let _ = writeln!(s, "state per sequence at context {}: {} ({})", self.context, grouped(total), bytes(total));
+        for (name, n, b) in &self.state {
+            let _ = writeln!(s, "  {name:<16} x{n:<4} {}", bytes(*b));
+        }
+        s
+    }
+}
