@@ -132,6 +132,14 @@ fn storage_dtype(d: DType) -> &'static str {
     }
 }
 
+/// True if a tensor stored as `found` can be loaded where `need` is declared:
+/// the same dtype, or an f32 declaration stored as bf16 or f16, which the
+/// runtime widens exactly on upload (small fp32 parameters such as `A_log`,
+/// `dt_bias` or a router bias are often saved in the checkpoint's dtype).
+pub fn accepts(need: &str, found: &str) -> bool {
+    need == found || (need == "F32" && matches!(found, "BF16" | "F16"))
+}
+
 /// The tensors `graph` reads from a checkpoint, in graph order.
 pub fn requirements(graph: &Validated) -> Vec<Requirement> {
     let g = graph.graph();
@@ -284,7 +292,7 @@ pub fn check(dir: &Path, graph: &Validated) -> Result<Report> {
                 }
             }
             Some((info, file)) => {
-                if info.dtype != need.dtype {
+                if !accepts(need.dtype, &info.dtype) {
                     extra.push(Problem::DType { need: need.clone(), found: info.dtype.clone(), file: file.clone() });
                 } else if info.shape != need.shape {
                     extra.push(Problem::Shape { need: need.clone(), found: info.shape.clone(), file: file.clone() });
