@@ -293,12 +293,12 @@ fn binary(op: BinOp, a: &Expr, b: &Expr, span: Span, names: &dyn Names) -> Resul
                         return Err(value_err("division by zero", span).label(format!("{} is 0", path_of(b))))
                     }
                     BinOp::Div => {
-                        if l % r != 0 {
+                        if l.checked_rem(r).ok_or_else(overflow)? != 0 {
                             return Err(value_err(format!("{l} is not divisible by {r}"), span)
                                 .label("`/` must divide exactly")
                                 .help("use `//` to round down or `cdiv(a, b)` to round up"));
                         }
-                        l / r
+                        l.checked_div(r).ok_or_else(overflow)?
                     }
                     BinOp::FloorDiv => l.checked_div_euclid(r).ok_or_else(overflow)?,
                     _ => l.checked_rem_euclid(r).ok_or_else(overflow)?,
@@ -359,8 +359,15 @@ fn builtin(name: &str, args: &[Const], span: Span, name_span: Span) -> Result<Co
         "cdiv" => {
             arity(2)?;
             match (&args[0], &args[1]) {
-                (Const::Int(_), Const::Int(0)) => return Err(value_err("division by zero", span)),
-                (Const::Int(a), Const::Int(b)) => Const::Int(a.div_euclid(*b) + i64::from(a.rem_euclid(*b) != 0)),
+                (Const::Int(_), Const::Int(b)) if *b <= 0 => {
+                    return Err(value_err(format!("`cdiv` needs a positive divisor, found {b}"), span))
+                }
+                (Const::Int(a), Const::Int(b)) => {
+                    let overflow = || value_err("integer overflow", span);
+                    let q = a.checked_div_euclid(*b).ok_or_else(overflow)?;
+                    let r = a.checked_rem_euclid(*b).ok_or_else(overflow)?;
+                    Const::Int(q.checked_add(i64::from(r != 0)).ok_or_else(overflow)?)
+                }
                 _ => return Err(value_err("`cdiv` needs integers", span)),
             }
         }
