@@ -16,7 +16,9 @@ pub mod front;
 pub mod ir;
 pub mod lower;
 pub mod ops;
+pub mod plan;
 pub mod report;
+pub mod target;
 pub mod valid;
 
 use std::path::Path;

@@ -7,7 +7,8 @@ use clap::{Parser, Subcommand};
 
 use mkc::config::Config;
 use mkc::lower::Limits;
-use mkc::{checkpoint, diag, dot, report, Error};
+use mkc::target::Target;
+use mkc::{checkpoint, diag, dot, plan, report, Error};
 
 #[derive(Parser)]
 #[command(name = "mkc", version, about = "Compile an LLM decode-step graph to a CUDA megakernel")]
@@ -32,6 +33,32 @@ enum Command {
         /// Context length the per-sequence state is sized for.
         #[arg(long, default_value_t = 4096)]
         context: u64,
+    },
+    /// Plan the decode step for a target: fuse, tile, specialize, schedule, verify.
+    Plan {
+        /// The graph file.
+        graph: PathBuf,
+        /// The target: a name from targets/ (h200, b200, gb300) or a YAML file.
+        #[arg(long)]
+        target: String,
+        /// The model config (default: config.json beside the graph).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Print bytes moved, predicted step time and tokens/s at batch 1 and 8.
+        #[arg(long)]
+        estimate: bool,
+        /// Batch the plan dumps (--yaml, --dot) are made for.
+        #[arg(long, default_value_t = 1)]
+        batch: u32,
+        /// Context length the attention work is sized for.
+        #[arg(long, default_value_t = 4096)]
+        context: u64,
+        /// Write the plan as YAML.
+        #[arg(long)]
+        yaml: Option<PathBuf>,
+        /// Write the fused graph for Graphviz.
+        #[arg(long)]
+        dot: Option<PathBuf>,
     },
     /// Print the op graph.
     Graph {
@@ -93,6 +120,33 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                     return Ok(ExitCode::FAILURE);
                 }
                 println!("checkpoint matches the graph");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Plan { graph, target, config, estimate, batch, context, yaml, dot } => {
+            let v = load(&graph, config.as_deref(), None)?;
+            let target = Target::load(&target).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
+            let source = std::fs::read_to_string(&graph).unwrap_or_default();
+            let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
+            let main = plan::plan(&v, &target, plan::Options { batch, context }).map_err(|e| render(&e))?;
+            print!("{}", plan::estimate::render_structure(&main));
+            if estimate {
+                for b in [1, 8] {
+                    let p = if b == batch {
+                        main.clone()
+                    } else {
+                        plan::plan(&v, &target, plan::Options { batch: b, context }).map_err(|e| render(&e))?
+                    };
+                    print!("{}", plan::estimate::render(&p, &plan::estimate::estimate(&p), target.read_bandwidth()));
+                }
+            }
+            if let Some(path) = yaml {
+                let text = serde_yaml::to_string(&main).map_err(|e| format!("error: cannot write YAML: {e}\n"))?;
+                std::fs::write(&path, text).map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
+            }
+            if let Some(path) = dot {
+                std::fs::write(&path, plan::dot::to_dot(&main))
+                    .map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -238,7 +238,8 @@ fn broken_copies_of_a_transformers_checkpoint_fail_naming_each_tensor() {
     });
     let (ok, text) = mkc_check("model_graphs/kimi_k2/graph.mkc", dir.path());
     assert!(!ok, "{text}");
-    let problems: Vec<&str> = text.lines().filter(|l| l.starts_with("  ")).collect();
+    let problems: Vec<&str> =
+        text.lines().skip_while(|l| !l.starts_with("checkpoint ")).skip(1).filter(|l| l.starts_with("  ")).collect();
     assert_eq!(problems.len(), 2, "{text}");
     assert!(problems.iter().any(|l| l.contains("missing tensor") && l.contains(missing)), "{text}");
     assert!(problems.iter().any(|l| l.contains("wrong shape") && l.contains(reshaped)), "{text}");

@@ -186,7 +186,10 @@ fn io(msg: String) -> Error {
 
 /// The shard files of a checkpoint directory and, with an index, which file
 /// each tensor should be in.
-fn shards(dir: &Path) -> Result<(Vec<PathBuf>, Option<BTreeMap<String, String>>)> {
+/// Shard files, and the index's tensor-to-file map if there is one.
+type Shards = (Vec<PathBuf>, Option<BTreeMap<String, String>>);
+
+fn shards(dir: &Path) -> Result<Shards> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|e| io(format!("cannot read {}: {e}", index.display())))?;

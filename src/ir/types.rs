@@ -115,7 +115,7 @@ impl TensorType {
     /// Bytes this tensor occupies, scales included.
     pub fn bytes(&self) -> u64 {
         let row_len = self.row_len();
-        let rows = if row_len == 0 { 0 } else { self.elements() / row_len };
+        let rows = self.elements().checked_div(row_len).unwrap_or(0);
         self.dtype.bytes(rows, row_len)
     }
 }

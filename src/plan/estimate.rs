@@ -1,0 +1,151 @@
+//! The estimate `mkc plan --estimate` prints: bytes moved, predicted step
+//! time, tokens per second per user, and the fraction of the bandwidth floor.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use super::fuse::kind_name;
+use super::Plan;
+use crate::report::{bytes, grouped};
+
+/// The numbers of one plan.
+#[derive(Debug, Clone, Serialize)]
+pub struct Estimate {
+    /// Batch planned for.
+    pub batch: u32,
+    /// Context planned for.
+    pub context: u64,
+    /// Weight bytes streamed per step.
+    pub weight_bytes: u64,
+    /// State bytes (KV cache, KDA state) read and written per step.
+    pub state_bytes: u64,
+    /// Activation bytes written to scratch regions per step (mostly L2).
+    pub activation_bytes: u64,
+    /// Predicted step time.
+    pub step_us: f64,
+    /// The bandwidth floor: (weights + state) over the read bandwidth.
+    pub floor_us: f64,
+    /// The longest dependency chain.
+    pub critical_path_us: f64,
+    /// Tokens per second per user.
+    pub tokens_per_s: f64,
+    /// floor / predicted.
+    pub fraction_of_floor: f64,
+}
+
+/// Computes the estimate of `plan`.
+pub fn estimate(plan: &Plan) -> Estimate {
+    let t = &plan.tiling;
+    let s = &plan.schedule;
+    let weight_bytes = t.tasks.iter().map(|x| x.weight_bytes).sum();
+    let state_bytes = t.tasks.iter().map(|x| x.state_bytes).sum();
+    Estimate {
+        batch: plan.options.batch,
+        context: plan.options.context,
+        weight_bytes,
+        state_bytes,
+        activation_bytes: t.regions.iter().map(|r| r.bytes).sum(),
+        step_us: s.step_ns / 1e3,
+        floor_us: s.floor_ns / 1e3,
+        critical_path_us: s.critical_path_ns / 1e3,
+        tokens_per_s: if s.step_ns > 0.0 { 1e9 / s.step_ns } else { 0.0 },
+        fraction_of_floor: if s.step_ns > 0.0 { s.floor_ns / s.step_ns } else { 0.0 },
+    }
+}
+
+/// The plan's structure in a few lines: fused operations by kind, stages,
+/// tasks, counters, waits, the CTA layout and what the verifier proved.
+pub fn render_structure(plan: &Plan) -> String {
+    let mut s = String::new();
+    let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+    for op in &plan.fusion.ops {
+        *kinds.entry(kind_name(op.kind)).or_insert(0) += 1;
+    }
+    let covered: usize = plan.fusion.ops.iter().map(|o| o.nodes.len()).sum();
+    let _ = writeln!(
+        s,
+        "plan {} on {} (batch {}, context {})",
+        plan.model, plan.target, plan.options.batch, plan.options.context
+    );
+    let _ = writeln!(
+        s,
+        "fused operations: {} covering {} ops ({})",
+        grouped(plan.fusion.ops.len() as u64),
+        grouped(covered as u64),
+        kinds.iter().map(|(k, n)| format!("{k} {n}")).collect::<Vec<_>>().join(", ")
+    );
+    let mut rules: BTreeMap<&str, usize> = BTreeMap::new();
+    for op in &plan.fusion.ops {
+        for a in &op.applied {
+            *rules.entry(a.rule).or_insert(0) += 1;
+        }
+    }
+    let _ = writeln!(
+        s,
+        "fusion rules applied: {}",
+        rules.iter().map(|(k, n)| format!("{k} {n}")).collect::<Vec<_>>().join(", ")
+    );
+    let waits: usize = plan.schedule.sms.iter().flatten().map(|i| i.waits.len()).sum();
+    let busiest = plan.schedule.sms.iter().map(Vec::len).max().unwrap_or(0);
+    let _ = writeln!(
+        s,
+        "stages: {}, tasks: {}, counters: {}, waits: {}, longest SM list: {}",
+        grouped(plan.tiling.stages.len() as u64),
+        grouped(plan.tiling.tasks.len() as u64),
+        grouped(plan.schedule.counters.len() as u64),
+        grouped(waits as u64),
+        busiest
+    );
+    let l = &plan.warps.layout;
+    let _ = writeln!(
+        s,
+        "CTA: {} threads ({} producer warps, {} consumer warpgroups), registers {}/{} per thread, {} pages of 16 KiB, {} of shared memory",
+        l.threads,
+        l.producer_warps,
+        l.consumer_warpgroups,
+        l.producer_regs,
+        l.consumer_regs,
+        l.pages,
+        bytes(l.smem_bytes)
+    );
+    let p = &plan.verified;
+    let _ = writeln!(
+        s,
+        "verified: {} instructions, {} waits, {} read-after-write orders, {} buffer reuses ({} buffers, {})",
+        grouped(p.instructions as u64),
+        grouped(p.waits as u64),
+        grouped(p.reads as u64),
+        grouped(p.reuses as u64),
+        plan.tiling.buffers.len(),
+        bytes(plan.tiling.buffers.iter().sum())
+    );
+    s
+}
+
+/// The estimate as `mkc plan --estimate` prints it.
+pub fn render(plan: &Plan, e: &Estimate, bandwidth: f64) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "batch {}: weights {}, state {}, activations {} per step",
+        e.batch,
+        bytes(e.weight_bytes),
+        bytes(e.state_bytes),
+        bytes(e.activation_bytes)
+    );
+    let _ = writeln!(
+        s,
+        "batch {}: floor {:.1} us at {:.2} TB/s, predicted {:.1} us ({:.0}% of floor), critical path {:.1} us, {:.1} tokens/s per user",
+        e.batch,
+        e.floor_us,
+        bandwidth / 1e12,
+        e.step_us,
+        100.0 * e.fraction_of_floor,
+        e.critical_path_us,
+        e.tokens_per_s
+    );
+    let _ = plan;
+    s
+}

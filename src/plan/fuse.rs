@@ -1,0 +1,446 @@
+//! Fusion: groups graph nodes into fused operations by explicit rules.
+//!
+//! Each rule names what it saves. The rules, applied in this order:
+//!
+//! 1. `merged-projection`: linears that read the same input become one
+//!    projection (the input is read once; one dependency wait instead of N).
+//! 2. `argmax-in-lm-head`: greedy argmax is the LM head's final stage (the
+//!    logits are reduced where they are produced).
+//! 3. `prologue`: a norm or element-wise op whose every user sits in one
+//!    fused operation is recomputed in that operation's prologue (its result
+//!    never goes to HBM and one synchronisation disappears).
+//! 4. `epilogue`: a row-local op (activation-and-multiply, residual add,
+//!    RoPE, split, short conv, L2 norm, gate activation, bank append) joins
+//!    the operation producing its operand (the intermediate never goes to
+//!    HBM).
+//! 5. Anything left stands alone.
+//!
+//! A merge that would make the fused graph cyclic is skipped. The result
+//! keeps, for every fused operation, the graph nodes it covers (their spans
+//! point at the graph file) and the rules that put each one there. What it
+//! does not do yet: fuse across layers, or split a node between operations.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use serde::Serialize;
+
+use crate::diag::{Error, ErrorKind, Result};
+use crate::ir::{Graph, NodeId, NodeKind};
+use crate::ops::OpKind;
+use crate::valid::Validated;
+
+/// The kind of a fused operation, from the anchor op it is built around.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum FusedKind {
+    /// One or more linears sharing an input, with prologue and epilogue.
+    Projection,
+    /// Router scores and top-k.
+    Router,
+    /// Routed experts.
+    Moe,
+    /// Absorbed MLA decode over the latent cache.
+    MlaDecode,
+    /// KDA state update.
+    KdaDecode,
+    /// Attention-residual mix.
+    AttnRes,
+    /// Token embedding lookup.
+    Embedding,
+    /// LM head and argmax.
+    LmHead,
+    /// Row-local ops that found no operation to join.
+    Elementwise,
+}
+
+impl FusedKind {
+    fn of_anchor(op: OpKind) -> Option<FusedKind> {
+        Some(match op {
+            OpKind::Linear => FusedKind::Projection,
+            OpKind::Router => FusedKind::Router,
+            OpKind::Moe => FusedKind::Moe,
+            OpKind::MlaDecode => FusedKind::MlaDecode,
+            OpKind::KdaDecode => FusedKind::KdaDecode,
+            OpKind::AttnResMix => FusedKind::AttnRes,
+            OpKind::Embedding => FusedKind::Embedding,
+            OpKind::LmHead => FusedKind::LmHead,
+            _ => return None,
+        })
+    }
+}
+
+/// Why a node is in its fused operation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Applied {
+    /// The graph node (its index).
+    pub node: usize,
+    /// The rule.
+    pub rule: &'static str,
+    /// What it saves.
+    pub reason: &'static str,
+}
+
+/// One fused operation.
+#[derive(Debug, Clone, Serialize)]
+pub struct FusedOp {
+    /// Its index in [`Fusion::ops`] (a topological order).
+    pub id: usize,
+    /// A readable name: the anchor's block path and the ops it covers.
+    pub name: String,
+    /// Its kind.
+    pub kind: FusedKind,
+    /// The graph nodes it covers, in graph order.
+    pub nodes: Vec<usize>,
+    /// The rules that joined nodes to the anchor.
+    pub applied: Vec<Applied>,
+}
+
+/// The fusion plan.
+#[derive(Debug, Clone, Serialize)]
+pub struct Fusion {
+    /// Fused operations in a topological order.
+    pub ops: Vec<FusedOp>,
+    /// Producer-to-consumer edges between fused operations (deduplicated, sorted).
+    pub edges: Vec<(usize, usize)>,
+    /// For each graph node index, its fused operation (ops only).
+    #[serde(skip)]
+    pub op_of: HashMap<usize, usize>,
+}
+
+struct Groups<'a> {
+    g: &'a Graph,
+    /// Each node's position in a topological order: paths only go forward.
+    pos: HashMap<NodeId, usize>,
+    group: HashMap<NodeId, usize>,
+    members: Vec<Vec<NodeId>>,
+    applied: Vec<Vec<Applied>>,
+}
+
+fn op_kind(g: &Graph, id: NodeId) -> Option<OpKind> {
+    match &g.node(id).kind {
+        NodeKind::Op { op, .. } => Some(*op),
+        _ => None,
+    }
+}
+
+impl Groups<'_> {
+    fn anchor_kind(&self, grp: usize) -> Option<FusedKind> {
+        self.members[grp].iter().filter_map(|n| op_kind(self.g, *n).and_then(FusedKind::of_anchor)).min()
+    }
+
+    /// Groups of the op nodes producing `n`'s operands.
+    fn producer_groups(&self, n: NodeId) -> Vec<usize> {
+        let mut out: Vec<usize> = self.g.operands(n).iter().filter_map(|v| self.group.get(&v.node).copied()).collect();
+        out.dedup();
+        out
+    }
+
+    fn user_groups(&self, n: NodeId) -> Vec<usize> {
+        let mut out: Vec<usize> = self.g.users(n).iter().filter_map(|u| self.group.get(u).copied()).collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// True if some node of group `from` reaches a node of group `to`. Only
+    /// nodes before `to`'s last member can lie on such a path.
+    fn reaches(&self, from: usize, to: usize) -> bool {
+        let limit = self.members[to].iter().map(|m| self.pos[m]).max().unwrap_or(0);
+        let mut seen: HashMap<NodeId, ()> = HashMap::new();
+        let mut queue: VecDeque<NodeId> = self.members[from].iter().copied().filter(|m| self.pos[m] < limit).collect();
+        while let Some(n) = queue.pop_front() {
+            for u in self.g.users(n) {
+                if self.pos[&u] > limit || seen.insert(u, ()).is_some() {
+                    continue;
+                }
+                match self.group.get(&u) {
+                    Some(gu) if *gu == to => return true,
+                    _ => queue.push_back(u),
+                }
+            }
+        }
+        false
+    }
+
+    /// Would moving node `n` into group `into` create a cycle?
+    fn cycle_if_moved(&self, n: NodeId, into: usize) -> bool {
+        let own = self.group[&n];
+        for p in self.producer_groups(n) {
+            if p != into && p != own && self.reaches(into, p) {
+                return true;
+            }
+        }
+        for u in self.user_groups(n) {
+            if u != into && u != own && self.reaches(u, into) {
+                return true;
+            }
+        }
+        false
+    }
+
+    fn merge(&mut self, from: usize, into: usize, rule: &'static str, reason: &'static str) {
+        if from == into {
+            return;
+        }
+        let moved = std::mem::take(&mut self.members[from]);
+        let moved_applied = std::mem::take(&mut self.applied[from]);
+        for n in &moved {
+            self.group.insert(*n, into);
+            self.applied[into].push(Applied { node: n.index(), rule, reason });
+        }
+        self.applied[into].extend(moved_applied);
+        self.members[into].extend(moved);
+    }
+}
+
+fn is_row_local(op: OpKind) -> bool {
+    matches!(
+        op,
+        OpKind::Add
+            | OpKind::Mul
+            | OpKind::Silu
+            | OpKind::Sigmoid
+            | OpKind::Softplus
+            | OpKind::Situ
+            | OpKind::ActAndMul
+            | OpKind::Split
+            | OpKind::Rope
+            | OpKind::ConvUpdate
+            | OpKind::L2Norm
+            | OpKind::RmsNorm
+            | OpKind::GatedRmsNorm
+            | OpKind::Stack
+    )
+}
+
+fn epilogue_reason(op: OpKind) -> &'static str {
+    match op {
+        OpKind::ActAndMul => {
+            "activation-and-multiply in the up projection's epilogue: the 2x-wide gate/up result is never written"
+        }
+        OpKind::Add => "residual add in the producer's epilogue: the sum is written once instead of read back",
+        OpKind::Rope | OpKind::Split => {
+            "RoPE and split in the projection's epilogue: q and k_pe are written rotated, once"
+        }
+        OpKind::ConvUpdate | OpKind::L2Norm => {
+            "short conv and L2 norm in the KDA projection's epilogue: per-channel work on rows in registers"
+        }
+        OpKind::Stack => "bank append in the producer's epilogue: the snapshot is written as the value is",
+        _ => "element-wise op in the producer's epilogue: no extra pass over the activation",
+    }
+}
+
+/// Fuses the validated graph.
+pub fn fuse(v: &Validated) -> Result<Fusion> {
+    let g = v.graph();
+    let pos = v.order().iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let mut gs = Groups { g, pos, group: HashMap::new(), members: vec![], applied: vec![] };
+    for id in v.order() {
+        if op_kind(g, *id).is_some() {
+            gs.group.insert(*id, gs.members.len());
+            gs.members.push(vec![*id]);
+            gs.applied.push(vec![]);
+        }
+    }
+
+    // 1. Linears sharing an input.
+    let mut by_input: BTreeMap<(usize, u16), usize> = BTreeMap::new();
+    for id in v.order() {
+        if op_kind(g, *id) == Some(OpKind::Linear) {
+            let x = g.operands(*id)[0];
+            let key = (x.node.index(), x.output);
+            let grp = gs.group[id];
+            match by_input.get(&key) {
+                Some(first) => {
+                    let first = *first;
+                    if !gs.cycle_if_moved(*id, first) {
+                        gs.merge(
+                            grp,
+                            first,
+                            "merged-projection",
+                            "linears on one input: the input is read once and one wait replaces several",
+                        );
+                    }
+                }
+                None => {
+                    by_input.insert(key, grp);
+                }
+            }
+        }
+    }
+
+    // 2. Argmax into the LM head.
+    for id in v.order() {
+        if op_kind(g, *id) == Some(OpKind::Argmax) {
+            let x = g.operands(*id)[0];
+            if op_kind(g, x.node) == Some(OpKind::LmHead) {
+                let (from, into) = (gs.group[id], gs.group[&x.node]);
+                gs.merge(
+                    from,
+                    into,
+                    "argmax-in-lm-head",
+                    "greedy argmax reduces the logits tiles where they are produced",
+                );
+            }
+        }
+    }
+
+    // 3. Prologue: walk consumers first so chains (sigmoid -> mul -> o_proj) fold in.
+    let outputs: Vec<NodeId> = g.outputs.iter().map(|(_, v)| v.node).collect();
+    for id in v.order().iter().rev() {
+        let Some(op) = op_kind(g, *id) else { continue };
+        let prologue_kind = matches!(
+            op,
+            OpKind::RmsNorm
+                | OpKind::GatedRmsNorm
+                | OpKind::Mul
+                | OpKind::Sigmoid
+                | OpKind::Silu
+                | OpKind::Situ
+                | OpKind::Softplus
+        );
+        if !prologue_kind || outputs.contains(id) || gs.members[gs.group[id]].len() != 1 {
+            continue;
+        }
+        let users = gs.user_groups(*id);
+        let [target] = users.as_slice() else { continue };
+        let accepts = matches!(
+            gs.anchor_kind(*target),
+            Some(
+                FusedKind::Projection
+                    | FusedKind::LmHead
+                    | FusedKind::MlaDecode
+                    | FusedKind::KdaDecode
+                    | FusedKind::Moe
+                    | FusedKind::AttnRes
+            )
+        );
+        if accepts && !gs.cycle_if_moved(*id, *target) {
+            let from = gs.group[id];
+            gs.merge(from, *target, "prologue", "recomputed in the consumer's prologue: the result never goes to HBM and one synchronisation disappears");
+        }
+    }
+
+    // 4. Epilogue.
+    for id in v.order() {
+        let Some(op) = op_kind(g, *id) else { continue };
+        if !is_row_local(op) || gs.anchor_kind(gs.group[id]).is_some() {
+            continue;
+        }
+        let candidates: Vec<usize> = gs
+            .producer_groups(*id)
+            .into_iter()
+            .filter(|p| matches!(gs.anchor_kind(*p), Some(k) if k != FusedKind::Router))
+            .collect();
+        // Prefer the latest producer: joining it cannot order the others after it.
+        let mut chosen = None;
+        for p in candidates.iter().rev() {
+            if !gs.cycle_if_moved(*id, *p) {
+                chosen = Some(*p);
+                break;
+            }
+        }
+        if let Some(p) = chosen {
+            let from = gs.group[id];
+            gs.merge(from, p, "epilogue", epilogue_reason(op));
+        }
+    }
+
+    build(g, gs)
+}
+
+fn build(g: &Graph, gs: Groups) -> Result<Fusion> {
+    let live: Vec<usize> = (0..gs.members.len()).filter(|i| !gs.members[*i].is_empty()).collect();
+    let index: HashMap<usize, usize> = live.iter().enumerate().map(|(i, grp)| (*grp, i)).collect();
+    let mut edges: Vec<(usize, usize)> = vec![];
+    for (n, grp) in &gs.group {
+        for v in g.operands(*n) {
+            if let Some(p) = gs.group.get(&v.node) {
+                if p != grp {
+                    edges.push((index[p], index[grp]));
+                }
+            }
+        }
+    }
+    edges.sort_unstable();
+    edges.dedup();
+    // Topological order of the fused operations (Kahn, smallest first for determinism).
+    let n = live.len();
+    let mut indeg = vec![0usize; n];
+    let mut succ = vec![vec![]; n];
+    for (a, b) in &edges {
+        indeg[*b] += 1;
+        succ[*a].push(*b);
+    }
+    let mut ready: std::collections::BTreeSet<(usize, usize)> = std::collections::BTreeSet::new();
+    let first_node = |i: usize| gs.members[live[i]].iter().map(|m| m.index()).min().unwrap_or(0);
+    for (i, d) in indeg.iter().enumerate() {
+        if *d == 0 {
+            ready.insert((first_node(i), i));
+        }
+    }
+    let mut order = vec![];
+    while let Some((k, i)) = ready.iter().next().copied() {
+        ready.remove(&(k, i));
+        order.push(i);
+        for s in &succ[i] {
+            indeg[*s] -= 1;
+            if indeg[*s] == 0 {
+                ready.insert((first_node(*s), *s));
+            }
+        }
+    }
+    if order.len() != n {
+        return Err(Error::new(ErrorKind::Invalid, "internal error: fusion produced a cyclic plan"));
+    }
+    let position: HashMap<usize, usize> = order.iter().enumerate().map(|(pos, i)| (*i, pos)).collect();
+    let mut ops = vec![];
+    let mut op_of = HashMap::new();
+    for (pos, i) in order.iter().enumerate() {
+        let grp = live[*i];
+        let mut nodes: Vec<usize> = gs.members[grp].iter().map(|m| m.index()).collect();
+        nodes.sort_unstable();
+        for nd in &nodes {
+            op_of.insert(*nd, pos);
+        }
+        let kind = gs.anchor_kind(grp).unwrap_or(FusedKind::Elementwise);
+        let mut applied = gs.applied[grp].clone();
+        applied.sort_by_key(|a| a.node);
+        ops.push(FusedOp { id: pos, name: name_of(g, &gs.members[grp], kind), kind, nodes, applied });
+    }
+    let mut edges: Vec<(usize, usize)> = edges.into_iter().map(|(a, b)| (position[&a], position[&b])).collect();
+    edges.sort_unstable();
+    Ok(Fusion { ops, edges, op_of })
+}
+
+fn name_of(g: &Graph, members: &[NodeId], kind: FusedKind) -> String {
+    let mut anchors: Vec<&NodeId> = members
+        .iter()
+        .filter(|m| op_kind(g, **m).and_then(FusedKind::of_anchor) == Some(kind) || kind == FusedKind::Elementwise)
+        .collect();
+    anchors.sort();
+    let first = &g.node(*anchors[0]).name;
+    let (prefix, _) = first.rsplit_once('/').unwrap_or(("", first));
+    let locals: Vec<&str> = anchors.iter().map(|a| g.node(**a).name.rsplit('/').next().unwrap_or("")).take(6).collect();
+    let more = if anchors.len() > 6 { format!("+{}", anchors.len() - 6) } else { String::new() };
+    if prefix.is_empty() {
+        format!("{}({}{more})", kind_name(kind), locals.join(","))
+    } else {
+        format!("{prefix}/{}({}{more})", kind_name(kind), locals.join(","))
+    }
+}
+
+/// The kind's name as printed.
+pub fn kind_name(kind: FusedKind) -> &'static str {
+    match kind {
+        FusedKind::Projection => "proj",
+        FusedKind::Router => "router",
+        FusedKind::Moe => "moe",
+        FusedKind::MlaDecode => "mla",
+        FusedKind::KdaDecode => "kda",
+        FusedKind::AttnRes => "attn_res",
+        FusedKind::Embedding => "embed",
+        FusedKind::LmHead => "lm_head",
+        FusedKind::Elementwise => "eltwise",
+    }
+}

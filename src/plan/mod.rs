@@ -1,0 +1,90 @@
+//! The planner: from a validated op graph to a verified per-SM schedule.
+//!
+//! One explicit pipeline of passes with plain data between them:
+//!
+//! ```text
+//! Validated --fuse--> Fusion --tile--> Tiling --specialize--> WarpPlan
+//!           --schedule--> Schedule --verify--> Plan
+//! ```
+//!
+//! - [`fuse`] groups graph nodes into fused operations by named rules, each
+//!   with the reason it pays;
+//! - [`tile`] splits each fused operation into stages of tasks sized for the
+//!   target, with the bytes and FLOPs of each task;
+//! - [`specialize`] gives each task kind its warp roles, page ring and
+//!   register budget and checks them against the target;
+//! - [`schedule`] places tasks on SMs in static instruction lists from a cost
+//!   model and computes the dependency counters and their exact counts;
+//! - [`verify`] proves from the schedule alone that every read follows its
+//!   write and no buffer is overwritten while it may still be read.
+//!
+//! Only [`plan`] builds a [`Plan`], and it never returns an unverified one.
+
+pub mod dot;
+pub mod estimate;
+pub mod fuse;
+pub mod schedule;
+pub mod specialize;
+pub mod tile;
+pub mod verify;
+
+use serde::Serialize;
+
+use crate::diag::Result;
+use crate::target::Target;
+use crate::valid::Validated;
+
+/// What the plan is made for.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Options {
+    /// Sequences decoded together.
+    pub batch: u32,
+    /// Context length the attention work is sized for.
+    pub context: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { batch: 1, context: 4096 }
+    }
+}
+
+/// A verified plan for one decode step on one target.
+#[derive(Debug, Clone, Serialize)]
+pub struct Plan {
+    /// The model's name.
+    pub model: String,
+    /// The target's name.
+    pub target: String,
+    /// What it was planned for.
+    pub options: Options,
+    /// The fused operations.
+    pub fusion: fuse::Fusion,
+    /// Their tasks.
+    pub tiling: tile::Tiling,
+    /// Warp roles per task kind.
+    pub warps: specialize::WarpPlan,
+    /// The per-SM instruction lists and counters.
+    pub schedule: schedule::Schedule,
+    /// What the verifier checked.
+    pub verified: verify::Proof,
+}
+
+/// Plans `graph` for `target`: fuse, tile, specialize, schedule, verify.
+pub fn plan(graph: &Validated, target: &Target, options: Options) -> Result<Plan> {
+    let fusion = fuse::fuse(graph)?;
+    let tiling = tile::tile(graph, &fusion, target, options)?;
+    let warps = specialize::specialize(&tiling, target, options)?;
+    let schedule = schedule::schedule(&fusion, &tiling, target, options)?;
+    let verified = verify::verify(&fusion, &tiling, &schedule)?;
+    Ok(Plan {
+        model: graph.graph().model.clone(),
+        target: target.name.clone(),
+        options,
+        fusion,
+        tiling,
+        warps,
+        schedule,
+        verified,
+    })
+}

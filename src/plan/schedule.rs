@@ -1,0 +1,275 @@
+//! Scheduling: static per-SM instruction lists from a cost model, with the
+//! dependency counters and the waits each instruction needs.
+//!
+//! Cost model (per SM, all SMs streaming at once): HBM bytes move at
+//! `read_bandwidth / sms`; math runs at the faster of CUDA-core fp32 and
+//! tensor cores used at width `round_up(batch, 8)` of 256; each task costs a
+//! fixed [`TASK_OVERHEAD_NS`]; each dependency hand-off costs the target's
+//! `sync_latency_ns`. A task's weights (and state) do not depend on
+//! activations, so the loader streams them as soon as the previous task's
+//! weights are in, before the task's dependencies are met; its math starts
+//! when the SM is free and its dependencies are met, and it ends when both
+//! the math and its weights are done.
+//!
+//! Placement is list scheduling in the fused operations' topological order:
+//! each task goes to the SM where it would end first. Every SM's list is
+//! therefore in stage order, so waits only ever point backwards and the
+//! kernel cannot deadlock.
+//!
+//! Counters: one per stage, bumped once by each of its tasks with release
+//! semantics, so its expected count per step is the stage's task count. They
+//! are never reset: in step `n` (from 1) a wait targets `n * expected`.
+//! Waits: an instruction waits on a stage's counter only if the program order
+//! and its other waits do not already guarantee that stage is complete; a
+//! second pass drops every wait the others imply, so each remaining wait is
+//! necessary (the verifier's mutation test relies on it).
+
+use serde::Serialize;
+
+use super::tile::Tiling;
+use super::Options;
+use crate::diag::{Error, ErrorKind, Result};
+use crate::target::Target;
+
+/// Fixed cost of one task: decode, barrier, publish.
+pub const TASK_OVERHEAD_NS: f64 = 300.0;
+
+/// A wait on a counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Wait {
+    /// The counter.
+    pub counter: usize,
+    /// The count per step it waits for.
+    pub target: u32,
+}
+
+/// One instruction of an SM's list.
+#[derive(Debug, Clone, Serialize)]
+pub struct Instr {
+    /// The task it runs.
+    pub task: usize,
+    /// The task's stage.
+    pub stage: usize,
+    /// Counters to wait on before the math starts.
+    pub waits: Vec<Wait>,
+    /// The counter it bumps when done.
+    pub signal: usize,
+    /// Predicted start of its weight stream, in ns from the step's start.
+    pub load_start_ns: f64,
+    /// Predicted start of its math.
+    pub start_ns: f64,
+    /// Predicted end.
+    pub end_ns: f64,
+}
+
+/// A dependency counter.
+#[derive(Debug, Clone, Serialize)]
+pub struct Counter {
+    /// Its index.
+    pub id: usize,
+    /// The stage whose tasks bump it.
+    pub stage: usize,
+    /// Bumps per step.
+    pub expected: u32,
+}
+
+/// The schedule of one decode step.
+#[derive(Debug, Clone, Serialize)]
+pub struct Schedule {
+    /// Per SM, its instructions in program order.
+    pub sms: Vec<Vec<Instr>>,
+    /// The counters.
+    pub counters: Vec<Counter>,
+    /// Predicted time of the step.
+    pub step_ns: f64,
+    /// Lower bound from the longest dependency chain.
+    pub critical_path_ns: f64,
+    /// HBM bytes per step: weights and state.
+    pub hbm_bytes: u64,
+    /// The bandwidth floor: `hbm_bytes` over the read bandwidth.
+    pub floor_ns: f64,
+}
+
+/// Per stage, the stages that must be complete before any of its tasks start:
+/// the stages it reads, and for the buffer it writes, the readers of the
+/// buffer's previous region (write after read).
+pub fn needs(tiling: &Tiling) -> Vec<Vec<usize>> {
+    let mut need: Vec<Vec<usize>> = tiling.stages.iter().map(|s| s.reads.clone()).collect();
+    let mut last_in_buffer: Vec<Option<usize>> = vec![None; tiling.buffers.len()];
+    for r in &tiling.regions {
+        if let Some(prev) = last_in_buffer[r.buffer] {
+            let prev = &tiling.regions[prev];
+            need[r.writer].extend(prev.readers.iter().copied().filter(|x| *x != r.writer));
+            need[r.writer].push(prev.writer);
+        }
+        last_in_buffer[r.buffer] = Some(r.id);
+    }
+    for n in &mut need {
+        n.sort_unstable();
+        n.dedup();
+    }
+    need
+}
+
+/// A vector clock: per SM, how many of its instructions are known complete.
+type Clock = Vec<u32>;
+
+fn join(a: &mut Clock, b: &Clock) {
+    for (x, y) in a.iter_mut().zip(b) {
+        *x = (*x).max(*y);
+    }
+}
+
+fn covers(c: &Clock, need: &Clock) -> bool {
+    c.iter().zip(need).all(|(x, y)| x >= y)
+}
+
+/// Schedules the tiled plan on `target`.
+pub fn schedule(_fusion: &super::fuse::Fusion, tiling: &Tiling, target: &Target, opts: Options) -> Result<Schedule> {
+    let sms = target.sms as usize;
+    let bw_sm = target.read_bandwidth() / f64::from(target.sms) / 1e9; // bytes per ns
+    let width = f64::from(opts.batch.div_ceil(8) * 8).min(256.0);
+    let rate =
+        (target.flops.fp32_cuda_core.max(target.flops.bf16_tensor * width / 256.0)) / f64::from(target.sms) / 1e9;
+    let sync = target.sync_latency_ns;
+    let need = needs(tiling);
+
+    let compute = |t: usize| {
+        let task = &tiling.tasks[t];
+        TASK_OVERHEAD_NS + task.act_bytes as f64 / bw_sm + task.flops as f64 / rate
+    };
+    let load = |t: usize| {
+        let task = &tiling.tasks[t];
+        (task.weight_bytes + task.state_bytes) as f64 / bw_sm
+    };
+
+    let mut lists: Vec<Vec<Instr>> = vec![vec![]; sms];
+    let mut compute_free = vec![0f64; sms];
+    let mut load_free = vec![0f64; sms];
+    let mut finish = vec![0f64; tiling.stages.len()];
+    let mut cp = vec![0f64; tiling.stages.len()];
+    for stage in &tiling.stages {
+        let ready = need[stage.id].iter().map(|r| finish[*r] + sync).fold(0f64, f64::max);
+        let cp_ready = need[stage.id].iter().map(|r| cp[*r] + sync).fold(0f64, f64::max);
+        let mut order: Vec<usize> = stage.tasks.clone();
+        order.sort_by(|a, b| load(*b).total_cmp(&load(*a)).then(a.cmp(b)));
+        let mut cp_stage = 0f64;
+        for t in order {
+            let (mut best, mut best_end) = (0usize, f64::INFINITY);
+            for m in 0..sms {
+                let load_end = load_free[m] + load(t);
+                let end = (compute_free[m].max(ready) + compute(t)).max(load_end);
+                if end < best_end - 1e-9 {
+                    best = m;
+                    best_end = end;
+                }
+            }
+            let load_start = load_free[best];
+            let start = compute_free[best].max(ready);
+            load_free[best] = load_start + load(t);
+            compute_free[best] = best_end;
+            finish[stage.id] = finish[stage.id].max(best_end);
+            cp_stage = cp_stage.max(compute(t)).max(load(t) - cp_ready);
+            lists[best].push(Instr {
+                task: t,
+                stage: stage.id,
+                waits: vec![],
+                signal: stage.id,
+                load_start_ns: load_start,
+                start_ns: start,
+                end_ns: best_end,
+            });
+        }
+        cp[stage.id] = cp_ready + cp_stage;
+    }
+    // Program order is stage order; within a stage, by start time.
+    for l in &mut lists {
+        l.sort_by(|a, b| a.stage.cmp(&b.stage).then(a.start_ns.total_cmp(&b.start_ns)).then(a.task.cmp(&b.task)));
+    }
+    assign_waits(tiling, &need, &mut lists)?;
+    let counters =
+        tiling.stages.iter().map(|s| Counter { id: s.id, stage: s.id, expected: s.tasks.len() as u32 }).collect();
+    let hbm_bytes: u64 = tiling.tasks.iter().map(|t| t.weight_bytes + t.state_bytes).sum();
+    let step_ns = finish.iter().copied().fold(0f64, f64::max);
+    Ok(Schedule {
+        sms: lists,
+        counters,
+        step_ns,
+        critical_path_ns: cp.iter().copied().fold(0f64, f64::max),
+        hbm_bytes,
+        floor_ns: hbm_bytes as f64 / (target.read_bandwidth() / 1e9),
+    })
+}
+
+/// Computes each instruction's minimal waits with vector clocks, processing
+/// stages in order (every wait points to an earlier stage).
+fn assign_waits(tiling: &Tiling, need: &[Vec<usize>], lists: &mut [Vec<Instr>]) -> Result<()> {
+    let sms = lists.len();
+    // Where each task sits: (sm, position).
+    let mut place = vec![(0usize, 0usize); tiling.tasks.len()];
+    for (m, l) in lists.iter().enumerate() {
+        for (p, i) in l.iter().enumerate() {
+            place[i.task] = (m, p);
+        }
+    }
+    // Per stage: per SM, one past the last position of its tasks (what
+    // "stage complete" requires of a clock), and the join of its tasks' clocks.
+    let mut required: Vec<Clock> = vec![vec![0; sms]; tiling.stages.len()];
+    for s in &tiling.stages {
+        for t in &s.tasks {
+            let (m, p) = place[*t];
+            required[s.id][m] = required[s.id][m].max(p as u32 + 1);
+        }
+    }
+    let mut counter_clock: Vec<Clock> = vec![vec![0; sms]; tiling.stages.len()];
+    let mut sm_clock: Vec<Clock> = vec![vec![0; sms]; sms];
+    for s in &tiling.stages {
+        let mut tasks = s.tasks.clone();
+        tasks.sort_by_key(|t| place[*t]);
+        for t in tasks {
+            let (m, p) = place[t];
+            let base = sm_clock[m].clone();
+            debug_assert_eq!(base[m] as usize, p);
+            let mut clock = base.clone();
+            let mut waits: Vec<usize> = vec![];
+            for r in need[s.id].iter().rev() {
+                if !covers(&clock, &required[*r]) {
+                    waits.push(*r);
+                    join(&mut clock, &counter_clock[*r]);
+                }
+            }
+            // Drop waits that the others imply.
+            let mut i = 0;
+            while i < waits.len() {
+                let mut c = base.clone();
+                for (j, w) in waits.iter().enumerate() {
+                    if j != i {
+                        join(&mut c, &counter_clock[*w]);
+                    }
+                }
+                if need[s.id].iter().all(|r| covers(&c, &required[*r])) {
+                    waits.remove(i);
+                } else {
+                    i += 1;
+                }
+            }
+            let mut clock = base;
+            for w in &waits {
+                join(&mut clock, &counter_clock[*w]);
+            }
+            if !need[s.id].iter().all(|r| covers(&clock, &required[*r])) {
+                return Err(Error::new(
+                    ErrorKind::Invalid,
+                    format!("internal error: stage {} cannot be ordered after its inputs", s.id),
+                ));
+            }
+            clock[m] = p as u32 + 1;
+            waits.sort_unstable();
+            lists[m][p].waits =
+                waits.iter().map(|w| Wait { counter: *w, target: tiling.stages[*w].tasks.len() as u32 }).collect();
+            join(&mut counter_clock[s.id], &clock);
+            sm_clock[m] = clock;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,128 @@
+//! Warp specialization: the CTA layout every SM runs, and per task kind the
+//! warps it uses, its shared-memory page ring and its register budget,
+//! checked against the target.
+//!
+//! The layout follows the open megakernels (HazyResearch's, Mirage MPK): one
+//! producer warpgroup holding the controller (decodes instructions, waits on
+//! counters), the loader (TMA weight tiles into the page ring, running ahead
+//! of dependency waits), the storer (publishes results, signals counters) and
+//! a spare warp; consumer warpgroups do the math. `setmaxnreg` moves
+//! registers from the producer warpgroup to the consumers.
+
+use serde::Serialize;
+
+use super::tile::{TaskKind, Tiling};
+use super::Options;
+use crate::diag::{Error, ErrorKind, Result};
+use crate::target::Target;
+
+/// Bytes of one shared-memory page of the weight ring.
+pub const PAGE_BYTES: u64 = 16 << 10;
+/// Shared memory kept outside the ring: activation chunks, reductions, barriers.
+pub const SCRATCH_BYTES: u64 = 24 << 10;
+
+/// The CTA layout of the persistent kernel.
+#[derive(Debug, Clone, Serialize)]
+pub struct Layout {
+    /// Warps of the producer warpgroup: controller, loader, storer, spare.
+    pub producer_warps: u32,
+    /// Consumer warpgroups (4 warps each).
+    pub consumer_warpgroups: u32,
+    /// Threads per CTA.
+    pub threads: u32,
+    /// Registers per producer thread after `setmaxnreg.dec`.
+    pub producer_regs: u32,
+    /// Registers per consumer thread after `setmaxnreg.inc`.
+    pub consumer_regs: u32,
+    /// Shared-memory pages in the ring.
+    pub pages: u32,
+    /// Shared memory per CTA.
+    pub smem_bytes: u64,
+}
+
+/// How one task kind uses the layout.
+#[derive(Debug, Clone, Serialize)]
+pub struct KindPlan {
+    /// The task kind.
+    pub kind: TaskKind,
+    /// Consumer warps doing its math.
+    pub compute_warps: u32,
+    /// Pages of the ring it keeps in flight.
+    pub ring_depth: u32,
+    /// What the loader streams into the pages.
+    pub streams: &'static str,
+}
+
+/// The warp plan.
+#[derive(Debug, Clone, Serialize)]
+pub struct WarpPlan {
+    /// The CTA layout.
+    pub layout: Layout,
+    /// Per task kind, in kind order.
+    pub kinds: Vec<KindPlan>,
+}
+
+/// Chooses the layout and checks every task kind against `target`.
+pub fn specialize(tiling: &Tiling, target: &Target, opts: Options) -> Result<WarpPlan> {
+    let consumer_warpgroups = 2;
+    let producer_warps = 4;
+    let threads = (producer_warps + 4 * consumer_warpgroups) * 32;
+    let producer_regs = 40;
+    let budget = target.regs_per_sm.saturating_sub(producer_warps * 32 * producer_regs);
+    let consumer_regs = (budget / (consumer_warpgroups * 128)).min(256) / 8 * 8;
+    let pages = (target.smem_per_block.saturating_sub(SCRATCH_BYTES) / PAGE_BYTES) as u32;
+    let layout = Layout {
+        producer_warps,
+        consumer_warpgroups,
+        threads,
+        producer_regs,
+        consumer_regs,
+        pages,
+        smem_bytes: u64::from(pages) * PAGE_BYTES + SCRATCH_BYTES,
+    };
+    let fail = |msg: String| Err(Error::new(ErrorKind::Invalid, format!("target {}: {msg}", target.name)));
+    if threads > target.max_threads_per_block {
+        return fail(format!("the CTA needs {threads} threads, the target allows {}", target.max_threads_per_block));
+    }
+    if consumer_regs < 128 {
+        return fail(format!(
+            "consumers get {consumer_regs} registers per thread, fewer than the 128 the kernels need"
+        ));
+    }
+    if pages < 4 {
+        return fail(format!(
+            "{} bytes of shared memory per block leave {pages} pages of {PAGE_BYTES}; the ring needs at least 4",
+            target.smem_per_block
+        ));
+    }
+    // Batches above 8 need a wider accumulator than the register budget allows.
+    if opts.batch > 8 && consumer_regs < 168 {
+        return fail(format!("batch {} needs 168 consumer registers, the layout has {consumer_regs}", opts.batch));
+    }
+    let mut kinds: Vec<TaskKind> = tiling.stages.iter().map(|s| s.kind).collect();
+    kinds.sort();
+    kinds.dedup();
+    let warps = 4 * consumer_warpgroups;
+    let kinds = kinds
+        .into_iter()
+        .map(|kind| {
+            let (compute_warps, ring_depth, streams) = match kind {
+                TaskKind::ProjectionRows | TaskKind::LmHeadRows => (warps, pages, "weight row tiles"),
+                TaskKind::ExpertUp | TaskKind::ExpertDown => {
+                    (warps, pages, "the routed expert's weight rows, by the id the router wrote")
+                }
+                TaskKind::MlaSplit => (warps, pages, "latent-cache rows of the split and W_UK slices"),
+                TaskKind::MlaCombine => (warps, pages.min(4), "W_UV slices"),
+                TaskKind::Kda => (warps, pages.min(8), "the heads' fp32 state"),
+                TaskKind::AttnRes => (warps, pages.min(4), "bank rows"),
+                TaskKind::Router
+                | TaskKind::Argmax
+                | TaskKind::Embedding
+                | TaskKind::ExpertCombine
+                | TaskKind::Elementwise => (4, 2, "activations"),
+            };
+            KindPlan { kind, compute_warps, ring_depth, streams }
+        })
+        .collect();
+    Ok(WarpPlan { layout, kinds })
+}

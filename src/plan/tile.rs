@@ -1,0 +1,588 @@
+//! Tiling: each fused operation becomes one or more stages of tasks sized for
+//! the target, with the bytes and FLOPs of each task.
+//!
+//! - projections (and the LM head): output-row tiles, aligned to the heads or
+//!   groups their epilogue works on, sized so the operation spreads over the
+//!   SMs; gate/up pairs stay in one task so the activation-and-multiply can
+//!   run in its epilogue. The LM head adds an argmax stage.
+//! - MLA: (head group, KV split) tasks over the latent cache, then a combine
+//!   stage per head group that merges the splits by log-sum-exp and applies
+//!   the value up-projection.
+//! - KDA: one task per head (or group of heads), each reading and writing its
+//!   fp32 state once.
+//! - MoE: (expert slot, row tile) tasks for the gate/up and down projections
+//!   whose expert id is only known at run time, then a combine stage. At
+//!   batch B the slots are the expected distinct experts `E (1 - (1-k/E)^B)`.
+//! - router, embedding, attention-residual mix, lone element-wise ops: one task.
+//!
+//! Bytes are split into weights (HBM, streamable ahead of dependencies),
+//! activations (read and written, mostly L2) and state. Each stage's outputs
+//! live in a region of the scratch arena; [`Tiling::regions`] lists them with
+//! the stage that writes and the stages that read each one, and regions reuse
+//! buffers once their readers are done (the scheduler orders the reuse).
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::fuse::{FusedKind, Fusion};
+use super::Options;
+use crate::diag::Result;
+use crate::ir::{Graph, NodeId, NodeKind, TensorType};
+use crate::ops::OpKind;
+use crate::target::Target;
+use crate::valid::Validated;
+
+/// What a task does; each kind has one warp layout (see `specialize`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskKind {
+    /// Output rows of a projection (GEMV/GEMM over streamed weight tiles).
+    ProjectionRows,
+    /// MLA over one KV split for a group of heads.
+    MlaSplit,
+    /// MLA split merge and value up-projection.
+    MlaCombine,
+    /// KDA state update for some heads.
+    Kda,
+    /// Router top-k.
+    Router,
+    /// One expert slot's gate/up rows.
+    ExpertUp,
+    /// One expert slot's down rows.
+    ExpertDown,
+    /// Weighted sum of the expert slots.
+    ExpertCombine,
+    /// Attention-residual mix.
+    AttnRes,
+    /// Embedding row copy.
+    Embedding,
+    /// LM head rows with a per-tile max.
+    LmHeadRows,
+    /// Final argmax over the tiles.
+    Argmax,
+    /// Element-wise ops.
+    Elementwise,
+}
+
+/// One unit of work, run by one SM.
+#[derive(Debug, Clone, Serialize)]
+pub struct Task {
+    /// Global index.
+    pub id: usize,
+    /// The stage it belongs to.
+    pub stage: usize,
+    /// Which part of the stage (row range, head group, split...).
+    pub label: String,
+    /// Weight bytes streamed from HBM.
+    pub weight_bytes: u64,
+    /// Activation bytes read and written.
+    pub act_bytes: u64,
+    /// State bytes read and written.
+    pub state_bytes: u64,
+    /// Floating-point operations.
+    pub flops: u64,
+}
+
+/// A set of tasks of one kind that may run in parallel.
+#[derive(Debug, Clone, Serialize)]
+pub struct Stage {
+    /// Global index.
+    pub id: usize,
+    /// The fused operation.
+    pub op: usize,
+    /// What its tasks do.
+    pub kind: TaskKind,
+    /// Its tasks' ids.
+    pub tasks: Vec<usize>,
+    /// Stages whose results it reads.
+    pub reads: Vec<usize>,
+}
+
+/// A buffer of the scratch arena holding one stage's results for one step.
+#[derive(Debug, Clone, Serialize)]
+pub struct Region {
+    /// Global index.
+    pub id: usize,
+    /// The stage that writes it.
+    pub writer: usize,
+    /// The stages that read it.
+    pub readers: Vec<usize>,
+    /// Its size at the planned batch.
+    pub bytes: u64,
+    /// The arena buffer it occupies; buffers are reused by later regions.
+    pub buffer: usize,
+}
+
+/// The tiling of every fused operation.
+#[derive(Debug, Clone, Serialize)]
+pub struct Tiling {
+    /// All stages, in the fused operations' order.
+    pub stages: Vec<Stage>,
+    /// All tasks.
+    pub tasks: Vec<Task>,
+    /// One region per stage that produces something read elsewhere.
+    pub regions: Vec<Region>,
+    /// Sizes of the arena's buffers.
+    pub buffers: Vec<u64>,
+}
+
+impl Tiling {
+    /// Total bytes the tasks move from HBM (weights and state; activations are
+    /// counted once per region).
+    pub fn hbm_bytes(&self) -> u64 {
+        let w: u64 = self.tasks.iter().map(|t| t.weight_bytes + t.state_bytes).sum();
+        w + self.regions.iter().map(|r| r.bytes).sum::<u64>()
+    }
+}
+
+struct Builder<'a> {
+    g: &'a Graph,
+    target: &'a Target,
+    opts: Options,
+    stages: Vec<Stage>,
+    tasks: Vec<Task>,
+    out_bytes: Vec<u64>,
+}
+
+fn node(_: &Graph, i: usize) -> NodeId {
+    NodeId(petgraph::stable_graph::NodeIndex::new(i))
+}
+
+fn op_of(g: &Graph, i: usize) -> Option<OpKind> {
+    match &g.node(node(g, i)).kind {
+        NodeKind::Op { op, .. } => Some(*op),
+        _ => None,
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn lcm(a: u64, b: u64) -> u64 {
+    a / gcd(a, b) * b
+}
+
+fn round_up(x: u64, m: u64) -> u64 {
+    x.div_ceil(m) * m
+}
+
+impl Builder<'_> {
+    fn b(&self) -> u64 {
+        u64::from(self.opts.batch)
+    }
+
+    fn add_stage(
+        &mut self,
+        op: usize,
+        kind: TaskKind,
+        reads: Vec<usize>,
+        parts: Vec<(String, u64, u64, u64, u64)>,
+    ) -> usize {
+        let id = self.stages.len();
+        let mut ids = vec![];
+        for (label, weight_bytes, act_bytes, state_bytes, flops) in parts {
+            let tid = self.tasks.len();
+            self.tasks.push(Task { id: tid, stage: id, label, weight_bytes, act_bytes, state_bytes, flops });
+            ids.push(tid);
+        }
+        self.stages.push(Stage { id, op, kind, tasks: ids, reads });
+        self.out_bytes.push(0);
+        id
+    }
+
+    /// Bytes (per token) of the values `nodes` produce for nodes outside them.
+    fn external_outputs(&self, nodes: &[usize]) -> u64 {
+        let inside = |n: &NodeId| nodes.contains(&n.index());
+        let mut bytes = 0;
+        for n in nodes {
+            let id = node(self.g, *n);
+            let used_outside =
+                self.g.users(id).iter().any(|u| !inside(u)) || self.g.outputs.iter().any(|(_, v)| v.node == id);
+            if used_outside {
+                bytes += self.g.node(id).outputs.iter().map(TensorType::bytes).sum::<u64>();
+            }
+        }
+        bytes
+    }
+
+    /// Bytes (per token) of the activations `nodes` read from outside them.
+    fn external_inputs(&self, nodes: &[usize]) -> u64 {
+        let mut seen = vec![];
+        let mut bytes = 0;
+        for n in nodes {
+            for v in self.g.operands(node(self.g, *n)) {
+                let producer = self.g.node(v.node);
+                let activation = matches!(producer.kind, NodeKind::Op { .. } | NodeKind::Input);
+                if activation && !nodes.contains(&v.node.index()) && !seen.contains(&v) {
+                    seen.push(v);
+                    bytes += self.g.value_type(v).bytes();
+                }
+            }
+        }
+        bytes
+    }
+
+    fn weight_of(&self, n: usize, slot: usize) -> TensorType {
+        let v = self.g.operands(node(self.g, n))[slot];
+        self.g.value_type(v).clone()
+    }
+
+    /// Row alignment the epilogue of linear `n` needs.
+    fn align_for(&self, n: usize, nodes: &[usize]) -> u64 {
+        let mut align = 16u64;
+        let mut frontier = vec![node(self.g, n)];
+        while let Some(cur) = frontier.pop() {
+            for u in self.g.users(cur) {
+                if !nodes.contains(&u.index()) {
+                    continue;
+                }
+                let NodeKind::Op { op, attrs } = &self.g.node(u).kind else { continue };
+                match op {
+                    OpKind::Rope => align = lcm(align, attrs.int("head_dim") as u64),
+                    OpKind::L2Norm => align = lcm(align, attrs.int("group") as u64),
+                    OpKind::RmsNorm | OpKind::GatedRmsNorm => {
+                        let w = self.g.operands(u).last().map(|v| self.g.value_type(*v).elements()).unwrap_or(1);
+                        align = lcm(align, w);
+                    }
+                    _ => {}
+                }
+                if matches!(op, OpKind::ConvUpdate | OpKind::Split | OpKind::Silu | OpKind::Sigmoid) {
+                    frontier.push(u);
+                }
+            }
+        }
+        align
+    }
+
+    fn projection(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>, kind: TaskKind) -> usize {
+        let g = self.g;
+        let linears: Vec<usize> =
+            nodes.iter().copied().filter(|n| matches!(op_of(g, *n), Some(OpKind::Linear | OpKind::LmHead))).collect();
+        // Couple the gate and up linears of an in-group act_and_mul.
+        let mut coupled: BTreeMap<usize, usize> = BTreeMap::new();
+        for n in nodes {
+            if op_of(g, *n) == Some(OpKind::ActAndMul) {
+                let ops = g.operands(node(g, *n));
+                let (a, b) = (ops[0].node.index(), ops[1].node.index());
+                if linears.contains(&a) && linears.contains(&b) {
+                    coupled.insert(b, a);
+                }
+            }
+        }
+        // Segments: (label, rows, bytes per row, k, align).
+        let mut segments = vec![];
+        for l in &linears {
+            if coupled.contains_key(l) {
+                continue;
+            }
+            let w = self.weight_of(*l, 1);
+            let rows = w.shape[0];
+            let k = *w.shape.last().unwrap_or(&1);
+            let mut row_bytes = w.bytes() / rows.max(1);
+            let mut label = g.node(node(g, *l)).name.rsplit('/').next().unwrap_or("").to_string();
+            if let Some((up, _)) = coupled.iter().find(|(_, gate)| **gate == *l) {
+                let wu = self.weight_of(*up, 1);
+                row_bytes += wu.bytes() / rows.max(1);
+                label = format!("{label}+{}", g.node(node(g, *up)).name.rsplit('/').next().unwrap_or(""));
+            }
+            let align = self.align_for(*l, nodes).min(rows.max(1));
+            segments.push((label, rows, row_bytes, k, align, coupled.values().any(|gte| gte == l)));
+        }
+        let total: u64 = segments.iter().map(|s| s.1 * s.2).sum();
+        let per_task = (total / u64::from(self.target.sms)).max(32 << 10);
+        let in_bytes = self.external_inputs(nodes) * self.b();
+        let out_total = self.external_outputs(nodes) * self.b();
+        let b = self.b();
+        let mut parts = vec![];
+        for (label, rows, row_bytes, k, align, pair) in &segments {
+            let tile =
+                round_up(per_task.div_ceil((*row_bytes).max(1)), *align).min(round_up(*rows, *align)).max(*align);
+            let mut r0 = 0;
+            while r0 < *rows {
+                let r1 = (r0 + tile).min(*rows);
+                let n = r1 - r0;
+                let mult = if *pair { 2 } else { 1 };
+                let out = out_total * n / segments.iter().map(|s| s.1).sum::<u64>().max(1);
+                parts.push((format!("{label}[{r0}..{r1}]"), n * row_bytes, in_bytes + out, 0, 2 * n * k * b * mult));
+                r0 = r1;
+            }
+        }
+        self.add_stage(op, kind, reads, parts)
+    }
+
+    fn single(
+        &mut self,
+        op: usize,
+        nodes: &[usize],
+        reads: Vec<usize>,
+        kind: TaskKind,
+        state: u64,
+        flops: u64,
+    ) -> usize {
+        let act = (self.external_inputs(nodes) + self.external_outputs(nodes)) * self.b();
+        let weights: u64 = self.weights_of(nodes);
+        self.add_stage(op, kind, reads, vec![("all".into(), weights, act, state, flops)])
+    }
+
+    /// Bytes of the non-expert weights the nodes read.
+    fn weights_of(&self, nodes: &[usize]) -> u64 {
+        let mut seen = vec![];
+        let mut total = 0;
+        for n in nodes {
+            for v in self.g.operands(node(self.g, *n)) {
+                if let NodeKind::Weight(w) = &self.g.node(v.node).kind {
+                    if w.family.is_none() && !seen.contains(&v.node) {
+                        seen.push(v.node);
+                        total += w.ty.bytes();
+                    }
+                }
+            }
+        }
+        total
+    }
+
+    fn mla(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>) -> (usize, usize) {
+        let g = self.g;
+        let n = nodes.iter().copied().find(|n| op_of(g, *n) == Some(OpKind::MlaDecode)).expect("mla anchor");
+        let NodeKind::Op { attrs, .. } = &g.node(node(g, n)).kind else { unreachable!("an op") };
+        let heads = attrs.int("heads") as u64;
+        let (nope, rope, v_dim) = (attrs.int("nope") as u64, attrs.int("rope") as u64, attrs.int("v_dim") as u64);
+        let c = self.weight_of(n, 3).shape[1];
+        let groups = heads.min(16);
+        let hpt = heads.div_ceil(groups);
+        let groups = heads.div_ceil(hpt);
+        let ctx = self.opts.context.max(1);
+        let splits = (u64::from(self.target.sms) / groups).clamp(1, ctx.div_ceil(256).max(1));
+        let b = self.b();
+        let cache_row = (c + rope) * 2;
+        let w = self.weight_of(n, 3);
+        let per_row = w.bytes() / w.shape[0].max(1);
+        let wk = hpt * nope * per_row;
+        let wv = hpt * v_dim * per_row;
+        let in_bytes = self.external_inputs(nodes) * b;
+        let mut parts = vec![];
+        for hg in 0..groups {
+            for s in 0..splits {
+                let chunk = ctx / splits + u64::from(s < ctx % splits);
+                let flops = 2 * hpt * chunk * (c + rope) * 2 * b + 2 * hpt * nope * c * b;
+                let act = in_bytes / groups + hpt * splits.min(1) * (c + 2) * 4 * b;
+                parts.push((
+                    format!("heads[{}..{}] kv split {s}/{splits}", hg * hpt, ((hg + 1) * hpt).min(heads)),
+                    wk / splits,
+                    act,
+                    chunk * cache_row * b / groups,
+                    flops,
+                ));
+            }
+        }
+        let split = self.add_stage(op, TaskKind::MlaSplit, reads, parts);
+        let out = self.external_outputs(nodes) * b;
+        let mut parts = vec![];
+        for hg in 0..groups {
+            let partials = splits * hpt * (c + 2) * 4 * b;
+            parts.push((
+                format!("heads[{}..{}]", hg * hpt, ((hg + 1) * hpt).min(heads)),
+                wv,
+                partials + out / groups,
+                0,
+                2 * hpt * v_dim * c * b,
+            ));
+        }
+        let combine = self.add_stage(op, TaskKind::MlaCombine, vec![split], parts);
+        self.out_bytes[split] = groups * splits * hpt * (c + 2) * 4 * b;
+        (split, combine)
+    }
+
+    fn kda(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>) -> usize {
+        let g = self.g;
+        let n = nodes.iter().copied().find(|n| op_of(g, *n) == Some(OpKind::KdaDecode)).expect("kda anchor");
+        let NodeKind::Op { attrs, .. } = &g.node(node(g, n)).kind else { unreachable!("an op") };
+        let heads = attrs.int("heads") as u64;
+        let d = attrs.int("head_dim") as u64;
+        let tasks = heads.min(u64::from(self.target.sms));
+        let hpt = heads.div_ceil(tasks);
+        let tasks = heads.div_ceil(hpt);
+        let b = self.b();
+        let act = (self.external_inputs(nodes) + self.external_outputs(nodes)) * b / tasks;
+        let w = self.weights_of(nodes) / tasks;
+        let parts = (0..tasks)
+            .map(|t| {
+                let h = hpt.min(heads - t * hpt);
+                (format!("heads[{}..{}]", t * hpt, t * hpt + h), w, act, 2 * h * d * d * 4 * b, 8 * h * d * d * b)
+            })
+            .collect();
+        self.add_stage(op, TaskKind::Kda, reads, parts)
+    }
+
+    fn moe(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>) -> (usize, usize, usize) {
+        let g = self.g;
+        let n = nodes.iter().copied().find(|n| op_of(g, *n) == Some(OpKind::Moe)).expect("moe anchor");
+        let wg = self.weight_of(n, 3);
+        let wd = self.weight_of(n, 5);
+        let (e, i, d) = (wg.shape[0], wg.shape[1], wg.shape[2]);
+        let k = self.g.value_type(self.g.operands(node(g, n))[1]).elements();
+        let b = self.b();
+        let p = k as f64 / e as f64;
+        let slots = ((e as f64) * (1.0 - (1.0 - p).powf(b as f64)) - 1e-6).ceil().clamp(1.0, e as f64) as u64;
+        let sms = u64::from(self.target.sms);
+        let up_row = 2 * wg.bytes() / (e * i);
+        let down_row = wd.bytes() / (e * d);
+        let t_up = (2 * sms).div_ceil(slots).min(i.div_ceil(16));
+        let up_tile = round_up(i.div_ceil(t_up), 16);
+        let t_down = (2 * sms).div_ceil(slots).min(d.div_ceil(16));
+        let down_tile = round_up(d.div_ceil(t_down), 16);
+        let x_bytes = self.external_inputs(nodes) * b;
+        let mut parts = vec![];
+        for s in 0..slots {
+            let mut r0 = 0;
+            while r0 < i {
+                let r1 = (r0 + up_tile).min(i);
+                parts.push((
+                    format!("slot {s} rows[{r0}..{r1}]"),
+                    (r1 - r0) * up_row,
+                    x_bytes / slots + (r1 - r0) * 2 * b,
+                    0,
+                    4 * (r1 - r0) * d * b.min(k),
+                ));
+                r0 = r1;
+            }
+        }
+        let up = self.add_stage(op, TaskKind::ExpertUp, reads, parts);
+        self.out_bytes[up] = slots * i * 2 * b;
+        let mut parts = vec![];
+        for s in 0..slots {
+            let mut r0 = 0;
+            while r0 < d {
+                let r1 = (r0 + down_tile).min(d);
+                parts.push((
+                    format!("slot {s} rows[{r0}..{r1}]"),
+                    (r1 - r0) * down_row,
+                    i * 2 * b + (r1 - r0) * 4 * b,
+                    0,
+                    2 * (r1 - r0) * i * b.min(k),
+                ));
+                r0 = r1;
+            }
+        }
+        let down = self.add_stage(op, TaskKind::ExpertDown, vec![up], parts);
+        self.out_bytes[down] = slots * d * 4 * b;
+        let tiles = d.div_ceil(1024).min(8);
+        let out = self.external_outputs(nodes) * b;
+        let parts = (0..tiles)
+            .map(|t| (format!("cols {t}/{tiles}"), 0, (k * d * 4 * b + out) / tiles, 0, 2 * k * d * b / tiles))
+            .collect();
+        let combine = self.add_stage(op, TaskKind::ExpertCombine, vec![down], parts);
+        (up, down, combine)
+    }
+}
+
+/// Tiles every fused operation of `fusion` for `target`.
+pub fn tile(v: &Validated, fusion: &Fusion, target: &Target, opts: Options) -> Result<Tiling> {
+    let g = v.graph();
+    let mut bld = Builder { g, target, opts, stages: vec![], tasks: vec![], out_bytes: vec![] };
+    // The last stage of each fused operation: what its consumers wait for.
+    let mut last_stage = vec![0usize; fusion.ops.len()];
+    let mut producers: Vec<Vec<usize>> = vec![vec![]; fusion.ops.len()];
+    for (a, b) in &fusion.edges {
+        producers[*b].push(*a);
+    }
+    for op in &fusion.ops {
+        let reads: Vec<usize> = producers[op.id].iter().map(|p| last_stage[*p]).collect();
+        let nodes = &op.nodes;
+        let last = match op.kind {
+            FusedKind::Projection => bld.projection(op.id, nodes, reads, TaskKind::ProjectionRows),
+            FusedKind::LmHead => {
+                let rows = bld.projection(op.id, nodes, reads, TaskKind::LmHeadRows);
+                let tiles = bld.stages[rows].tasks.len() as u64;
+                bld.out_bytes[rows] = tiles * 8 * bld.b();
+                bld.single(op.id, &[], vec![rows], TaskKind::Argmax, 0, tiles * bld.b())
+            }
+            FusedKind::MlaDecode => bld.mla(op.id, nodes, reads).1,
+            FusedKind::KdaDecode => bld.kda(op.id, nodes, reads),
+            FusedKind::Moe => bld.moe(op.id, nodes, reads).2,
+            FusedKind::Router => {
+                let e = nodes.iter().map(|n| g.value_type(g.operands(node(g, *n))[0]).elements()).max().unwrap_or(1);
+                bld.single(op.id, nodes, reads, TaskKind::Router, 0, 8 * e * bld.b())
+            }
+            FusedKind::AttnRes => {
+                let flops = 4 * bld.external_inputs(nodes) * bld.b();
+                bld.single(op.id, nodes, reads, TaskKind::AttnRes, 0, flops)
+            }
+            FusedKind::Embedding => bld.single(op.id, nodes, reads, TaskKind::Embedding, 0, 0),
+            FusedKind::Elementwise => {
+                let flops = 4 * bld.external_outputs(nodes) * bld.b();
+                bld.single(op.id, nodes, reads, TaskKind::Elementwise, 0, flops)
+            }
+        };
+        // Embedding rows come from HBM: one row per token.
+        if op.kind == FusedKind::Embedding {
+            let t = bld.stages[last].tasks[0];
+            bld.tasks[t].weight_bytes = bld.external_outputs(nodes) * bld.b();
+        }
+        bld.out_bytes[last] = bld.external_outputs(nodes) * bld.b();
+        last_stage[op.id] = last;
+    }
+    let regions = regions(&bld.stages, &bld.out_bytes);
+    let buffers = allocate(&bld.stages, &regions);
+    let mut regions = regions;
+    for (r, buf) in regions.iter_mut().zip(&buffers.1) {
+        r.buffer = *buf;
+    }
+    Ok(Tiling { stages: bld.stages, tasks: bld.tasks, regions, buffers: buffers.0 })
+}
+
+fn regions(stages: &[Stage], out_bytes: &[u64]) -> Vec<Region> {
+    let mut readers: Vec<Vec<usize>> = vec![vec![]; stages.len()];
+    for s in stages {
+        for r in &s.reads {
+            readers[*r].push(s.id);
+        }
+    }
+    let mut out = vec![];
+    for s in stages {
+        if readers[s.id].is_empty() && out_bytes[s.id] == 0 {
+            continue;
+        }
+        out.push(Region {
+            id: out.len(),
+            writer: s.id,
+            readers: readers[s.id].clone(),
+            bytes: out_bytes[s.id],
+            buffer: 0,
+        });
+    }
+    out
+}
+
+/// Assigns regions to arena buffers. A buffer is reused only when every reader
+/// of its previous region comes at least two stages before the new writer, so
+/// reuse rarely adds an ordering the data flow does not already imply.
+fn allocate(stages: &[Stage], regions: &[Region]) -> (Vec<u64>, Vec<usize>) {
+    let _ = stages;
+    let mut buffers: Vec<u64> = vec![];
+    let mut busy_until: Vec<usize> = vec![];
+    let mut assignment = vec![];
+    for r in regions {
+        let last = r.readers.iter().copied().max().unwrap_or(usize::MAX);
+        let free = (0..buffers.len())
+            .filter(|b| busy_until[*b] != usize::MAX && busy_until[*b] + 2 <= r.writer && buffers[*b] >= r.bytes)
+            .min_by_key(|b| buffers[*b]);
+        let b = match free {
+            Some(b) => b,
+            None => {
+                buffers.push(r.bytes);
+                busy_until.push(0);
+                buffers.len() - 1
+            }
+        };
+        busy_until[b] = last;
+        assignment.push(b);
+    }
+    (buffers, assignment)
+}
