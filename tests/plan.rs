@@ -1,0 +1,275 @@
+//! The planner on every shipped model and target: plans are produced and
+//! verified (snapshotted as YAML summaries), the verifier catches every
+//! dependency removed from a real plan, and random small graphs always plan,
+//! verify and respect the critical-path bound.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use mkc::config::Config;
+use mkc::lower::Limits;
+use mkc::plan::{self, estimate, verify, Options, Plan};
+use mkc::target::Target;
+use mkc::valid::Validated;
+use proptest::prelude::*;
+use serde::Serialize;
+
+fn compile_with(source: &str, config: &Config) -> Validated {
+    mkc::compile_str(source, config, Limits::default())
+        .unwrap_or_else(|e| panic!("{}", mkc::diag::render(&e, "graph", source)))
+}
+
+fn compile(model: &str, config: &str) -> Validated {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("model_graphs").join(model);
+    let source = std::fs::read_to_string(root.join("graph.mkc")).unwrap();
+    compile_with(&source, &Config::load(&root.join(config)).unwrap())
+}
+
+#[derive(Serialize)]
+struct PlanSummary {
+    fused_ops: BTreeMap<&'static str, usize>,
+    rules: BTreeMap<&'static str, usize>,
+    stages: usize,
+    tasks: usize,
+    counters: usize,
+    waits: usize,
+    buffers: usize,
+    threads: u32,
+    consumer_regs: u32,
+    pages: u32,
+    verified: verify::Proof,
+    weight_gb: String,
+    floor_us: String,
+    predicted_us: String,
+    tokens_per_s: String,
+}
+
+fn summary(p: &Plan) -> PlanSummary {
+    let mut fused_ops = BTreeMap::new();
+    let mut rules = BTreeMap::new();
+    for op in &p.fusion.ops {
+        *fused_ops.entry(plan::fuse::kind_name(op.kind)).or_insert(0) += 1;
+        for a in &op.applied {
+            *rules.entry(a.rule).or_insert(0) += 1;
+        }
+    }
+    let e = estimate::estimate(p);
+    PlanSummary {
+        fused_ops,
+        rules,
+        stages: p.tiling.stages.len(),
+        tasks: p.tiling.tasks.len(),
+        counters: p.schedule.counters.len(),
+        waits: p.schedule.sms.iter().flatten().map(|i| i.waits.len()).sum(),
+        buffers: p.tiling.buffers.len(),
+        threads: p.warps.layout.threads,
+        consumer_regs: p.warps.layout.consumer_regs,
+        pages: p.warps.layout.pages,
+        verified: p.verified,
+        weight_gb: format!("{:.3}", e.weight_bytes as f64 / 1e9),
+        floor_us: format!("{:.1}", e.floor_us),
+        predicted_us: format!("{:.1}", e.step_us),
+        tokens_per_s: format!("{:.1}", e.tokens_per_s),
+    }
+}
+
+#[test]
+fn every_model_plans_on_every_target() {
+    for model in ["kimi_k3", "kimi_k2", "kimi_linear"] {
+        let v = compile(model, "config.json");
+        for target in ["h200", "b200", "gb300"] {
+            let t = Target::load(target).unwrap();
+            let p = plan::plan(&v, &t, Options::default()).unwrap();
+            assert!(p.schedule.step_ns >= p.schedule.critical_path_ns - 1e-6);
+            assert!(p.schedule.step_ns >= p.schedule.floor_ns * 0.999);
+            insta::assert_yaml_snapshot!(format!("{model}_{target}"), summary(&p));
+        }
+    }
+}
+
+#[test]
+fn batch_8_and_the_peer_configuration_plan() {
+    let v = compile("kimi_k2", "bench_4l64e.json");
+    let t = Target::load("h200").unwrap();
+    for batch in [1, 8] {
+        let p = plan::plan(&v, &t, Options { batch, context: 4096 }).unwrap();
+        insta::assert_yaml_snapshot!(format!("kimi_k2_bench_4l64e_h200_batch{batch}"), summary(&p));
+    }
+}
+
+/// Every wait of a real plan is necessary: deleting it, or lowering its
+/// target by one, must make the verifier fail.
+fn mutate_every_wait(p: &Plan) -> usize {
+    let mut tried = 0;
+    for m in 0..p.schedule.sms.len() {
+        for i in 0..p.schedule.sms[m].len() {
+            for w in 0..p.schedule.sms[m][i].waits.len() {
+                let mut s = p.schedule.clone();
+                s.sms[m][i].waits.remove(w);
+                assert!(
+                    verify::verify(&p.fusion, &p.tiling, &s).is_err(),
+                    "deleting wait {w} of SM {m} instruction {i} went unnoticed"
+                );
+                let mut s = p.schedule.clone();
+                s.sms[m][i].waits[w].target -= 1;
+                assert!(
+                    verify::verify(&p.fusion, &p.tiling, &s).is_err(),
+                    "lowering wait {w} of SM {m} instruction {i} went unnoticed"
+                );
+                tried += 2;
+            }
+        }
+    }
+    tried
+}
+
+#[test]
+fn the_verifier_catches_every_removed_dependency() {
+    let mut tried = 0;
+    for model in ["kimi_k2", "kimi_linear", "kimi_k3"] {
+        let v = compile(model, "tiny.json");
+        // A small target keeps the plan small enough to mutate exhaustively.
+        let mut t = Target::load("h200").unwrap();
+        t.sms = 8;
+        let p = plan::plan(&v, &t, Options::default()).unwrap();
+        assert!(verify::verify(&p.fusion, &p.tiling, &p.schedule).is_ok());
+        let n = mutate_every_wait(&p);
+        assert!(n > 100, "{model}: only {n} mutations");
+        tried += n;
+    }
+    // Other mutations: a lost task, a wrong expected count, a wait on a later stage.
+    let v = compile("kimi_k2", "tiny.json");
+    let p = plan::plan(&v, &Target::load("h200").unwrap(), Options::default()).unwrap();
+    let mut s = p.schedule.clone();
+    let m = s.sms.iter().position(|l| !l.is_empty()).unwrap();
+    s.sms[m].pop();
+    assert!(verify::verify(&p.fusion, &p.tiling, &s).is_err());
+    let mut s = p.schedule.clone();
+    s.counters[3].expected += 1;
+    assert!(verify::verify(&p.fusion, &p.tiling, &s).is_err());
+    let mut s = p.schedule.clone();
+    let (m, i) = (0..s.sms.len())
+        .flat_map(|m| (0..s.sms[m].len()).map(move |i| (m, i)))
+        .find(|(m, i)| s.sms[*m][*i].stage == 0)
+        .unwrap();
+    s.sms[m][i].waits.push(plan::schedule::Wait { counter: 5, target: 1 });
+    assert!(verify::verify(&p.fusion, &p.tiling, &s).is_err());
+    tried += 3;
+    println!("verifier mutation test: {tried} mutations, all rejected");
+}
+
+#[test]
+fn bad_targets_are_refused_with_the_field_named() {
+    let good = std::fs::read_to_string(mkc::target::targets_dir().join("h200.yaml")).unwrap();
+    let e = Target::parse(&good.replace("sms: 132", "sms: lots"), "bad.yaml").unwrap_err();
+    assert!(e.reason.contains("bad.yaml") && e.reason.contains("sms"), "{e}");
+    let e = Target::parse(&good.replace("sms: 132\n", ""), "bad.yaml").unwrap_err();
+    assert!(e.reason.contains("missing field `sms`"), "{e}");
+    let e = Target::parse(&good.replace("arch: sm_90a", "arch: sm_80"), "bad.yaml").unwrap_err();
+    assert!(e.reason.contains("`arch`"), "{e}");
+    let e = Target::parse(&format!("{good}\nwarp_size: 64\n"), "bad.yaml").unwrap_err();
+    assert!(e.reason.contains("warp_size"), "{e}");
+    let e = Target::parse(&good.replace("smem_per_block: 232448", "smem_per_block: 40000"), "small.yaml");
+    let t = e.unwrap();
+    let v = compile("kimi_k2", "tiny.json");
+    let e = plan::plan(&v, &t, Options::default()).unwrap_err();
+    assert!(e.reason.contains("pages"), "{e}");
+    assert!(Target::load("h300").unwrap_err().help.unwrap().contains("b200, gb300, h200"));
+}
+
+// ---- random small graphs ------------------------------------------------------
+
+/// A random graph file of the shipped families (their graphs with random small
+/// configs) or a random chain of projections, norms and residual adds.
+fn random_config(family: usize, r: &[u64]) -> (String, String) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("model_graphs");
+    let model = ["kimi_k2", "kimi_linear", "kimi_k3"][family];
+    let source = std::fs::read_to_string(root.join(model).join("graph.mkc")).unwrap();
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join(model).join("tiny.json")).unwrap()).unwrap();
+    let cfg = if c.get("text_config").is_some() { c.get_mut("text_config").unwrap() } else { &mut c };
+    let layers = 1 + r[0] % 5;
+    let experts = 4 + r[1] % 13;
+    let top_k = 1 + r[2] % experts.min(4);
+    cfg["num_hidden_layers"] = layers.into();
+    cfg["hidden_size"] = (32 * (1 + r[3] % 4)).into();
+    for key in ["n_routed_experts", "num_experts"] {
+        if cfg.get(key).is_some() {
+            cfg[key] = experts.into();
+        }
+    }
+    for key in ["num_experts_per_tok", "num_experts_per_token"] {
+        if cfg.get(key).is_some() {
+            cfg[key] = top_k.into();
+        }
+    }
+    for key in ["n_group", "num_expert_group"] {
+        if cfg.get(key).is_some() {
+            cfg[key] = 1.into();
+        }
+    }
+    cfg["first_k_dense_replace"] = (r[4] % 2).into();
+    cfg["num_attention_heads"] = (1 + r[5] % 4).into();
+    if let Some(lin) = cfg.get_mut("linear_attn_config") {
+        let full: Vec<u64> = (1..=layers).filter(|l| (l + r[6]) % 3 == 0).collect();
+        lin["full_attn_layers"] = serde_json::json!(full);
+        lin["kda_layers"] = serde_json::json!((1..=layers).filter(|l| !full.contains(l)).collect::<Vec<_>>());
+    }
+    if let Some(obj) = cfg.as_object_mut() {
+        obj.remove("layer_types");
+        obj.remove("mlp_layer_types");
+        if obj.contains_key("attn_res_block_size") {
+            obj.insert("attn_res_block_size".into(), (1 + r[7] % 3).into());
+        }
+    }
+    (source, c.to_string())
+}
+
+fn random_chain(r: &[u64]) -> String {
+    let h = 32 * (1 + r[0] % 3);
+    let mut s = format!("model chain\nparams {{\n  h = {h}\n}}\ngraph {{\n  input token: i32[]\n  weight emb: bf16[64, h] = \"emb\"\n  x = embedding(token, emb)\n");
+    let n = 1 + r[1] % 12;
+    for i in 0..n {
+        let w = 16 * (1 + (r[2 + (i as usize % 6)] >> i) % 8);
+        match (r[2 + (i as usize % 6)] >> (2 * i)) % 4 {
+            0 => s += &format!("  weight n{i}: bf16[h] = \"n{i}\"\n  x = rms_norm(x, n{i})\n"),
+            1 => s += &format!("  weight a{i}: bf16[{w}, h] = \"a{i}\"\n  weight b{i}: bf16[h, {w}] = \"b{i}\"\n  x = add(x, linear(silu(linear(x, a{i})), b{i}))\n"),
+            2 => s += &format!("  weight g{i}: bf16[{w}, h] = \"g{i}\"\n  weight up{i}: bf16[{w}, h] = \"up{i}\"\n  weight d{i}: bf16[h, {w}] = \"d{i}\"\n  x = add(x, linear(act_and_mul(linear(x, g{i}), linear(x, up{i})), d{i}))\n"),
+            _ => s += &format!("  weight p{i}: bf16[h, h] = \"p{i}\"\n  y{i} = linear(x, p{i})\n  x = mul(x, sigmoid(y{i}))\n"),
+        }
+    }
+    s += "  weight head: bf16[64, h] = \"head\"\n  logits = lm_head(x, head)\n  next = argmax(logits)\n  output next, logits\n}\n";
+    s
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_small_graphs_plan_verify_and_respect_the_critical_path(
+        family in 0usize..4,
+        r in proptest::collection::vec(any::<u64>(), 8),
+        target in 0usize..3,
+        batch in 1u32..9,
+        sms in 4u32..140,
+        context in 1u64..5000,
+    ) {
+        let (source, config) = if family == 3 {
+            (random_chain(&r), "{}".to_string())
+        } else {
+            random_config(family, &r)
+        };
+        let config = Config::parse(&config, "random.json").unwrap();
+        let v = compile_with(&source, &config);
+        let mut t = Target::load(["h200", "b200", "gb300"][target]).unwrap();
+        t.sms = sms;
+        let p = plan::plan(&v, &t, Options { batch, context }).unwrap();
+        prop_assert!(p.schedule.step_ns + 1e-6 >= p.schedule.critical_path_ns,
+            "step {} below the critical path {}", p.schedule.step_ns, p.schedule.critical_path_ns);
+        prop_assert!(p.schedule.step_ns * 1.000001 >= p.schedule.floor_ns,
+            "step {} below the bandwidth floor {}", p.schedule.step_ns, p.schedule.floor_ns);
+        // Every task is scheduled exactly once.
+        let placed: usize = p.schedule.sms.iter().map(Vec::len).sum();
+        prop_assert_eq!(placed, p.tiling.tasks.len());
+    }
+}
