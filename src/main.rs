@@ -59,6 +59,9 @@ enum Command {
         /// Write the fused graph for Graphviz.
         #[arg(long)]
         dot: Option<PathBuf>,
+        /// Write a self-contained HTML page: the fused graph and the per-SM timeline.
+        #[arg(long)]
+        html: Option<PathBuf>,
     },
     /// Print the op graph.
     Graph {
@@ -123,7 +126,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plan { graph, target, config, estimate, batch, context, yaml, dot } => {
+        Command::Plan { graph, target, config, estimate, batch, context, yaml, dot, html } => {
             let v = load(&graph, config.as_deref(), None)?;
             let target = Target::load(&target).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
             let source = std::fs::read_to_string(&graph).unwrap_or_default();
@@ -143,6 +146,10 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             if let Some(path) = yaml {
                 let text = serde_yaml::to_string(&main).map_err(|e| format!("error: cannot write YAML: {e}\n"))?;
                 std::fs::write(&path, text).map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
+            }
+            if let Some(path) = html {
+                std::fs::write(&path, plan::html::to_html(&main))
+                    .map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
             }
             if let Some(path) = dot {
                 std::fs::write(&path, plan::dot::to_dot(&main))

@@ -211,7 +211,7 @@ fn random_config(family: usize, r: &[u64]) -> (String, String) {
     cfg["first_k_dense_replace"] = (r[4] % 2).into();
     cfg["num_attention_heads"] = (1 + r[5] % 4).into();
     if let Some(lin) = cfg.get_mut("linear_attn_config") {
-        let full: Vec<u64> = (1..=layers).filter(|l| (l + r[6]) % 3 == 0).collect();
+        let full: Vec<u64> = (1..=layers).filter(|l| (l + r[6]).is_multiple_of(3)).collect();
         lin["full_attn_layers"] = serde_json::json!(full);
         lin["kda_layers"] = serde_json::json!((1..=layers).filter(|l| !full.contains(l)).collect::<Vec<_>>());
     }

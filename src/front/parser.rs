@@ -18,10 +18,17 @@ struct GraphParser;
 
 /// Deepest bracket nesting accepted.
 pub const MAX_NESTING: usize = 64;
+/// Most operators and operands in one expression, and most `else if` in a
+/// file: both recurse in the parser and the evaluator, so they are bounded
+/// to keep hostile input from exhausting the stack.
+pub const MAX_EXPR_TERMS: usize = 512;
+/// Most `else if` branches in one file.
+pub const MAX_ELSE_IF: usize = 256;
 
 /// Parses a graph file.
 pub fn parse_str(src: &str) -> Result<File> {
     check_nesting(src)?;
+    check_else_if(src)?;
     let mut pairs = GraphParser::parse(Rule::file, src).map_err(syntax_error)?;
     let file = pairs.next().expect("pest returns the file rule");
     build_file(file)
@@ -31,6 +38,7 @@ fn check_nesting(src: &str) -> Result<()> {
     let mut depth = 0usize;
     let mut in_comment = false;
     let mut in_string = false;
+    let mut escaped = false;
     for (i, c) in src.char_indices() {
         match c {
             '\n' => {
@@ -38,6 +46,8 @@ fn check_nesting(src: &str) -> Result<()> {
                 in_string = false;
             }
             _ if in_comment => {}
+            _ if in_string && escaped => escaped = false,
+            '\\' if in_string => escaped = true,
             '"' => in_string = !in_string,
             _ if in_string => {}
             '#' => in_comment = true,
@@ -55,6 +65,27 @@ fn check_nesting(src: &str) -> Result<()> {
             ')' | ']' | '}' => depth = depth.saturating_sub(1),
             _ => {}
         }
+    }
+    Ok(())
+}
+
+fn check_else_if(src: &str) -> Result<()> {
+    let mut count = 0;
+    let mut rest = src;
+    let mut offset = 0;
+    while let Some(i) = rest.find("else") {
+        let after = rest[i + 4..].trim_start();
+        if after.starts_with("if") && !after[2..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_') {
+            count += 1;
+            if count > MAX_ELSE_IF {
+                return Err(Error::new(ErrorKind::Limit, format!("more than {MAX_ELSE_IF} `else if` branches"))
+                    .at(Span::new(offset + i, offset + i + 4))
+                    .label("one too many")
+                    .help("select with a lookup instead: `if x in [...]`"));
+            }
+        }
+        offset += i + 4;
+        rest = &rest[i + 4..];
     }
     Ok(())
 }
@@ -140,9 +171,38 @@ fn syntax_error(e: pest::error::Error<Rule>) -> Error {
         .label("here")
 }
 
+/// The pair's span without the whitespace and comments pest may have
+/// consumed at its end, so carets stop at the last token.
 fn span_of(p: &Pair<Rule>) -> Span {
     let s = p.as_span();
-    Span::new(s.start(), s.end())
+    let mut text = p.as_str();
+    loop {
+        let trimmed = text.trim_end();
+        let line_start = trimmed.rfind('\n').map_or(0, |nl| nl + 1);
+        match comment_start(&trimmed[line_start..]) {
+            Some(h) => text = &trimmed[..line_start + h],
+            None => {
+                text = trimmed;
+                break;
+            }
+        }
+    }
+    Span::new(s.start(), s.start() + text.len().max(usize::from(s.end() > s.start())))
+}
+
+/// Where a `#` comment starts on `line`, outside string literals.
+fn comment_start(line: &str) -> Option<usize> {
+    let (mut in_string, mut escaped) = (false, false);
+    for (i, c) in line.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_string => escaped = true,
+            '"' => in_string = !in_string,
+            '#' if !in_string => return Some(i),
+            _ => {}
+        }
+    }
+    None
 }
 
 fn ident(p: Pair<Rule>) -> Ident {
@@ -414,6 +474,16 @@ thread_local! {
 }
 
 fn build_expr(p: Pair<Rule>) -> Result<Expr> {
+    let terms = p.clone().into_inner().count();
+    if terms > MAX_EXPR_TERMS {
+        return Err(Error::new(
+            ErrorKind::Limit,
+            format!("an expression of {terms} operators and operands; at most {MAX_EXPR_TERMS} are allowed"),
+        )
+        .at(span_of(&p))
+        .label("too long")
+        .help("split it with `let` bindings"));
+    }
     PRATT.with(|pratt| build_expr_with(pratt, p.into_inner()))
 }
 

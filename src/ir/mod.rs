@@ -156,6 +156,8 @@ pub struct Graph {
     pub g: StableDiGraph<Node, Edge>,
     /// Named results of the step.
     pub outputs: Vec<(String, ValueRef)>,
+    /// The `graph { ... }` the step came from.
+    pub span: Span,
 }
 
 impl Graph {

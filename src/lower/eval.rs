@@ -32,8 +32,8 @@ pub enum Const {
     DType(DType),
     /// The symbolic maximum context length (only a whole state dimension).
     Ctx,
-    /// A config key that is not there, by its path.
-    Missing(String),
+    /// A config key that is not there: its path and where it was read.
+    Missing(String, Span),
 }
 
 impl Const {
@@ -49,7 +49,7 @@ impl Const {
             Const::Map(_) => "mapping",
             Const::DType(_) => "dtype",
             Const::Ctx => "ctx",
-            Const::Missing(_) => "missing",
+            Const::Missing(..) => "missing",
         }
     }
 }
@@ -78,8 +78,17 @@ impl fmt::Display for Const {
             Const::Map(_) => f.write_str("{...}"),
             Const::DType(d) => write!(f, "{d}"),
             Const::Ctx => f.write_str("ctx"),
-            Const::Missing(p) => write!(f, "<missing {p}>"),
+            Const::Missing(p, _) => write!(f, "<missing {p}>"),
         }
+    }
+}
+
+/// A type name with its article: `an int`, `a string`.
+pub fn a(type_name: &str) -> String {
+    if type_name.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        format!("an {type_name}")
+    } else {
+        format!("a {type_name}")
     }
 }
 
@@ -105,7 +114,7 @@ pub fn missing_err(path: &str, span: Span) -> Error {
 /// Fails on [`Const::Missing`], passes anything else through.
 pub fn present(v: Const, span: Span) -> Result<Const> {
     match v {
-        Const::Missing(p) => Err(missing_err(&p, span)),
+        Const::Missing(p, at) => Err(missing_err(&p, if at == Span::default() { span } else { at })),
         v => Ok(v),
     }
 }
@@ -133,15 +142,16 @@ pub fn eval(e: &Expr, names: &dyn Names) -> Result<Const> {
             Const::List(items.iter().map(|x| eval(x, names).and_then(|v| present(v, x.span))).collect::<Result<_>>()?)
         }
         ExprKind::Member(base, key) => match eval(base, names)? {
-            Const::Map(m) => {
-                m.get(&key.node).cloned().unwrap_or_else(|| Const::Missing(format!("{}.{}", path_of(base), key.node)))
-            }
-            Const::Missing(p) => Const::Missing(format!("{p}.{}", key.node)),
+            Const::Map(m) => m
+                .get(&key.node)
+                .cloned()
+                .unwrap_or_else(|| Const::Missing(format!("{}.{}", path_of(base), key.node), span)),
+            Const::Missing(p, _) => Const::Missing(format!("{p}.{}", key.node), span),
             // A null section (`quantization_config: null`) has no keys.
-            Const::Null => Const::Missing(format!("{}.{}", path_of(base), key.node)),
+            Const::Null => Const::Missing(format!("{}.{}", path_of(base), key.node), span),
             other => {
                 return Err(value_err(
-                    format!("`{}` is a {}, not a config section", path_of(base), other.type_name()),
+                    format!("`{}` is {}, not a config section", path_of(base), a(other.type_name())),
                     base.span,
                 )
                 .label(format!("has no key `{}`", key.node)))
@@ -155,20 +165,23 @@ pub fn eval(e: &Expr, names: &dyn Names) -> Result<Const> {
                     if i >= 0 && (i as usize) < items.len() {
                         items[i as usize].clone()
                     } else {
-                        Const::Missing(format!("{}[{i}]", path_of(base)))
+                        Const::Missing(format!("{}[{i}]", path_of(base)), span)
                     }
                 }
-                (Const::Missing(p), Const::Int(i)) => Const::Missing(format!("{p}[{i}]")),
+                (Const::Missing(p, _), Const::Int(i)) => Const::Missing(format!("{p}[{i}]"), span),
                 (Const::List(_), i) => {
                     return Err(value_err(format!("list index must be an int, found {}", i.type_name()), idx.span))
                 }
                 (b, _) => {
-                    return Err(value_err(format!("cannot index a {}", b.type_name()), base.span).label("not a list"))
+                    return Err(value_err(format!("cannot index {}", a(b.type_name())), base.span).label("not a list"))
                 }
             }
         }
         ExprKind::Unary(op, x) => {
-            let v = present(eval(x, names)?, x.span)?;
+            let v = eval(x, names)?;
+            if let Const::Missing(..) = v {
+                return Ok(v);
+            }
             match (op, v) {
                 (UnaryOp::Neg, Const::Int(i)) => {
                     Const::Int(i.checked_neg().ok_or_else(|| value_err("integer overflow", span))?)
@@ -233,12 +246,15 @@ fn binary(op: BinOp, a: &Expr, b: &Expr, span: Span, names: &dyn Names) -> Resul
     match op {
         BinOp::Coalesce => {
             return match lhs {
-                Const::Missing(_) | Const::Null => eval(b, names),
+                Const::Missing(..) | Const::Null => eval(b, names),
                 v => Ok(v),
             }
         }
         BinOp::And | BinOp::Or => {
-            let l = match present(lhs, a.span)? {
+            if let Const::Missing(..) = lhs {
+                return Ok(lhs);
+            }
+            let l = match lhs {
                 Const::Bool(x) => x,
                 v => return Err(value_err(format!("`{}` needs bools, found {}", op.symbol(), v.type_name()), a.span)),
             };
@@ -249,8 +265,16 @@ fn binary(op: BinOp, a: &Expr, b: &Expr, span: Span, names: &dyn Names) -> Resul
         }
         _ => {}
     }
-    let lhs = present(lhs, a.span)?;
-    let rhs = present(eval(b, names)?, b.span)?;
+    // A missing key flows through operators so that `??` can still catch
+    // it (`(l + 1) in config.list ?? default`); it is an error only where a
+    // value is finally needed, and then it points at the read.
+    if let Const::Missing(..) = lhs {
+        return Ok(lhs);
+    }
+    let rhs = eval(b, names)?;
+    if let Const::Missing(..) = rhs {
+        return Ok(rhs);
+    }
     if matches!(lhs, Const::Ctx) || matches!(rhs, Const::Ctx) {
         return Err(value_err("`ctx` can only be a whole dimension of a state", span)
             .label("arithmetic on ctx")
@@ -290,7 +314,7 @@ fn binary(op: BinOp, a: &Expr, b: &Expr, span: Span, names: &dyn Names) -> Resul
                     BinOp::Sub => l.checked_sub(r).ok_or_else(overflow)?,
                     BinOp::Mul => l.checked_mul(r).ok_or_else(overflow)?,
                     BinOp::Div | BinOp::FloorDiv | BinOp::Rem if r == 0 => {
-                        return Err(value_err("division by zero", span).label(format!("{} is 0", path_of(b))))
+                        return Err(value_err("division by zero", span).label("divides by 0"))
                     }
                     BinOp::Div => {
                         if l.checked_rem(r).ok_or_else(overflow)? != 0 {

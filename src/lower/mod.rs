@@ -50,6 +50,7 @@ pub fn lower(file: &File, config: &Config, limits: Limits) -> Result<Graph> {
             .label("this model")
             .help("add a `graph` that reads the token and ends with `output`"));
     };
+    cx.graph.span = graph.span;
     let mut frame = Frame::new(String::new(), true);
     cx.exec(&mut frame, &graph.node)?;
     if cx.graph.outputs.is_empty() {
@@ -95,6 +96,7 @@ struct Lowerer<'a> {
     graph: Graph,
     weights_by_key: HashMap<String, NodeId>,
     state_names: HashMap<String, NodeId>,
+    names: HashMap<String, u32>,
     iterations: u64,
     depth: usize,
     limits: Limits,
@@ -134,6 +136,7 @@ impl<'a> Lowerer<'a> {
             graph: Graph { model: file.model.node.clone(), ..Graph::default() },
             weights_by_key: HashMap::new(),
             state_names: HashMap::new(),
+            names: HashMap::new(),
             iterations: 0,
             depth: 0,
             limits,
@@ -197,7 +200,19 @@ impl<'a> Lowerer<'a> {
         Scope { frame, cx: self }
     }
 
-    fn add_node(&mut self, node: Node) -> Result<NodeId> {
+    /// `name`, or `name#2`, `name#3`... if it is taken: node names are unique.
+    fn unique(&mut self, name: String) -> String {
+        let n = self.names.entry(name.clone()).or_insert(0);
+        *n += 1;
+        if *n > 1 {
+            format!("{name}#{n}")
+        } else {
+            name
+        }
+    }
+
+    fn add_node(&mut self, mut node: Node) -> Result<NodeId> {
+        node.name = self.unique(std::mem::take(&mut node.name));
         if self.graph.g.node_count() >= self.limits.max_nodes {
             return Err(Error::new(ErrorKind::Limit, format!("the graph grows past {} nodes", self.limits.max_nodes))
                 .at(node.span)
@@ -325,7 +340,8 @@ impl<'a> Lowerer<'a> {
                     && !self.blocks.contains_key(c.callee.node.as_str()));
                 if let (true, Some(first), Some(v)) = (is_op_call, targets.first(), vals.first()) {
                     if let Some(id) = self.op_id(*v) {
-                        self.graph.g[id.0].name = frame.name(&first.node);
+                        let name = self.unique(frame.name(&first.node));
+                        self.graph.g[id.0].name = name;
                     }
                 }
                 for (t, v) in targets.iter().zip(vals) {

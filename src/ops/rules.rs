@@ -450,23 +450,24 @@ fn mla_decode(attrs: &Attrs, ops: &Ops) -> R {
         return Err(format!("`rope` must not be negative, found {rope}"));
     }
     let rope = rope as u64;
+    let big = || "head sizes overflow".to_string();
+    let q_len = nope.checked_add(rope).and_then(|x| x.checked_mul(heads)).ok_or_else(big)?;
+    let kv_rows = nope.checked_add(v_dim).and_then(|x| x.checked_mul(heads)).ok_or_else(big)?;
+    heads.checked_mul(v_dim).ok_or_else(big)?;
     let qn = vector(q, "q")?;
-    if qn != heads * (nope + rope) {
-        return Err(format!("q must be heads x (nope + rope) = {}, found {q}", heads * (nope + rope)));
+    if qn != q_len {
+        return Err(format!("q must be heads x (nope + rope) = {q_len}, found {q}"));
     }
     let c = vector(ckv, "c_kv")?;
     let kp = vector(kpe, "k_pe")?;
     if kp != rope {
         return Err(format!("k_pe must have `rope` = {rope} values, found {kpe}"));
     }
-    if wkvb.shape != [heads * (nope + v_dim), c] {
-        return Err(format!(
-            "w_kv_b must be [heads x (nope + v_dim), kv_lora] = [{}, {c}], found {wkvb}",
-            heads * (nope + v_dim)
-        ));
+    if wkvb.shape != [kv_rows, c] {
+        return Err(format!("w_kv_b must be [heads x (nope + v_dim), kv_lora] = [{kv_rows}, {c}], found {wkvb}"));
     }
     match cache.shape.as_slice() {
-        [_, w] if *w == c + rope => {}
+        [_, w] if Some(*w) == c.checked_add(rope) => {}
         _ => return Err(format!("the cache must be [ctx, kv_lora + rope] = [ctx, {}], found {cache}", c + rope)),
     }
     Ok(vec![t(DType::Bf16, vec![heads * v_dim])])
@@ -475,7 +476,8 @@ fn mla_decode(attrs: &Attrs, ops: &Ops) -> R {
 fn kda_decode(attrs: &Attrs, ops: &Ops) -> R {
     let heads = positive(attrs, "heads")?;
     let d = positive(attrs, "head_dim")?;
-    let p = heads * d;
+    let p = heads.checked_mul(d).ok_or("heads x head_dim overflows")?;
+    d.checked_mul(d).and_then(|x| x.checked_mul(heads)).ok_or("the state size overflows")?;
     for (i, name) in ["q", "k", "v", "f"].iter().enumerate() {
         let x = get(ops, i);
         if x.shape != [p] {
@@ -524,7 +526,7 @@ fn router(attrs: &Attrs, ops: &Ops) -> R {
     if topk_group > groups {
         return Err(format!("topk_group {topk_group} exceeds n_group {groups}"));
     }
-    if k > topk_group * (e / groups) {
+    if k > topk_group.saturating_mul(e / groups) {
         return Err(format!(
             "top_k {k} exceeds the {} experts left in {topk_group} of {groups} groups",
             topk_group * (e / groups)
@@ -589,7 +591,7 @@ fn split(attrs: &Attrs, ops: &Ops) -> R {
     if sizes.len() < 2 || sizes.iter().any(|s| *s <= 0) {
         return Err(format!("`sizes` must list at least two positive sizes, found {sizes:?}"));
     }
-    let total: i64 = sizes.iter().sum();
+    let total = sizes.iter().try_fold(0i64, |a, s| a.checked_add(*s)).ok_or("`sizes` overflow")?;
     if total as u64 != n {
         return Err(format!("`sizes` sum to {total} but x has {n} values"));
     }

@@ -23,6 +23,7 @@
 pub mod dot;
 pub mod estimate;
 pub mod fuse;
+pub mod html;
 pub mod schedule;
 pub mod specialize;
 pub mod tile;
