@@ -421,7 +421,16 @@ fn name_of(g: &Graph, members: &[NodeId], kind: FusedKind) -> String {
     anchors.sort();
     let first = &g.node(*anchors[0]).name;
     let (prefix, _) = first.rsplit_once('/').unwrap_or(("", first));
-    let locals: Vec<&str> = anchors.iter().map(|a| g.node(**a).name.rsplit('/').next().unwrap_or("")).take(6).collect();
+    // A linear without a name of its own is named after its weight.
+    let local = |id: NodeId| -> &str {
+        let own = g.node(id).name.rsplit('/').next().unwrap_or("");
+        let unnamed = own.split('#').next() == Some("linear");
+        match (unnamed, g.operands(id).get(1)) {
+            (true, Some(w)) => g.node(w.node).name.rsplit('/').next().unwrap_or(own),
+            _ => own,
+        }
+    };
+    let locals: Vec<&str> = anchors.iter().map(|a| local(**a)).take(6).collect();
     let more = if anchors.len() > 6 { format!("+{}", anchors.len() - 6) } else { String::new() };
     if prefix.is_empty() {
         format!("{}({}{more})", kind_name(kind), locals.join(","))

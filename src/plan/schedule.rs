@@ -3,7 +3,8 @@
 //!
 //! Cost model (per SM, all SMs streaming at once): HBM bytes move at
 //! `read_bandwidth / sms`; math runs at the faster of CUDA-core fp32 and
-//! tensor cores used at width `round_up(batch, 8)` of 256; each task costs a
+//! tensor cores at `round_up(batch, 8) / 64` of their peak (the weight operand
+//! read from shared memory bounds narrow MMAs); each task costs a
 //! fixed [`TASK_OVERHEAD_NS`]; each dependency hand-off costs the target's
 //! `sync_latency_ns`. A task's weights (and state) do not depend on
 //! activations, so the loader streams them as soon as the previous task's
@@ -128,9 +129,12 @@ fn covers(c: &Clock, need: &Clock) -> bool {
 pub fn schedule(_fusion: &super::fuse::Fusion, tiling: &Tiling, target: &Target, opts: Options) -> Result<Schedule> {
     let sms = target.sms as usize;
     let bw_sm = target.read_bandwidth() / f64::from(target.sms) / 1e9; // bytes per ns
-    let width = f64::from(opts.batch.div_ceil(8) * 8).min(256.0);
-    let rate =
-        (target.flops.fp32_cuda_core.max(target.flops.bf16_tensor * width / 256.0)) / f64::from(target.sms) / 1e9;
+                                                                       // Tensor cores on a narrow batch (the activations as the N operand, N a
+                                                                       // multiple of 8) are bounded by reading the weight operand from shared
+                                                                       // memory: about N/64 of peak.
+    let width = f64::from(opts.batch.div_ceil(8) * 8);
+    let tensor = target.flops.bf16_tensor * (width / 64.0).min(1.0);
+    let rate = target.flops.fp32_cuda_core.max(tensor) / f64::from(target.sms) / 1e9;
     let sync = target.sync_latency_ns;
     let need = needs(tiling);
 
