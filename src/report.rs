@@ -65,8 +65,8 @@ pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
                 tensors += n * if w.scale_key.is_some() { 2 } else { 1 };
                 let elems = w.ty.elements();
                 let bytes = w.ty.bytes();
-                total += n * elems;
-                weight_bytes += n * bytes;
+                total = total.saturating_add(n.saturating_mul(elems));
+                weight_bytes = weight_bytes.saturating_add(n.saturating_mul(bytes));
                 let users: Vec<_> = g
                     .users(id)
                     .into_iter()
@@ -79,20 +79,20 @@ pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
                 if only(OpKind::Embedding) {
                     let row = w.ty.bytes() / w.ty.shape[0].max(1);
                     for (i, b) in batches.iter().enumerate() {
-                        per_batch[i] += (*b * row) as f64;
+                        per_batch[i] += *b as f64 * row as f64;
                     }
                 } else if w.family.is_some() && only(OpKind::Moe) {
                     let k = users.iter().map(|(u, _)| g.value_type(g.operands(*u)[1]).elements()).max().unwrap_or(n);
-                    active += k.min(n) * elems;
+                    active = active.saturating_add(k.min(n).saturating_mul(elems));
                     for (i, b) in batches.iter().enumerate() {
                         let p = k.min(n) as f64 / n as f64;
                         let distinct = n as f64 * (1.0 - (1.0 - p).powf(*b as f64));
                         per_batch[i] += distinct * bytes as f64;
                     }
                 } else {
-                    active += n * elems;
+                    active = active.saturating_add(n.saturating_mul(elems));
                     for x in per_batch.iter_mut() {
-                        *x += (n * bytes) as f64;
+                        *x += n as f64 * bytes as f64;
                     }
                 }
             }
@@ -100,7 +100,7 @@ pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
                 let local = node.name.rsplit('/').next().unwrap_or(&node.name).to_string();
                 let e = state.entry(local).or_insert((0, 0));
                 e.0 += 1;
-                e.1 += s.bytes(context);
+                e.1 = e.1.saturating_add(s.bytes(context));
             }
             NodeKind::Input => {}
         }

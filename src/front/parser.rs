@@ -29,7 +29,7 @@ pub const MAX_ELSE_IF: usize = 256;
 pub fn parse_str(src: &str) -> Result<File> {
     check_nesting(src)?;
     check_else_if(src)?;
-    let mut pairs = GraphParser::parse(Rule::file, src).map_err(syntax_error)?;
+    let mut pairs = GraphParser::parse(Rule::file, src).map_err(|e| syntax_error(e, src.len()))?;
     let file = pairs.next().expect("pest returns the file rule");
     build_file(file)
 }
@@ -148,7 +148,7 @@ fn rule_name(rule: &Rule) -> Option<&'static str> {
     })
 }
 
-fn syntax_error(e: pest::error::Error<Rule>) -> Error {
+fn syntax_error(e: pest::error::Error<Rule>, len: usize) -> Error {
     let (start, end) = match e.location {
         pest::error::InputLocation::Pos(p) => (p, p),
         pest::error::InputLocation::Span((s, t)) => (s, t),
@@ -166,9 +166,9 @@ fn syntax_error(e: pest::error::Error<Rule>) -> Error {
         }
         pest::error::ErrorVariant::CustomError { message } => message.clone(),
     };
-    Error::new(ErrorKind::Syntax, format!("syntax error: {reason}"))
-        .at(Span::new(start, end.max(start + 1)))
-        .label("here")
+    // One character wide, or empty at the very end of the file.
+    let end = end.max(start + 1).min(len);
+    Error::new(ErrorKind::Syntax, format!("syntax error: {reason}")).at(Span::new(start.min(end), end)).label("here")
 }
 
 /// The pair's span without the whitespace and comments pest may have

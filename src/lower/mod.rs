@@ -33,11 +33,19 @@ pub struct Limits {
     pub max_call_depth: usize,
     /// Most elements in one tensor.
     pub max_elements: u64,
+    /// Most checkpoint tensors in all (expert families expanded).
+    pub max_tensors: u64,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_nodes: 1_000_000, max_iterations: 1_000_000, max_call_depth: 32, max_elements: 1 << 50 }
+        Limits {
+            max_nodes: 1_000_000,
+            max_iterations: 1_000_000,
+            max_call_depth: 32,
+            max_elements: 1 << 50,
+            max_tensors: 8_000_000,
+        }
     }
 }
 
@@ -97,6 +105,7 @@ struct Lowerer<'a> {
     weights_by_key: HashMap<String, NodeId>,
     state_names: HashMap<String, NodeId>,
     names: HashMap<String, u32>,
+    tensors: u64,
     iterations: u64,
     depth: usize,
     limits: Limits,
@@ -137,6 +146,7 @@ impl<'a> Lowerer<'a> {
             weights_by_key: HashMap::new(),
             state_names: HashMap::new(),
             names: HashMap::new(),
+            tensors: 0,
             iterations: 0,
             depth: 0,
             limits,
@@ -572,6 +582,17 @@ impl<'a> Lowerer<'a> {
                 *id
             }
             None => {
+                let members = family.as_ref().map_or(1, |f| f.1) * if scale_key.is_some() { 2 } else { 1 };
+                self.tensors += members;
+                if self.tensors > self.limits.max_tensors {
+                    return Err(Error::new(
+                        ErrorKind::Limit,
+                        format!("the graph reads more than {} checkpoint tensors", self.limits.max_tensors),
+                    )
+                    .at(w.span)
+                    .label("while declaring this")
+                    .help("check expert counts and loop bounds"));
+                }
                 let id = self.add_node(Node {
                     kind: NodeKind::Weight(Weight { key: key.clone(), family, scale_key, ty: stored }),
                     outputs: vec![ty],
