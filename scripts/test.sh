@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The project's test command: format check, clippy with warnings denied, all tests.
+# The project's test command: format check, clippy with warnings denied, the
+# device runtime compiled by nvcc for sm_90a, sm_100a and sm_103a, all tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
+scripts/build_device.sh
 cargo test --locked --release

@@ -1,0 +1,84 @@
+// mkc device runtime: the persistent megakernel loop.
+//
+// One CTA per SM, launched once per decode step. Warps 0-7 are consumers,
+// warp 8 the loader, warp 9 the controller:
+//   controller: for each instruction of this SM's list, waits on its counters
+//               (acquire), releases the consumers (named barrier 1), waits for
+//               them to finish (named barrier 2), then bumps the instruction's
+//               counter (release);
+//   loader:     streams every instruction's weights into the page ring, never
+//               waiting on counters (weights do not depend on activations);
+//   consumers:  run the instruction's math between the two barriers.
+// A debug build bounds every counter wait: on timeout the controller writes
+// a HangReport (SM, instruction, counter, expected, seen) to host-mapped
+// memory and traps, so the host can print the report instead of hanging.
+#pragma once
+
+#include "instruction.cuh"
+#include "projection.cuh"
+
+namespace mkc {
+
+constexpr int kLoaderWarp = kConsumerWarps;
+constexpr int kControllerWarp = kConsumerWarps + 1;
+constexpr int kThreads = (kConsumerWarps + 2) * 32;
+constexpr int kBarrierThreads = (kConsumerWarps + 1) * 32;  // consumers + controller
+constexpr size_t kSmemBytes = sizeof(Ring);
+
+// The plan of one step, as device pointers.
+struct Program {
+  const Instruction* instructions;  // all SMs' lists, back to back
+  const uint32_t* sm_begin;         // [sms + 1]: SM s runs instructions[sm_begin[s] .. sm_begin[s+1])
+  const Wait* waits;
+  const ProjectionTask* projections;
+  uint32_t* counters;
+  HangReport* report;               // host-mapped
+};
+
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <bool kDebug>
+__global__ void __launch_bounds__(kThreads, 1) megakernel(Program p, uint32_t step) {
+  Ring& ring = *ring_ptr();
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) ring_init(ring);
+  __syncthreads();
+  const uint32_t begin = p.sm_begin[blockIdx.x];
+  const uint32_t end = p.sm_begin[blockIdx.x + 1];
+  uint32_t it = 0;  // ring position, continuous across instructions
+
+  if (warp == kLoaderWarp) {
+    for (uint32_t i = begin; i < end; ++i) {
+      const Instruction ins = p.instructions[i];
+      if (ins.opcode == kProjectionRows) projection_load(p.projections[ins.task], it);
+    }
+  } else if (warp == kControllerWarp) {
+    for (uint32_t i = begin; i < end; ++i) {
+      const Instruction ins = p.instructions[i];
+      if (threadIdx.x % 32 == 0) {
+        bool ok = true;
+        for (uint32_t w = 0; w < ins.n_waits && ok; ++w) {
+          ok = wait_counter<kDebug>(p.counters, p.waits[ins.first_wait + w], step, i, p.report);
+        }
+        if (!ok) __trap();  // the HangReport is in host memory
+      }
+      __syncwarp();
+      named_barrier(1, kBarrierThreads);  // consumers may start
+      named_barrier(2, kBarrierThreads);  // consumers are done, their stores fenced
+      if (threadIdx.x % 32 == 0) add_release(p.counters + ins.signal, 1);
+      __syncwarp();
+    }
+  } else {
+    for (uint32_t i = begin; i < end; ++i) {
+      const Instruction ins = p.instructions[i];
+      named_barrier(1, kBarrierThreads);
+      if (ins.opcode == kProjectionRows) projection_compute(p.projections[ins.task], it, warp);
+      __threadfence();
+      named_barrier(2, kBarrierThreads);
+    }
+  }
+}
+
+}  // namespace mkc

@@ -1,0 +1,123 @@
+// mkc device runtime: the projection fused operation (output-row tiles of
+// y = x W^T for a batch of up to 8 tokens), split into its two warp roles.
+//
+// The loader warp streams the task's weight rows into a ring of shared-memory
+// pages with bulk copies completed on mbarriers; it never waits on dependency
+// counters, so it runs ahead into the next instructions' weights while the
+// consumers still work. Eight consumer warps take one row of each page each,
+// multiply it with the activations (read through L2) and accumulate in fp32.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+namespace mkc {
+
+// One projection task: rows [row0, row0 + rows) of W [n_out, k] (row-major,
+// bf16), for `batch` tokens of x [batch, k], written to y [batch, n_out].
+struct ProjectionTask {
+  const __nv_bfloat16* w;
+  const __nv_bfloat16* x;
+  __nv_bfloat16* y;
+  uint32_t row0;
+  uint32_t rows;
+  uint32_t k;
+  uint32_t n_out;
+  uint32_t batch;
+};
+
+constexpr int kMaxBatch = 8;
+constexpr int kConsumerWarps = 8;
+// A page holds kPageRows rows of kPageK weights: 16 KiB of bf16.
+constexpr int kPageRows = kConsumerWarps;
+constexpr int kPageK = 1024;
+constexpr int kPageBytes = kPageRows * kPageK * 2;
+constexpr int kPages = 12;
+
+// The ring: pages and their full/empty barriers, shared by both roles.
+struct Ring {
+  alignas(128) __nv_bfloat16 page[kPages][kPageRows * kPageK];
+  alignas(8) uint64_t full[kPages];
+  alignas(8) uint64_t empty[kPages];
+};
+
+using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+// The ring lives at the start of the kernel's dynamic shared memory.
+__device__ inline Ring* ring_ptr() {
+  extern __shared__ __align__(128) unsigned char mkc_smem[];
+  return reinterpret_cast<Ring*>(mkc_smem);
+}
+
+__device__ inline void ring_init(Ring& ring) {
+  for (int i = 0; i < kPages; ++i) {
+    Barrier::init(&ring.full[i], 1);
+    Barrier::init(&ring.empty[i], kConsumerWarps);
+  }
+  cutlass::arch::fence_barrier_init();
+}
+
+// Loader side: streams the task's pages; `it` is the ring position shared
+// across instructions.
+__device__ inline void projection_load(const ProjectionTask& t, uint32_t& it) {
+  const int lane = threadIdx.x % 32;
+  // The weight rows of this task as a CuTe tensor: (row, k).
+  auto W = cute::make_tensor(cute::make_gmem_ptr(t.w + size_t(t.row0) * t.k),
+                             cute::make_layout(cute::make_shape(t.rows, t.k), cute::make_stride(t.k, 1u)));
+  for (uint32_t r0 = 0; r0 < t.rows; r0 += kPageRows) {
+    const uint32_t nr = min(uint32_t(kPageRows), t.rows - r0);
+    for (uint32_t k0 = 0; k0 < t.k; k0 += kPageK, ++it) {
+      const uint32_t nk = min(uint32_t(kPageK), t.k - k0);
+      const int slot = it % kPages;
+      const uint32_t phase = (it / kPages) & 1;
+      if (lane == 0) {
+        Barrier::wait(&ring_ptr()->empty[slot], phase ^ 1);
+        Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * nk * 2);
+        for (uint32_t r = 0; r < nr; ++r) {
+          cute::SM90_BULK_COPY_G2S::copy(&W(r0 + r, k0), &ring_ptr()->full[slot],
+                                         &ring_ptr()->page[slot][r * kPageK], int32_t(nk * 2));
+        }
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// Consumer side: warp `warp` (0..7) computes row r0 + warp of each row block.
+__device__ inline void projection_compute(const ProjectionTask& t, uint32_t& it, int warp) {
+  const int lane = threadIdx.x % 32;
+  auto X = cute::make_tensor(cute::make_gmem_ptr(t.x),
+                             cute::make_layout(cute::make_shape(t.batch, t.k), cute::make_stride(t.k, 1u)));
+  for (uint32_t r0 = 0; r0 < t.rows; r0 += kPageRows) {
+    float acc[kMaxBatch] = {};
+    for (uint32_t k0 = 0; k0 < t.k; k0 += kPageK, ++it) {
+      const uint32_t nk = min(uint32_t(kPageK), t.k - k0);
+      const int slot = it % kPages;
+      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      if (r0 + warp < t.rows) {
+        const __nv_bfloat162* wrow = reinterpret_cast<const __nv_bfloat162*>(&ring_ptr()->page[slot][warp * kPageK]);
+        for (uint32_t e = 2 * lane; e < nk; e += 64) {
+          const float2 w2 = __bfloat1622float2(wrow[e / 2]);
+          for (uint32_t b = 0; b < t.batch; ++b) {
+            const float2 x2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&X(b, k0 + e)));
+            acc[b] = fmaf(w2.x, x2.x, fmaf(w2.y, x2.y, acc[b]));
+          }
+        }
+      }
+      __syncwarp();
+      if (lane == 0) Barrier::arrive(&ring_ptr()->empty[slot]);
+    }
+    if (r0 + warp < t.rows) {
+      for (uint32_t b = 0; b < t.batch; ++b) {
+        float v = acc[b];
+        for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+        if (lane == 0) t.y[size_t(b) * t.n_out + t.row0 + r0 + warp] = __float2bfloat16(v);
+      }
+    }
+  }
+}
+
+}  // namespace mkc

@@ -1,0 +1,165 @@
+// GPU test of the megakernel skeleton: two dependent projection stages spread
+// over several SMs' instruction lists, three decode steps without resetting
+// the counters, every output element compared with a CPU reference; then a
+// debug build with an impossible wait must report the hang instead of hanging.
+//
+// Build: see scripts/build_device.sh. Run on the GPU: ./skeleton_test
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "mkc/megakernel.cuh"
+
+#define CHECK(call)                                                                          \
+  do {                                                                                       \
+    cudaError_t err_ = (call);                                                               \
+    if (err_ != cudaSuccess) {                                                               \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
+      std::exit(2);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+template <class T>
+T* upload(const std::vector<T>& v) {
+  T* d = nullptr;
+  CHECK(cudaMalloc(&d, v.size() * sizeof(T)));
+  CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+static float bf(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+struct Plan {
+  std::vector<mkc::Instruction> instructions;
+  std::vector<uint32_t> sm_begin;
+  std::vector<mkc::Wait> waits;
+  std::vector<mkc::ProjectionTask> tasks;
+};
+
+// Stage 0: y1 = x W1^T in `t0` row tiles; stage 1: y2 = y1 W2^T in `t1` row
+// tiles, each waiting for all of stage 0 (counter 0). Tasks go round-robin
+// over `sms` SMs, so some SMs run a stage-1 task after their stage-0 task.
+static Plan make_plan(int sms, int sms_used, int t0, int t1, const mkc::ProjectionTask& s0,
+                      const mkc::ProjectionTask& s1, uint32_t stage1_target) {
+  std::vector<std::vector<mkc::Instruction>> lists(sms);
+  Plan p;
+  auto add = [&](const mkc::ProjectionTask& base, int tiles, int stage, int sm_offset) {
+    uint32_t rows = (base.rows + tiles - 1) / tiles;
+    for (int i = 0; i < tiles; ++i) {
+      mkc::ProjectionTask t = base;
+      t.row0 = i * rows;
+      t.rows = std::min(rows, base.rows - t.row0);
+      mkc::Instruction ins{mkc::kProjectionRows, 0, uint32_t(p.waits.size()), uint32_t(stage), uint32_t(p.tasks.size())};
+      if (stage == 1) {
+        p.waits.push_back({0, stage1_target});
+        ins.n_waits = 1;
+      }
+      p.tasks.push_back(t);
+      lists[(i + sm_offset) % sms_used].push_back(ins);
+    }
+  };
+  add(s0, t0, 0, 0);
+  add(s1, t1, 1, 3);
+  p.sm_begin.push_back(0);
+  for (auto& l : lists) {
+    p.instructions.insert(p.instructions.end(), l.begin(), l.end());
+    p.sm_begin.push_back(uint32_t(p.instructions.size()));
+  }
+  return p;
+}
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const uint32_t batch = 4, k1 = 3072, n1 = 1000, n2 = 520;
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto random_bf16 = [&](size_t n, float scale) {
+    std::vector<__nv_bfloat16> v(n);
+    for (auto& e : v) e = __float2bfloat16(normal(rng) * scale);
+    return v;
+  };
+  auto x = random_bf16(size_t(batch) * k1, 1.f);
+  auto w1 = random_bf16(size_t(n1) * k1, 1.f / std::sqrt(float(k1)));
+  auto w2 = random_bf16(size_t(n2) * n1, 1.f / std::sqrt(float(n1)));
+
+  // CPU reference: fp32 accumulation, y1 rounded to bf16 as the GPU stores it.
+  std::vector<float> y1(batch * n1), y2(batch * n2);
+  for (uint32_t b = 0; b < batch; ++b)
+    for (uint32_t r = 0; r < n1; ++r) {
+      double acc = 0;
+      for (uint32_t k = 0; k < k1; ++k) acc += double(__bfloat162float(w1[size_t(r) * k1 + k])) * __bfloat162float(x[b * k1 + k]);
+      y1[b * n1 + r] = bf(float(acc));
+    }
+  for (uint32_t b = 0; b < batch; ++b)
+    for (uint32_t r = 0; r < n2; ++r) {
+      double acc = 0;
+      for (uint32_t k = 0; k < n1; ++k) acc += double(__bfloat162float(w2[size_t(r) * n1 + k])) * y1[b * n1 + k];
+      y2[b * n2 + r] = float(acc);
+    }
+
+  __nv_bfloat16 *d_y1 = nullptr, *d_y2 = nullptr;
+  CHECK(cudaMalloc(&d_y1, batch * n1 * 2));
+  CHECK(cudaMalloc(&d_y2, batch * n2 * 2));
+  mkc::ProjectionTask s0{upload(w1), upload(x), d_y1, 0, n1, k1, n1, batch};
+  mkc::ProjectionTask s1{upload(w2), d_y1, d_y2, 0, n2, n1, n2, batch};
+  const int t0 = 10, t1 = 4;
+  Plan plan = make_plan(sms, 6, t0, t1, s0, s1, t0);
+
+  mkc::HangReport* report = nullptr;
+  CHECK(cudaHostAlloc(&report, sizeof(mkc::HangReport), cudaHostAllocMapped));
+  *report = {};
+  mkc::HangReport* d_report = nullptr;
+  CHECK(cudaHostGetDevicePointer(&d_report, report, 0));
+  uint32_t* counters = nullptr;
+  CHECK(cudaMalloc(&counters, 2 * sizeof(uint32_t)));
+  CHECK(cudaMemset(counters, 0, 2 * sizeof(uint32_t)));
+  mkc::Program prog{upload(plan.instructions), upload(plan.sm_begin), upload(plan.waits), upload(plan.tasks), counters, d_report};
+  CHECK(cudaFuncSetAttribute(mkc::megakernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
+  CHECK(cudaFuncSetAttribute(mkc::megakernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
+
+  int failures = 0;
+  for (uint32_t step = 1; step <= 3; ++step) {
+    CHECK(cudaMemset(d_y2, 0, batch * n2 * 2));
+    mkc::megakernel<false><<<sms, mkc::kThreads, mkc::kSmemBytes>>>(prog, step);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    std::vector<__nv_bfloat16> out(batch * n2);
+    CHECK(cudaMemcpy(out.data(), d_y2, out.size() * 2, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0, worst = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      const double d = double(__bfloat162float(out[i])) - y2[i];
+      num += d * d;
+      den += double(y2[i]) * y2[i];
+      worst = std::max(worst, std::fabs(d) / (std::fabs(y2[i]) + 1e-2));
+    }
+    const double rel = std::sqrt(num / den);
+    const bool ok = rel < 1e-2 && worst < 5e-2;
+    failures += !ok;
+    std::printf("step %u: %zu outputs, relative L2 error %.2e, worst element %.2e: %s\n", step, out.size(), rel, worst,
+                ok ? "ok" : "FAILED");
+  }
+  uint32_t seen[2];
+  CHECK(cudaMemcpy(seen, counters, sizeof(seen), cudaMemcpyDeviceToHost));
+  const bool counted = seen[0] == 3u * t0 && seen[1] == 3u * t1;
+  failures += !counted;
+  std::printf("counters after 3 steps: %u %u (expected %d %d): %s\n", seen[0], seen[1], 3 * t0, 3 * t1,
+              counted ? "ok" : "FAILED");
+
+  // A plan whose stage-1 waits ask for one bump more than stage 0 gives: the
+  // debug build must report the hang (and trap) instead of spinning forever.
+  Plan bad = make_plan(sms, 6, t0, t1, s0, s1, t0 + 1);
+  mkc::Program badprog{upload(bad.instructions), upload(bad.sm_begin), upload(bad.waits), upload(bad.tasks), counters, d_report};
+  mkc::megakernel<true><<<sms, mkc::kThreads, mkc::kSmemBytes>>>(badprog, 4);
+  const cudaError_t launch = cudaDeviceSynchronize();
+  const bool reported = launch != cudaSuccess && report->valid && report->counter == 0 &&
+                        report->expected == 4u * (t0 + 1) && report->seen == 4u * t0;
+  failures += !reported;
+  std::printf("hang report: kernel %s; SM %u instruction %u waited on counter %u for %u, saw %u: %s\n",
+              cudaGetErrorString(launch), report->sm, report->instruction, report->counter, report->expected,
+              report->seen, reported ? "ok" : "FAILED");
+  std::printf("%d passed, %d failed\n", 5 - failures, failures);
+  return failures ? 1 : 0;
+}

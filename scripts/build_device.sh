@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Compiles the device runtime (device/) with the pinned nvcc for every target:
+# sm_90a (H200, the binary the GPU test runs), sm_100a (B200), sm_103a (GB300).
+# Usage: scripts/build_device.sh [OUT_DIR]   (default: target/device)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+nvcc=$(scripts/toolchain.sh)
+cu13=$(dirname "$(dirname "$nvcc")")
+cutlass=.toolchain/site/cutlass_library/source
+out=${1:-target/device}
+mkdir -p "$out"
+flags=(-std=c++17 -O3 -Xcompiler -Wall -I device -I "$cutlass/include" -L "$cu13/lib")
+for arch in 90a 100a 103a; do
+  "$nvcc" "${flags[@]}" -gencode="arch=compute_${arch},code=sm_${arch}" \
+    -o "$out/skeleton_test_sm${arch}" device/tests/skeleton_test.cu
+  echo "built $out/skeleton_test_sm${arch}"
+done
