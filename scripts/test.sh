@@ -3,6 +3,7 @@
 # device runtime compiled by nvcc for sm_90a, sm_100a and sm_103a, all tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 scripts/build_device.sh

@@ -121,10 +121,6 @@ fn join(a: &mut Clock, b: &Clock) {
     }
 }
 
-fn covers(c: &Clock, need: &Clock) -> bool {
-    c.iter().zip(need).all(|(x, y)| x >= y)
-}
-
 /// Schedules the tiled plan on `target`.
 pub fn schedule(_fusion: &super::fuse::Fusion, tiling: &Tiling, target: &Target, opts: Options) -> Result<Schedule> {
     let sms = target.sms as usize;
@@ -160,9 +156,10 @@ pub fn schedule(_fusion: &super::fuse::Fusion, tiling: &Tiling, target: &Target,
         let mut cp_stage = 0f64;
         for t in order {
             let (mut best, mut best_end) = (0usize, f64::INFINITY);
+            let (load_t, compute_t) = (load(t), compute(t));
             for m in 0..sms {
-                let load_end = load_free[m] + load(t);
-                let end = (compute_free[m].max(ready) + compute(t)).max(load_end);
+                let load_end = load_free[m] + load_t;
+                let end = (compute_free[m].max(ready) + compute_t).max(load_end);
                 if end < best_end - 1e-9 {
                     best = m;
                     best_end = end;
@@ -170,10 +167,10 @@ pub fn schedule(_fusion: &super::fuse::Fusion, tiling: &Tiling, target: &Target,
             }
             let load_start = load_free[best];
             let start = compute_free[best].max(ready);
-            load_free[best] = load_start + load(t);
+            load_free[best] = load_start + load_t;
             compute_free[best] = best_end;
             finish[stage.id] = finish[stage.id].max(best_end);
-            cp_stage = cp_stage.max(compute(t)).max(load(t) - cp_ready);
+            cp_stage = cp_stage.max(compute_t).max(load_t - cp_ready);
             lists[best].push(Instr {
                 task: t,
                 stage: stage.id,
@@ -225,6 +222,12 @@ fn assign_waits(tiling: &Tiling, need: &[Vec<usize>], lists: &mut [Vec<Instr>]) 
             required[s.id][m] = required[s.id][m].max(p as u32 + 1);
         }
     }
+    // The same, as (sm, count) pairs for the SMs a stage uses.
+    let sparse: Vec<Vec<(usize, u32)>> = required
+        .iter()
+        .map(|r| r.iter().enumerate().filter(|(_, c)| **c > 0).map(|(m, c)| (m, *c)).collect())
+        .collect();
+    let covers = |c: &Clock, stage: usize| sparse[stage].iter().all(|(m, n)| c[*m] >= *n);
     let mut counter_clock: Vec<Clock> = vec![vec![0; sms]; tiling.stages.len()];
     let mut sm_clock: Vec<Clock> = vec![vec![0; sms]; sms];
     for s in &tiling.stages {
@@ -237,21 +240,22 @@ fn assign_waits(tiling: &Tiling, need: &[Vec<usize>], lists: &mut [Vec<Instr>]) 
             let mut clock = base.clone();
             let mut waits: Vec<usize> = vec![];
             for r in need[s.id].iter().rev() {
-                if !covers(&clock, &required[*r]) {
+                if !covers(&clock, *r) {
                     waits.push(*r);
                     join(&mut clock, &counter_clock[*r]);
                 }
             }
-            // Drop waits that the others imply.
+            // Drop waits that the others imply (a lone wait is necessary: the
+            // program order alone did not cover it).
             let mut i = 0;
-            while i < waits.len() {
+            while waits.len() > 1 && i < waits.len() {
                 let mut c = base.clone();
                 for (j, w) in waits.iter().enumerate() {
                     if j != i {
                         join(&mut c, &counter_clock[*w]);
                     }
                 }
-                if need[s.id].iter().all(|r| covers(&c, &required[*r])) {
+                if need[s.id].iter().all(|r| covers(&c, *r)) {
                     waits.remove(i);
                 } else {
                     i += 1;
@@ -261,7 +265,7 @@ fn assign_waits(tiling: &Tiling, need: &[Vec<usize>], lists: &mut [Vec<Instr>]) 
             for w in &waits {
                 join(&mut clock, &counter_clock[*w]);
             }
-            if !need[s.id].iter().all(|r| covers(&clock, &required[*r])) {
+            if !need[s.id].iter().all(|r| covers(&clock, *r)) {
                 return Err(Error::new(
                     ErrorKind::Invalid,
                     format!("internal error: stage {} cannot be ordered after its inputs", s.id),

@@ -112,6 +112,8 @@ pub fn verify(fusion: &Fusion, tiling: &Tiling, schedule: &Schedule) -> Result<P
             done[s.id][m] = done[s.id][m].max(p as u32 + 1);
         }
     }
+    let done_on: Vec<Vec<(usize, u32)>> =
+        done.iter().map(|d| d.iter().enumerate().filter(|(_, n)| **n > 0).map(|(k, n)| (k, *n)).collect()).collect();
     // What each stage must see complete, and why.
     let mut must: Vec<Vec<(usize, &'static str)>> = vec![vec![]; tiling.stages.len()];
     let mut reads = 0;
@@ -152,7 +154,8 @@ pub fn verify(fusion: &Fusion, tiling: &Tiling, schedule: &Schedule) -> Result<P
             }
         }
         for (stage, why) in &must[ins.stage] {
-            if let Some(sm) = (0..sms).find(|k| clock[*k] < done[*stage][*k]) {
+            if let Some((sm, _)) = done_on[*stage].iter().find(|(k, n)| clock[*k] < *n) {
+                let sm = *sm;
                 let other = schedule.sms[sm][done[*stage][sm] as usize - 1].task;
                 return Err(bug(format!("{} {why} {}, but nothing orders them", name(t), name(other))));
             }
