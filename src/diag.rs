@@ -82,7 +82,8 @@ impl ErrorKind {
 }
 
 /// An error from any stage.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{reason}")]
 pub struct Error {
     /// The stage and class of the error.
     pub kind: ErrorKind,
@@ -128,14 +129,6 @@ impl Error {
         self
     }
 }
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.reason)
-    }
-}
-
-impl std::error::Error for Error {}
 
 /// Shorthand for results of the library.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

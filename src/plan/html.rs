@@ -152,11 +152,13 @@ pub fn to_html(plan: &Plan) -> String {
     let page = Page { summary, ..page };
     // `</` cannot appear inside the script element.
     let json = serde_json::to_string(&page).expect("plan data serialises").replace("</", "<\\/");
-    TEMPLATE.replace("{{TITLE}}", &escape(&page.title)).replace("{{DATA}}", &json)
+    let mut env = minijinja::Environment::new();
+    env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
+    env.add_template("plan.html", TEMPLATE).expect("the plan page template parses");
+    env.get_template("plan.html")
+        .and_then(|t| t.render(minijinja::context! { title => page.title, data => json }))
+        .expect("the plan page template renders")
 }
 
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
-}
-
+/// The page template (`templates/plan.html`): it only spells what the plan decided.
 const TEMPLATE: &str = include_str!("../../templates/plan.html");
