@@ -29,7 +29,10 @@ pub const MAX_ELSE_IF: usize = 256;
 pub fn parse_str(src: &str) -> Result<File> {
     check_nesting(src)?;
     check_else_if(src)?;
-    let mut pairs = GraphParser::parse(Rule::file, src).map_err(|e| syntax_error(e, src.len()))?;
+    // Let pest record the literal tokens it expected, so a missing `=`, `:`
+    // or `}` is named in the error.
+    pest::set_error_detail(true);
+    let mut pairs = GraphParser::parse(Rule::file, src).map_err(|e| syntax_error(e, src))?;
     let file = pairs.next().expect("pest returns the file rule");
     build_file(file)
 }
@@ -90,6 +93,12 @@ fn check_else_if(src: &str) -> Result<()> {
     Ok(())
 }
 
+/// Structural punctuation worth naming when it is missing (operators are
+/// summed up as "an operator").
+fn is_punctuation(token: &str) -> bool {
+    matches!(token, "=" | ":" | "," | ".." | "{" | "}" | "(" | ")" | "[" | "]" | "->")
+}
+
 fn rule_name(rule: &Rule) -> Option<&'static str> {
     Some(match rule {
         Rule::EOI => "end of file",
@@ -148,14 +157,48 @@ fn rule_name(rule: &Rule) -> Option<&'static str> {
     })
 }
 
-fn syntax_error(e: pest::error::Error<Rule>, len: usize) -> Error {
-    let (start, end) = match e.location {
+fn syntax_error(e: pest::error::Error<Rule>, src: &str) -> Error {
+    let len = src.len();
+    let (mut start, mut end) = match e.location {
         pest::error::InputLocation::Pos(p) => (p, p),
         pest::error::InputLocation::Span((s, t)) => (s, t),
     };
+    // pest reports where the failing rule began; when it got further and was
+    // waiting for punctuation, point there instead.
+    let mut punctuation_only = false;
+    let mut attempt_at = start;
+    if let Some(attempts) = e.parse_attempts() {
+        let wanted = attempts.expected_tokens().iter().any(|t| is_punctuation(&t.to_string()));
+        if wanted && attempts.max_position > start {
+            start = attempts.max_position;
+            attempt_at = start;
+            end = start;
+            punctuation_only = true;
+            // Missing at the end of a line: point just after the last token.
+            let before = &src[..start.min(len)];
+            let trimmed = before.trim_end();
+            if before[trimmed.len()..].contains('\n') {
+                start = trimmed.len();
+                end = start;
+            }
+        }
+    }
     let reason = match &e.variant {
         pest::error::ErrorVariant::ParsingError { positives, .. } => {
-            let mut names: Vec<&str> = positives.iter().filter_map(rule_name).collect();
+            let mut names: Vec<String> = if punctuation_only {
+                vec![]
+            } else {
+                positives.iter().filter_map(rule_name).map(str::to_string).collect()
+            };
+            // Punctuation pest tried at the failing position, e.g. a missing `=`.
+            if let Some(attempts) = e.parse_attempts() {
+                for t in attempts.expected_tokens() {
+                    let text = t.to_string();
+                    if is_punctuation(&text) && attempts.max_position == attempt_at {
+                        names.push(format!("`{text}`"));
+                    }
+                }
+            }
             names.sort_unstable();
             names.dedup();
             match names.len() {
