@@ -294,3 +294,46 @@ fn the_html_page_is_self_contained_and_carries_both_views() {
     assert_eq!(data["instrs"].as_array().unwrap().len(), p.tiling.tasks.len());
     assert_eq!(data["ops"].as_array().unwrap().len(), p.fusion.ops.len());
 }
+
+#[test]
+fn device_tables_follow_the_schedule_and_the_device_opcodes() {
+    let v = compile("kimi_k3", "tiny.json");
+    let p = plan::plan(&v, &Target::load("h200").unwrap(), Options::default()).unwrap();
+    let t = plan::tables::tables(&p);
+    assert_eq!(t.sm_begin.len(), p.schedule.sms.len() + 1);
+    assert_eq!(*t.sm_begin.last().unwrap() as usize, p.tiling.tasks.len());
+    assert!(t.sm_begin.windows(2).all(|w| w[0] <= w[1]));
+    for (s, list) in p.schedule.sms.iter().enumerate() {
+        for (i, ins) in list.iter().enumerate() {
+            let d = t.instructions[t.sm_begin[s] as usize + i];
+            assert_eq!(d.task as usize, ins.task);
+            let waits = &t.waits[d.first_wait as usize..d.first_wait as usize + d.n_waits as usize];
+            let expect: Vec<(u32, u32)> = ins.waits.iter().map(|w| (w.counter as u32, w.target)).collect();
+            assert_eq!(waits, expect.as_slice());
+            assert_eq!(plan::tables::OPCODES[d.opcode as usize], p.tiling.stages[ins.stage].kind);
+        }
+    }
+    // The device header lists the opcodes in the same order.
+    let header =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("device/mkc/instruction.cuh")).unwrap();
+    let body = &header[header.find("enum Opcode").unwrap()..];
+    let body = &body[body.find('{').unwrap() + 1..body.find("};").unwrap()];
+    let names: Vec<String> = body
+        .split(',')
+        .map(|e| e.split('=').next().unwrap().trim().trim_start_matches('k').to_string())
+        .filter(|n| !n.is_empty())
+        .collect();
+    let expected: Vec<String> = plan::tables::OPCODES
+        .iter()
+        .map(|k| {
+            serde_json::to_value(k)
+                .unwrap()
+                .as_str()
+                .unwrap()
+                .split('_')
+                .map(|w| w[..1].to_uppercase() + &w[1..])
+                .collect()
+        })
+        .collect();
+    assert_eq!(names, expected);
+}

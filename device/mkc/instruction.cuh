@@ -13,10 +13,23 @@
 
 namespace mkc {
 
-// What a task does (the planner's TaskKind). Only projections are executed by
-// the skeleton kernel so far.
+// What a task does: the planner's TaskKind, in the same order
+// (src/plan/tables.rs; a test keeps the two lists in step). The skeleton
+// kernel executes projections so far and traps on any other opcode.
 enum Opcode : uint16_t {
   kProjectionRows = 0,
+  kMlaSplit,
+  kMlaCombine,
+  kKda,
+  kRouter,
+  kExpertUp,
+  kExpertDown,
+  kExpertCombine,
+  kAttnRes,
+  kEmbedding,
+  kLmHeadRows,
+  kArgmax,
+  kElementwise,
 };
 
 // A wait for `target` bumps per step of counter `counter`.

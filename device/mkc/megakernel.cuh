@@ -74,7 +74,11 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Program p, uint32_t st
     for (uint32_t i = begin; i < end; ++i) {
       const Instruction ins = p.instructions[i];
       named_barrier(1, kBarrierThreads);
-      if (ins.opcode == kProjectionRows) projection_compute(p.projections[ins.task], it, warp);
+      if (ins.opcode == kProjectionRows) {
+        projection_compute(p.projections[ins.task], it, warp);
+      } else {
+        __trap();  // an opcode this build does not implement: fail loudly, never skip work
+      }
       __threadfence();
       named_barrier(2, kBarrierThreads);
     }

@@ -26,6 +26,7 @@ pub mod fuse;
 pub mod html;
 pub mod schedule;
 pub mod specialize;
+pub mod tables;
 pub mod tile;
 pub mod verify;
 
