@@ -11,8 +11,10 @@
 //! - KDA: one task per head (or group of heads), each reading and writing its
 //!   fp32 state once.
 //! - MoE: (expert slot, row tile) tasks for the gate/up and down projections
-//!   whose expert id is only known at run time, then a combine stage. At
-//!   batch B the slots are the expected distinct experts `E (1 - (1-k/E)^B)`.
+//!   whose expert id is only known at run time, then a combine stage. The
+//!   slots cover the worst case, `min(E, B k)` distinct experts; a slot's
+//!   bytes are the expected share, `E (1 - (1-k/E)^B)` distinct experts under
+//!   uniform routing (k at batch 1).
 //! - router, embedding, attention-residual mix, lone element-wise ops: one task.
 //!
 //! Bytes are split into weights (HBM, streamable ahead of dependencies),
@@ -429,7 +431,12 @@ impl Builder<'_> {
         let k = self.g.value_type(self.g.operands(node(g, n))[1]).elements();
         let b = self.b();
         let p = k as f64 / e as f64;
-        let slots = ((e as f64) * (1.0 - (1.0 - p).powf(b as f64)) - 1e-6).ceil().clamp(1.0, e as f64) as u64;
+        // Tasks cover the worst case, every (token, slot) a different expert;
+        // their bytes are the expected share under uniform routing, where
+        // `E (1 - (1 - k/E)^B)` experts are distinct (exactly k at batch 1).
+        let slots = (b * k).min(e).max(1);
+        let expected = ((e as f64) * (1.0 - (1.0 - p).powf(b as f64))).min(slots as f64);
+        let share = |bytes: u64| (bytes as f64 * expected / slots as f64).round() as u64;
         let sms = u64::from(self.target.sms);
         let up_row = 2 * wg.bytes() / (e * i);
         let down_row = wd.bytes() / (e * d);
@@ -445,10 +452,10 @@ impl Builder<'_> {
                 let r1 = (r0 + up_tile).min(i);
                 parts.push((
                     format!("slot {s} rows[{r0}..{r1}]"),
-                    (r1 - r0) * up_row,
+                    share((r1 - r0) * up_row),
                     x_bytes / slots + (r1 - r0) * 2 * b,
                     0,
-                    4 * (r1 - r0) * d * b.min(k),
+                    4 * (r1 - r0) * d * b * k / slots,
                 ));
                 r0 = r1;
             }
@@ -462,10 +469,10 @@ impl Builder<'_> {
                 let r1 = (r0 + down_tile).min(d);
                 parts.push((
                     format!("slot {s} rows[{r0}..{r1}]"),
-                    (r1 - r0) * down_row,
+                    share((r1 - r0) * down_row),
                     i * 2 * b + (r1 - r0) * 4 * b,
                     0,
-                    2 * (r1 - r0) * i * b.min(k),
+                    2 * (r1 - r0) * i * b * k / slots,
                 ));
                 r0 = r1;
             }
