@@ -66,3 +66,30 @@ fn tiny_configs_validate() {
         insta::assert_snapshot!(format!("{model}_tiny"), s.render());
     }
 }
+
+#[test]
+fn a_yaml_config_binds_like_its_json() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("model_graphs/kimi_k2");
+    let source = std::fs::read_to_string(root.join("graph.mkc")).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("tiny.json")).unwrap()).unwrap();
+    // The same config written as YAML, comments included.
+    let mut yaml = String::from("# tiny DeepSeek-V3, as YAML\n");
+    for (k, v) in json.as_object().unwrap() {
+        yaml += &format!("{k}: {}\n", serde_json::to_string(v).unwrap());
+    }
+    let from_yaml = Config::parse(&yaml, "tiny.yaml").unwrap();
+    let from_json = Config::load(&root.join("tiny.json")).unwrap();
+    let a = mkc::compile_str(&source, &from_yaml, Limits::default()).unwrap();
+    let b = mkc::compile_str(&source, &from_json, Limits::default()).unwrap();
+    assert_eq!(summarize(&a, 4096, &[1, 8]).render(), summarize(&b, 4096, &[1, 8]).render());
+}
+
+#[test]
+fn a_nested_text_config_is_read() {
+    // K3's config keeps its hyperparameters under `text_config`.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("model_graphs/kimi_k3");
+    let c = Config::load(&root.join("config.json")).unwrap();
+    assert_eq!(c.root.get("hidden_size"), Some(&mkc::lower::Const::Int(7168)));
+    assert_eq!(c.root.get("model_type"), Some(&mkc::lower::Const::Str("kimi_linear".into())));
+}
