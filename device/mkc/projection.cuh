@@ -18,6 +18,11 @@ namespace mkc {
 
 // One projection task: rows [row0, row0 + rows) of W [n_out, k] (row-major,
 // bf16), for `batch` tokens of x [batch, k], written to y [batch, n_out].
+// Optional fusions, as the planner's rules place them:
+//   prologue (norm_weight != nullptr): x is RMS-normalised per token first,
+//     x' = bf16(x * rsqrt(mean(x^2) + eps) * norm_weight), recomputed by every
+//     task from x instead of reading a normed copy;
+//   epilogue (residual != nullptr): y = bf16(bf16(x' W^T) + residual).
 struct ProjectionTask {
   const __nv_bfloat16* w;
   const __nv_bfloat16* x;
@@ -27,6 +32,9 @@ struct ProjectionTask {
   uint32_t k;
   uint32_t n_out;
   uint32_t batch;
+  const __nv_bfloat16* norm_weight = nullptr;
+  float eps = 1e-6f;
+  const __nv_bfloat16* residual = nullptr;  // [batch, n_out]
 };
 
 constexpr int kMaxBatch = 8;
@@ -86,11 +94,43 @@ __device__ inline void projection_load(const ProjectionTask& t, uint32_t& it) {
   }
 }
 
+// The RMS prologue's per-token scale, computed by the consumer warps together.
+__device__ inline void rms_scales(const ProjectionTask& t, int warp, float* scale /* [kMaxBatch] in smem */) {
+  __shared__ float partial[kConsumerWarps][kMaxBatch];
+  const int lane = threadIdx.x % 32;
+  for (uint32_t b = 0; b < t.batch; ++b) {
+    float ss = 0.f;
+    for (uint32_t e = warp * 32 + lane; e < t.k; e += kConsumerWarps * 32) {
+      const float v = __bfloat162float(t.x[size_t(b) * t.k + e]);
+      ss = fmaf(v, v, ss);
+    }
+    for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (lane == 0) partial[warp][b] = ss;
+  }
+  asm volatile("bar.sync 3, %0;" ::"r"(kConsumerWarps * 32) : "memory");
+  if (warp == 0 && lane < int(t.batch)) {
+    float ss = 0.f;
+    for (int w = 0; w < kConsumerWarps; ++w) ss += partial[w][lane];
+    scale[lane] = rsqrtf(ss / float(t.k) + t.eps);
+  }
+  asm volatile("bar.sync 3, %0;" ::"r"(kConsumerWarps * 32) : "memory");
+}
+
+// x[b, e] as the projection reads it: normed by the prologue if there is one.
+__device__ __forceinline__ float2 input_pair(const ProjectionTask& t, const float* scale, uint32_t b, uint32_t e) {
+  const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.x[size_t(b) * t.k + e]));
+  if (t.norm_weight == nullptr) return x;
+  const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.norm_weight[e]));
+  // Rounded to bf16, as an unfused RMSNorm would store it.
+  return make_float2(__bfloat162float(__float2bfloat16(x.x * scale[b] * g.x)),
+                     __bfloat162float(__float2bfloat16(x.y * scale[b] * g.y)));
+}
+
 // Consumer side: warp `warp` (0..7) computes row r0 + warp of each row block.
 __device__ inline void projection_compute(const ProjectionTask& t, uint32_t& it, int warp) {
   const int lane = threadIdx.x % 32;
-  auto X = cute::make_tensor(cute::make_gmem_ptr(t.x),
-                             cute::make_layout(cute::make_shape(t.batch, t.k), cute::make_stride(t.k, 1u)));
+  __shared__ float scale[kMaxBatch];
+  if (t.norm_weight != nullptr) rms_scales(t, warp, scale);
   for (uint32_t r0 = 0; r0 < t.rows; r0 += kPageRows) {
     float acc[kMaxBatch] = {};
     for (uint32_t k0 = 0; k0 < t.k; k0 += kPageK, ++it) {
@@ -102,7 +142,7 @@ __device__ inline void projection_compute(const ProjectionTask& t, uint32_t& it,
         for (uint32_t e = 2 * lane; e < nk; e += 64) {
           const float2 w2 = __bfloat1622float2(wrow[e / 2]);
           for (uint32_t b = 0; b < t.batch; ++b) {
-            const float2 x2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&X(b, k0 + e)));
+            const float2 x2 = input_pair(t, scale, b, k0 + e);
             acc[b] = fmaf(w2.x, x2.x, fmaf(w2.y, x2.y, acc[b]));
           }
         }
@@ -114,7 +154,12 @@ __device__ inline void projection_compute(const ProjectionTask& t, uint32_t& it,
       for (uint32_t b = 0; b < t.batch; ++b) {
         float v = acc[b];
         for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-        if (lane == 0) t.y[size_t(b) * t.n_out + t.row0 + r0 + warp] = __float2bfloat16(v);
+        if (lane == 0) {
+          const size_t at = size_t(b) * t.n_out + t.row0 + r0 + warp;
+          __nv_bfloat16 out = __float2bfloat16(v);
+          if (t.residual != nullptr) out = __float2bfloat16(__bfloat162float(out) + __bfloat162float(t.residual[at]));
+          t.y[at] = out;
+        }
       }
     }
   }

@@ -1,5 +1,6 @@
-// GPU test of the megakernel skeleton: two dependent projection stages spread
-// over several SMs' instruction lists, three decode steps without resetting
+// GPU test of the megakernel skeleton: two dependent projection stages (the
+// first with an RMSNorm prologue and a residual-add epilogue) spread over
+// several SMs' instruction lists, three decode steps without resetting
 // the counters, every output element compared with a CPU reference; then a
 // debug build with an impossible wait must report the hang instead of hanging.
 //
@@ -81,17 +82,30 @@ int main() {
     for (auto& e : v) e = __float2bfloat16(normal(rng) * scale);
     return v;
   };
-  auto x = random_bf16(size_t(batch) * k1, 1.f);
+  auto x = random_bf16(size_t(batch) * k1, 3.f);
   auto w1 = random_bf16(size_t(n1) * k1, 1.f / std::sqrt(float(k1)));
   auto w2 = random_bf16(size_t(n2) * n1, 1.f / std::sqrt(float(n1)));
+  auto gamma = random_bf16(k1, 0.2f);
+  for (auto& g : gamma) g = __float2bfloat16(1.f + __bfloat162float(g));
+  auto res1 = random_bf16(size_t(batch) * n1, 1.f);
+  const float eps = 1e-6f;
 
-  // CPU reference: fp32 accumulation, y1 rounded to bf16 as the GPU stores it.
-  std::vector<float> y1(batch * n1), y2(batch * n2);
+  // CPU reference. Stage 0 is the fused form the planner builds for an input
+  // norm, a projection and a residual add: y1 = bf16(bf16(rms(x) W1^T) + res1),
+  // with the normed x rounded to bf16 as an unfused RMSNorm stores it.
+  // Stage 1 is a plain projection of y1. fp32 accumulation throughout.
+  std::vector<float> y1(batch * n1), y2(batch * n2), xn(size_t(batch) * k1);
+  for (uint32_t b = 0; b < batch; ++b) {
+    double ss = 0;
+    for (uint32_t k = 0; k < k1; ++k) ss += double(__bfloat162float(x[b * k1 + k])) * __bfloat162float(x[b * k1 + k]);
+    const float scale = 1.f / std::sqrt(float(ss / k1) + eps);
+    for (uint32_t k = 0; k < k1; ++k) xn[b * k1 + k] = bf(__bfloat162float(x[b * k1 + k]) * scale * __bfloat162float(gamma[k]));
+  }
   for (uint32_t b = 0; b < batch; ++b)
     for (uint32_t r = 0; r < n1; ++r) {
       double acc = 0;
-      for (uint32_t k = 0; k < k1; ++k) acc += double(__bfloat162float(w1[size_t(r) * k1 + k])) * __bfloat162float(x[b * k1 + k]);
-      y1[b * n1 + r] = bf(float(acc));
+      for (uint32_t k = 0; k < k1; ++k) acc += double(__bfloat162float(w1[size_t(r) * k1 + k])) * xn[b * k1 + k];
+      y1[b * n1 + r] = bf(bf(float(acc)) + __bfloat162float(res1[b * n1 + r]));
     }
   for (uint32_t b = 0; b < batch; ++b)
     for (uint32_t r = 0; r < n2; ++r) {
@@ -104,6 +118,9 @@ int main() {
   CHECK(cudaMalloc(&d_y1, batch * n1 * 2));
   CHECK(cudaMalloc(&d_y2, batch * n2 * 2));
   mkc::ProjectionTask s0{upload(w1), upload(x), d_y1, 0, n1, k1, n1, batch};
+  s0.norm_weight = upload(gamma);
+  s0.eps = eps;
+  s0.residual = upload(res1);
   mkc::ProjectionTask s1{upload(w2), d_y1, d_y2, 0, n2, n1, n2, batch};
   const int t0 = 10, t1 = 4;
   Plan plan = make_plan(sms, 6, t0, t1, s0, s1, t0);
@@ -126,20 +143,26 @@ int main() {
     mkc::megakernel<false><<<sms, mkc::kThreads, mkc::kSmemBytes>>>(prog, step);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
-    std::vector<__nv_bfloat16> out(batch * n2);
-    CHECK(cudaMemcpy(out.data(), d_y2, out.size() * 2, cudaMemcpyDeviceToHost));
-    double num = 0, den = 0, worst = 0;
-    for (size_t i = 0; i < out.size(); ++i) {
-      const double d = double(__bfloat162float(out[i])) - y2[i];
-      num += d * d;
-      den += double(y2[i]) * y2[i];
-      worst = std::max(worst, std::fabs(d) / (std::fabs(y2[i]) + 1e-2));
-    }
-    const double rel = std::sqrt(num / den);
-    const bool ok = rel < 1e-2 && worst < 5e-2;
+    // Every element of both stages' outputs against the reference.
+    auto compare = [&](const __nv_bfloat16* dev, const std::vector<float>& ref, double* rel, double* worst) {
+      std::vector<__nv_bfloat16> out(ref.size());
+      CHECK(cudaMemcpy(out.data(), dev, out.size() * 2, cudaMemcpyDeviceToHost));
+      double num = 0, den = 0;
+      *worst = 0;
+      for (size_t i = 0; i < out.size(); ++i) {
+        const double d = double(__bfloat162float(out[i])) - ref[i];
+        num += d * d;
+        den += double(ref[i]) * ref[i];
+        *worst = std::max(*worst, std::fabs(d) / (std::fabs(ref[i]) + 1e-2));
+      }
+      *rel = std::sqrt(num / den);
+      return *rel < 1e-2 && *worst < 5e-2;
+    };
+    double rel1, worst1, rel2, worst2;
+    const bool ok = compare(d_y1, y1, &rel1, &worst1) & compare(d_y2, y2, &rel2, &worst2);
     failures += !ok;
-    std::printf("step %u: %zu outputs, relative L2 error %.2e, worst element %.2e: %s\n", step, out.size(), rel, worst,
-                ok ? "ok" : "FAILED");
+    std::printf("step %u: stage 0 (%zu outputs) rel L2 %.2e worst %.2e; stage 1 (%zu outputs) rel L2 %.2e worst %.2e: %s\n",
+                step, y1.size(), rel1, worst1, y2.size(), rel2, worst2, ok ? "ok" : "FAILED");
   }
   uint32_t seen[2];
   CHECK(cudaMemcpy(seen, counters, sizeof(seen), cudaMemcpyDeviceToHost));
