@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: format check, clippy with warnings denied, the
-# device runtime compiled by nvcc for sm_90a, sm_100a and sm_103a, the C++
+# device runtime compiled by nvcc for sm_90a, sm_100a and sm_103a, generated/
+# regenerated (any difference fails) and compiled, the C++
 # runtime's CPU tests, all Rust tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,5 +9,6 @@ rustup component add rustfmt clippy >/dev/null 2>&1 || true
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 scripts/build_device.sh
+scripts/generate.sh --check
 scripts/test_runtime.sh
 cargo test --locked --release

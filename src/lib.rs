@@ -12,6 +12,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod diag;
 pub mod dot;
+pub mod emit;
 pub mod front;
 pub mod ir;
 pub mod lower;

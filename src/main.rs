@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use mkc::config::Config;
 use mkc::lower::Limits;
 use mkc::target::Target;
-use mkc::{checkpoint, diag, dot, plan, report, Error};
+use mkc::{checkpoint, diag, dot, emit, plan, report, Error};
 
 #[derive(Parser)]
 #[command(name = "mkc", version, about = "Compile an LLM decode-step graph to a CUDA megakernel")]
@@ -62,6 +62,26 @@ enum Command {
         /// Write a self-contained HTML page: the fused graph and the per-SM timeline.
         #[arg(long)]
         html: Option<PathBuf>,
+    },
+    /// Generate the plan's device tables and the weight list into a folder.
+    Codegen {
+        /// The graph file.
+        graph: PathBuf,
+        /// The model config (default: config.json beside the graph).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// The target: a name from targets/ or a YAML file.
+        #[arg(long)]
+        target: String,
+        /// Batch the plan is made for.
+        #[arg(long, default_value_t = 1)]
+        batch: u32,
+        /// Context length the attention work is sized for.
+        #[arg(long, default_value_t = 4096)]
+        context: u64,
+        /// The output folder (created if missing).
+        #[arg(short, long)]
+        out: PathBuf,
     },
     /// Print the op graph.
     Graph {
@@ -154,6 +174,25 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             if let Some(path) = dot {
                 std::fs::write(&path, plan::dot::to_dot(&main))
                     .map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Codegen { graph, config, target, batch, context, out } => {
+            let v = load(&graph, config.as_deref(), None)?;
+            let t = Target::load(&target).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
+            let source = std::fs::read_to_string(&graph).unwrap_or_default();
+            let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
+            let p = plan::plan(&v, &t, plan::Options { batch, context }).map_err(|e| render(&e))?;
+            let config_name = config.clone().unwrap_or_else(|| mkc::default_config_path(&graph));
+            let from =
+                emit::Provenance { graph: graph.display().to_string(), config: config_name.display().to_string() };
+            let name = out.file_name().map_or_else(|| v.graph().model.clone(), |n| n.to_string_lossy().into_owned());
+            let artifact = emit::emit(&v, &p, &name, &from).map_err(|e| render(&e))?;
+            std::fs::create_dir_all(&out).map_err(|e| format!("error: cannot create {}: {e}\n", out.display()))?;
+            for (file, text) in &artifact.files {
+                let path = out.join(file);
+                std::fs::write(&path, text).map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
+                println!("wrote {}", path.display());
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -140,12 +140,12 @@ pub fn accepts(need: &str, found: &str) -> bool {
     need == found || (need == "F32" && matches!(found, "BF16" | "F16"))
 }
 
-/// The tensors `graph` reads from a checkpoint, in graph order.
+/// The tensors `graph` reads from a checkpoint, in declaration order.
 pub fn requirements(graph: &Validated) -> Vec<Requirement> {
     let g = graph.graph();
     let mut out = Vec::new();
-    for id in graph.order() {
-        let node = g.node(*id);
+    for id in g.nodes() {
+        let node = g.node(id);
         let NodeKind::Weight(w) = &node.kind else { continue };
         let shape = &w.ty.shape;
         let (rows, k) = (shape[..shape.len() - 1].to_vec(), *shape.last().expect("weights have dims"));

@@ -1,0 +1,105 @@
+//! Emission: renders the plan into files through the minijinja templates in
+//! `templates/`. The templates only spell what the plan decided (strict
+//! undefined variables); identifiers come from [`namespace`].
+//!
+//! Emitted so far, into `generated/<model>_<target>/`:
+//! - `plan_tables.h`: the schedule as the megakernel reads it;
+//! - `weights.h`: the checkpoint tensors the runtime checks and uploads.
+//!
+//! Not yet: task operands, the kernel and the runtime (codegen issue).
+
+use serde::Serialize;
+
+use crate::checkpoint::requirements;
+use crate::diag::{Error, ErrorKind, Result};
+use crate::plan::{tables::tables, Plan};
+use crate::valid::Validated;
+
+/// What the files say produced them.
+#[derive(Debug, Clone, Serialize)]
+pub struct Provenance {
+    /// The graph file, as given.
+    pub graph: String,
+    /// The config file, as given.
+    pub config: String,
+}
+
+/// A set of generated files.
+#[derive(Debug, Clone)]
+pub struct Artifact {
+    /// The folder name, `<model>_<target>` or as asked.
+    pub name: String,
+    /// (file name, contents), in a fixed order.
+    pub files: Vec<(String, String)>,
+}
+
+/// A legal, readable C++ identifier from any name.
+pub fn namespace(name: &str) -> String {
+    let mut id: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
+    if id.is_empty() || id.starts_with(|c: char| c.is_ascii_digit()) {
+        id.insert(0, 'm');
+    }
+    id
+}
+
+#[derive(Serialize)]
+struct SmList {
+    index: usize,
+    instructions: Vec<crate::plan::tables::DeviceInstruction>,
+}
+
+#[derive(Serialize)]
+struct WeightRow {
+    key: String,
+    dtype: &'static str,
+    shape: Vec<u64>,
+    node: String,
+}
+
+fn render(env: &minijinja::Environment, name: &str, ctx: minijinja::Value) -> Result<String> {
+    env.get_template(name)
+        .and_then(|t| t.render(ctx))
+        .map_err(|e| Error::new(ErrorKind::Invalid, format!("internal error: template {name}: {e:#}")))
+}
+
+/// Renders the plan's tables and the graph's weight list.
+pub fn emit(v: &Validated, plan: &Plan, name: &str, from: &Provenance) -> Result<Artifact> {
+    let mut env = minijinja::Environment::new();
+    env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
+    env.set_keep_trailing_newline(true);
+    env.add_template("plan_tables.h", include_str!("../../templates/plan_tables.h.j2"))
+        .and_then(|_| env.add_template("weights.h", include_str!("../../templates/weights.h.j2")))
+        .map_err(|e| Error::new(ErrorKind::Invalid, format!("internal error: templates do not parse: {e:#}")))?;
+    let t = tables(plan);
+    let mut sms_lists = vec![];
+    for s in 0..plan.schedule.sms.len() {
+        let (a, b) = (t.sm_begin[s] as usize, t.sm_begin[s + 1] as usize);
+        sms_lists.push(SmList { index: s, instructions: t.instructions[a..b].to_vec() });
+    }
+    let ns = namespace(name);
+    let version = env!("CARGO_PKG_VERSION");
+    let tables_h = render(
+        &env,
+        "plan_tables.h",
+        minijinja::context! {
+            version, graph => from.graph, config => from.config, target => plan.target,
+            batch => plan.options.batch, context => plan.options.context, namespace => ns,
+            sms => plan.schedule.sms.len(), expected => t.expected, sms_lists, sm_begin => t.sm_begin,
+            waits => t.waits,
+        },
+    )?;
+    let weights: Vec<WeightRow> = requirements(v)
+        .into_iter()
+        .map(|r| WeightRow { key: r.key, dtype: r.dtype, shape: r.shape, node: r.node })
+        .collect();
+    let weights_h = render(
+        &env,
+        "weights.h",
+        minijinja::context! { version, graph => from.graph, config => from.config, namespace => ns, weights },
+    )?;
+    Ok(Artifact {
+        name: name.to_string(),
+        files: vec![("plan_tables.h".into(), tables_h), ("weights.h".into(), weights_h)],
+    })
+}
