@@ -160,7 +160,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                     } else {
                         plan::plan(&v, &target, plan::Options { batch: b, context }).map_err(|e| render(&e))?
                     };
-                    print!("{}", plan::estimate::render(&p, &plan::estimate::estimate(&p), target.read_bandwidth()));
+                    print!("{}", plan::estimate::render(&plan::estimate::estimate(&p), target.read_bandwidth()));
                 }
             }
             if let Some(path) = yaml {

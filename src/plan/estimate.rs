@@ -125,7 +125,7 @@ pub fn render_structure(plan: &Plan) -> String {
 }
 
 /// The estimate as `mkc plan --estimate` prints it.
-pub fn render(plan: &Plan, e: &Estimate, bandwidth: f64) -> String {
+pub fn render(e: &Estimate, bandwidth: f64) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -146,6 +146,5 @@ pub fn render(plan: &Plan, e: &Estimate, bandwidth: f64) -> String {
         e.critical_path_us,
         e.tokens_per_s
     );
-    let _ = plan;
     s
 }

@@ -77,7 +77,7 @@ pub fn plan(graph: &Validated, target: &Target, options: Options) -> Result<Plan
     let fusion = fuse::fuse(graph)?;
     let tiling = tile::tile(graph, &fusion, target, options)?;
     let warps = specialize::specialize(&tiling, target, options)?;
-    let schedule = schedule::schedule(&fusion, &tiling, target, options)?;
+    let schedule = schedule::schedule(&tiling, target, options)?;
     let verified = verify::verify(&fusion, &tiling, &schedule)?;
     Ok(Plan {
         model: graph.graph().model.clone(),

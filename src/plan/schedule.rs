@@ -122,7 +122,7 @@ fn join(a: &mut Clock, b: &Clock) {
 }
 
 /// Schedules the tiled plan on `target`.
-pub fn schedule(_fusion: &super::fuse::Fusion, tiling: &Tiling, target: &Target, opts: Options) -> Result<Schedule> {
+pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Schedule> {
     let sms = target.sms as usize;
     let bw_sm = target.read_bandwidth() / f64::from(target.sms) / 1e9; // bytes per ns
                                                                        // Tensor cores on a narrow batch (the activations as the N operand, N a

@@ -536,7 +536,7 @@ pub fn tile(v: &Validated, fusion: &Fusion, target: &Target, opts: Options) -> R
         last_stage[op.id] = last;
     }
     let regions = regions(&bld.stages, &bld.out_bytes);
-    let buffers = allocate(&bld.stages, &regions);
+    let buffers = allocate(&regions);
     let mut regions = regions;
     for (r, buf) in regions.iter_mut().zip(&buffers.1) {
         r.buffer = *buf;
@@ -570,8 +570,7 @@ fn regions(stages: &[Stage], out_bytes: &[u64]) -> Vec<Region> {
 /// Assigns regions to arena buffers. A buffer is reused only when every reader
 /// of its previous region comes at least two stages before the new writer, so
 /// reuse rarely adds an ordering the data flow does not already imply.
-fn allocate(stages: &[Stage], regions: &[Region]) -> (Vec<u64>, Vec<usize>) {
-    let _ = stages;
+fn allocate(regions: &[Region]) -> (Vec<u64>, Vec<usize>) {
     let mut buffers: Vec<u64> = vec![];
     let mut busy_until: Vec<usize> = vec![];
     let mut assignment = vec![];
