@@ -256,3 +256,13 @@ fn broken_copies_of_a_transformers_checkpoint_fail_naming_each_tensor() {
     assert!(!truncated.is_empty(), "{text}");
     assert!(truncated.iter().all(|l| l.contains("model.safetensors")), "{text}");
 }
+
+#[test]
+fn a_k3_checkpoint_in_k3_naming_with_mxfp4_experts_passes() {
+    // Written by tests/gpu/make_k3_checkpoint.py (the project's K3 reference,
+    // from K3_DECODE_SPEC.md) for model_graphs/kimi_k3/tiny.json, seed 1.
+    let (ok, text) = mkc_check("model_graphs/kimi_k3/graph.mkc", &fixture("kimi_k3_tiny_mxfp4"));
+    assert!(ok, "{text}");
+    // Layer 0's attention-residual scorer is in the checkpoint but never read (spec section 4).
+    assert!(text.contains("394 needed, 2 unused"), "{text}");
+}

@@ -1,0 +1,301 @@
+"""The project's own PyTorch reference of one Kimi K3 decode step.
+
+Written from K3_DECODE_SPEC.md (section numbers below), independently of mkc's
+graph file, so that the megakernel can be compared with something that does
+not share its mistakes. It runs on CPU or GPU, in fp32 by default (weights as
+stored, math in fp32), for a batch of sequences that decode in lockstep.
+
+It reads a checkpoint directory in K3's naming (spec section 12): bf16 or
+MXFP4 routed experts (section 13), `language_model.` prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Section 13: two e2m1 codes per byte along K (low nibble first), one
+    e8m0 scale per 32 values; byte 255 (NaN) reads as 0."""
+    n, half = packed.shape
+    codes = torch.empty(n, half * 2, dtype=torch.long, device=packed.device)
+    codes[:, 0::2] = (packed & 0xF).long()
+    codes[:, 1::2] = (packed >> 4).long()
+    vals = E2M1.to(packed.device)[codes]
+    s = torch.pow(2.0, scale.float() - 127.0)
+    s = torch.where(scale == 255, torch.zeros_like(s), s)
+    return vals * s.repeat_interleave(32, dim=1)
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse, for writing random checkpoints: per 32 values the
+    smallest power-of-two scale that fits the largest magnitude in 6, then
+    the nearest e2m1 code."""
+    n, k = w.shape
+    blocks = w.float().reshape(n, k // 32, 32)
+    amax = blocks.abs().amax(dim=2).clamp_min(1e-30)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scale = (exp + 127).to(torch.uint8)
+    scaled = blocks / torch.pow(2.0, exp)[..., None]
+    grid = E2M1[:8].to(w.device)
+    idx = (scaled.abs()[..., None] - grid).abs().argmin(dim=-1)
+    codes = idx + 8 * (scaled < 0).long()
+    codes = codes.reshape(n, k)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    return packed, scale
+
+
+@dataclass
+class Config:
+    vocab: int
+    hidden: int
+    layers: int
+    eps: float
+    heads: int
+    q_lora: int
+    kv_lora: int
+    nope: int
+    rope: int
+    v_dim: int
+    kda_heads: int
+    kda_dim: int
+    conv: int
+    lower_bound: float | None
+    full_attn_layers: list[int]
+    experts: int
+    top_k: int
+    shared: int
+    moe_inter: int
+    latent: int
+    latent_norm: bool
+    inter: int
+    first_dense: int
+    renorm: bool
+    scaling: float
+    n_group: int
+    topk_group: int
+    beta: float
+    beta_lin: float | None
+    block: int
+    logit_scale: float
+    tied: bool
+
+    @staticmethod
+    def load(path: str) -> "Config":
+        c = json.load(open(path))
+        c = {**c, **c.get("text_config", {})}
+        lin = c["linear_attn_config"]
+        return Config(
+            vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
+            eps=c.get("rms_norm_eps", 1e-6), heads=c["num_attention_heads"], q_lora=c["q_lora_rank"],
+            kv_lora=c["kv_lora_rank"], nope=c["qk_nope_head_dim"], rope=c["qk_rope_head_dim"], v_dim=c["v_head_dim"],
+            kda_heads=lin["num_heads"], kda_dim=lin["head_dim"], conv=lin.get("short_conv_kernel_size", 4),
+            lower_bound=lin.get("gate_lower_bound"), full_attn_layers=lin["full_attn_layers"],
+            experts=c["num_experts"], top_k=c["num_experts_per_token"], shared=c.get("num_shared_experts", 0),
+            moe_inter=c["moe_intermediate_size"], latent=c["routed_expert_hidden_size"],
+            latent_norm=c.get("latent_moe_use_norm", True), inter=c["intermediate_size"],
+            first_dense=c.get("first_k_dense_replace", 1), renorm=c.get("moe_renormalize", True),
+            scaling=c.get("routed_scaling_factor", 1.0), n_group=c.get("num_expert_group", 1),
+            topk_group=c.get("topk_group", 1), beta=c.get("activation_situ_beta", 4.0),
+            beta_lin=c.get("activation_situ_linear_beta"), block=c["attn_res_block_size"],
+            logit_scale=c.get("logit_scale", 1.0), tied=c.get("tie_word_embeddings", False),
+        )
+
+    def is_mla(self, layer: int) -> bool:
+        return (layer + 1) in self.full_attn_layers  # 1-based (section 14)
+
+
+def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        files = sorted(set(json.load(open(index))["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def rms_norm(x, w, eps):
+    """Section 2: fp32 normalisation, fp32 weight multiply."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+def situ_glu(gate, up, beta, beta_lin):
+    """Section 2: SiTU on the gate, capped linear on the up branch."""
+    g = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    u = up if beta_lin is None else beta_lin * torch.tanh(up / beta_lin)
+    return g * u
+
+
+class K3Reference:
+    def __init__(self, ckpt_dir: str, batch: int, max_ctx: int, device="cpu", prefix="language_model."):
+        self.cfg = Config.load(os.path.join(ckpt_dir, "config.json"))
+        self.dev = device
+        raw = load_checkpoint(ckpt_dir)
+        self.w = {k[len(prefix):] if k.startswith(prefix) else k: v.to(device) for k, v in raw.items()}
+        self.batch = batch
+        c = self.cfg
+        p = c.kda_heads * c.kda_dim
+        self.seq_len = 0
+        self.kv = {l: torch.zeros(batch, max_ctx, c.kv_lora + c.rope, device=device) for l in range(c.layers) if c.is_mla(l)}
+        self.conv = {l: torch.zeros(batch, c.conv - 1, 3 * p, device=device) for l in range(c.layers) if not c.is_mla(l)}
+        self.ssm = {l: torch.zeros(batch, c.kda_heads, c.kda_dim, c.kda_dim, device=device) for l in range(c.layers) if not c.is_mla(l)}
+
+    def W(self, name):
+        return self.w[name].float()
+
+    def linear(self, x, name):
+        return x.float() @ self.W(name).t()
+
+    # ---- section 5: KDA
+    def kda(self, l, x):
+        c, pre = self.cfg, f"model.layers.{l}.self_attn."
+        h, d = c.kda_heads, c.kda_dim
+        z = torch.cat([self.linear(x, pre + n + "_proj.weight") for n in ("q", "k", "v")], dim=-1)  # pre-conv
+        wconv = torch.cat([self.W(pre + n + "_conv1d.weight").squeeze(1) for n in ("q", "k", "v")], dim=0)  # [3P, W]
+        state = self.conv[l]
+        window = torch.cat([state, z[:, None, :]], dim=1)  # [B, W, 3P], oldest first
+        y = torch.nn.functional.silu((window * wconv.t()[None]).sum(1))
+        self.conv[l] = window[:, 1:]
+        q, k, v = y.split(h * d, dim=-1)
+        q, k, v = (t.reshape(-1, h, d) for t in (q, k, v))
+        f = self.linear(self.linear(x, pre + "f_a_proj.weight"), pre + "f_b_proj.weight").reshape(-1, h, d)
+        a_log = self.W(pre + "A_log").reshape(-1)[:h][None, :, None]
+        dt = self.W(pre + "dt_bias").reshape(h, d)[None]
+        if c.lower_bound is not None:
+            g = c.lower_bound * torch.sigmoid(torch.exp(a_log) * (f + dt))
+        else:
+            g = -torch.exp(a_log) * torch.nn.functional.softplus(f + dt, threshold=20.0)
+        beta = torch.sigmoid(self.linear(x, pre + "b_proj.weight"))  # [B, h]
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * d ** -0.5
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        S = self.ssm[l] * torch.exp(g)[:, :, None, :]  # column i scaled by alpha[i]
+        u = beta[..., None] * (v - torch.einsum("bhvk,bhk->bhv", S, k))
+        S = S + u[..., :, None] * k[..., None, :]
+        self.ssm[l] = S
+        o = torch.einsum("bhvk,bhk->bhv", S, q)
+        gate = self.linear(x, pre + "g_proj.weight").reshape(-1, h, d)
+        o = rms_norm(o, self.W(pre + "o_norm.weight"), 1e-5) * torch.sigmoid(gate)  # o_norm eps 1e-5
+        return self.linear(o.reshape(-1, h * d), pre + "o_proj.weight")
+
+    # ---- section 6: gated MLA without RoPE, absorbed
+    def mla(self, l, x):
+        c, pre = self.cfg, f"model.layers.{l}.self_attn."
+        t = self.seq_len
+        cq = rms_norm(self.linear(x, pre + "q_a_proj.weight"), self.W(pre + "q_a_layernorm.weight"), c.eps)
+        q = self.linear(cq, pre + "q_b_proj.weight").reshape(-1, c.heads, c.nope + c.rope)
+        q_nope, q_pe = q.split([c.nope, c.rope], dim=-1)
+        kv = self.linear(x, pre + "kv_a_proj_with_mqa.weight")
+        ckv, k_pe = kv.split([c.kv_lora, c.rope], dim=-1)
+        ckv = rms_norm(ckv, self.W(pre + "kv_a_layernorm.weight"), c.eps)
+        self.kv[l][:, t] = torch.cat([ckv, k_pe], dim=-1)
+        cache = self.kv[l][:, : t + 1]  # [B, T, C + R]
+        wkvb = self.W(pre + "kv_b_proj.weight").reshape(c.heads, c.nope + c.v_dim, c.kv_lora)
+        w_uk, w_uv = wkvb[:, : c.nope], wkvb[:, c.nope :]
+        q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
+        s = (torch.einsum("bhc,btc->bht", q_lat, cache[..., : c.kv_lora])
+             + torch.einsum("bhr,btr->bht", q_pe, cache[..., c.kv_lora :])) / math.sqrt(c.nope + c.rope)
+        p = torch.softmax(s, dim=-1)
+        o_lat = torch.einsum("bht,btc->bhc", p, cache[..., : c.kv_lora])
+        o = torch.einsum("bhc,hvc->bhv", o_lat, w_uv).reshape(-1, c.heads * c.v_dim)
+        o = o * torch.sigmoid(self.linear(x, pre + "g_proj.weight"))
+        return self.linear(o, pre + "o_proj.weight")
+
+    # ---- section 7 and 8
+    def dense(self, l, x):
+        c, pre = self.cfg, f"model.layers.{l}.mlp."
+        h = situ_glu(self.linear(x, pre + "gate_proj.weight"), self.linear(x, pre + "up_proj.weight"), c.beta, c.beta_lin)
+        return self.linear(h, pre + "down_proj.weight")
+
+    def expert(self, l, e, name):
+        pre = f"model.layers.{l}.mlp.experts.{e}.{name}."
+        if pre + "weight_packed" in self.w:
+            return mxfp4_dequant(self.w[pre + "weight_packed"], self.w[pre + "weight_scale"])
+        return self.W(pre + "weight")
+
+    def moe(self, l, x):
+        c, pre = self.cfg, f"model.layers.{l}.mlp."
+        z = x.float() @ self.W(pre + "gate.weight").t()
+        s = torch.sigmoid(z)
+        sel = s + self.W(pre + "gate.e_score_correction_bias")
+        if c.n_group > 1:
+            g = sel.reshape(-1, c.n_group, c.experts // c.n_group).topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(g).scatter_(1, g.topk(c.topk_group, dim=-1).indices, 1.0)
+            sel = sel.masked_fill(keep.repeat_interleave(c.experts // c.n_group, 1) == 0, float("-inf"))
+        ids = sel.topk(c.top_k, dim=-1).indices
+        wts = s.gather(1, ids)
+        if c.renorm:
+            wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
+        wts = wts * c.scaling
+        sh = self.linear(situ_glu(self.linear(x, pre + "shared_experts.gate_proj.weight"),
+                                  self.linear(x, pre + "shared_experts.up_proj.weight"), c.beta, c.beta_lin),
+                         pre + "shared_experts.down_proj.weight")
+        r = self.linear(x, pre + "routed_expert_down_proj.weight")
+        out = torch.zeros(x.shape[0], c.latent, device=x.device)
+        for b in range(x.shape[0]):
+            for j in range(c.top_k):
+                e = int(ids[b, j])
+                h = situ_glu(r[b] @ self.expert(l, e, "w1").t(), r[b] @ self.expert(l, e, "w3").t(), c.beta, c.beta_lin)
+                out[b] += wts[b, j] * (h @ self.expert(l, e, "w2").t())
+        if c.latent_norm:
+            out = rms_norm(out, self.W(pre + "routed_expert_norm.weight"), c.eps)
+        return self.linear(out, pre + "routed_expert_up_proj.weight") + sh
+
+    # ---- section 4: block attention residuals
+    def mix(self, u, bank, proj, norm):
+        rows = torch.stack(bank + [u], dim=1).float()  # [B, n+1, H]
+        cw = self.W(norm) * self.W(proj).reshape(-1)
+        s = (rows * cw).sum(-1) * torch.rsqrt(rows.pow(2).mean(-1) + self.cfg.eps)
+        p = torch.softmax(s, dim=-1)
+        return (p[..., None] * rows).sum(1)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Section 3: one decode step for `tokens` [B]; returns fp32 logits [B, V]."""
+        c = self.cfg
+        cvec = self.W("model.embed_tokens.weight")[tokens.to(self.dev)]
+        P = None
+        bank: list[torch.Tensor] = []
+        for l in range(c.layers):
+            pre = f"model.layers.{l}."
+            u = cvec if P is None else P + cvec
+            m = u if not bank else self.mix(u, bank, pre + "self_attention_res_proj.weight", pre + "self_attention_res_norm.weight")
+            if l % c.block == 0:
+                bank.append(u)
+                P = None
+            else:
+                P = u
+            x = rms_norm(m, self.W(pre + "input_layernorm.weight"), c.eps)
+            a = self.mla(l, x) if c.is_mla(l) else self.kda(l, x)
+            u = a if P is None else P + a
+            m = self.mix(u, bank, pre + "mlp_res_proj.weight", pre + "mlp_res_norm.weight")
+            P = u
+            x = rms_norm(m, self.W(pre + "post_attention_layernorm.weight"), c.eps)
+            cvec = self.dense(l, x) if l < c.first_dense else self.moe(l, x)
+        u = P + cvec
+        h = rms_norm(self.mix(u, bank, "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight"),
+                     self.W("model.norm.weight"), c.eps)
+        head = "model.embed_tokens.weight" if c.tied else "lm_head.weight"
+        self.seq_len += 1
+        return (h @ self.W(head).t()) * c.logit_scale
+
+    def state(self) -> dict:
+        return {"seq_len": self.seq_len, "kv": {k: v.clone() for k, v in self.kv.items()},
+                "conv": {k: v.clone() for k, v in self.conv.items()}, "ssm": {k: v.clone() for k, v in self.ssm.items()}}
+
+    def restore(self, s: dict) -> None:
+        self.seq_len = s["seq_len"]
+        self.kv = {k: v.clone() for k, v in s["kv"].items()}
+        self.conv = {k: v.clone() for k, v in s["conv"].items()}
+        self.ssm = {k: v.clone() for k, v in s["ssm"].items()}

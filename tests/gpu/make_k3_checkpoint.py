@@ -1,0 +1,113 @@
+"""Writes a random Kimi K3 checkpoint in K3's naming (K3_DECODE_SPEC.md section
+12), with bf16 or MXFP4 routed experts (section 13), for a given config.json.
+
+Weights are drawn so that logits are not near-ties: std 1/sqrt(fan_in) for
+projections, std 1 for embeddings, norms near 1.
+
+    python3 make_k3_checkpoint.py CONFIG.json OUT_DIR [--bf16-experts] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from k3_reference import Config, mxfp4_quantize
+
+PREFIX = "language_model."
+
+
+def make(cfg_path: str, out: str, mxfp4: bool, seed: int) -> None:
+    c = Config.load(cfg_path)
+    g = torch.Generator().manual_seed(seed)
+    t: dict[str, torch.Tensor] = {}
+
+    def proj(name, rows, cols):
+        t[name] = (torch.randn(rows, cols, generator=g) / math.sqrt(cols)).to(torch.bfloat16)
+
+    def norm(name, n):
+        t[name] = (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    h, p = c.hidden, c.kda_heads * c.kda_dim
+    t["model.embed_tokens.weight"] = torch.randn(c.vocab, h, generator=g).to(torch.bfloat16)
+    norm("model.norm.weight", h)
+    norm("model.output_attn_res_norm.weight", h)
+    proj("model.output_attn_res_proj.weight", 1, h)
+    if not c.tied:
+        proj("lm_head.weight", c.vocab, h)
+    for l in range(c.layers):
+        pre = f"model.layers.{l}."
+        for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
+            norm(pre + n + ".weight", h)
+        for n in ("self_attention_res_proj", "mlp_res_proj"):
+            proj(pre + n + ".weight", 1, h)
+        a = pre + "self_attn."
+        if c.is_mla(l):
+            proj(a + "q_a_proj.weight", c.q_lora, h)
+            norm(a + "q_a_layernorm.weight", c.q_lora)
+            proj(a + "q_b_proj.weight", c.heads * (c.nope + c.rope), c.q_lora)
+            proj(a + "kv_a_proj_with_mqa.weight", c.kv_lora + c.rope, h)
+            norm(a + "kv_a_layernorm.weight", c.kv_lora)
+            proj(a + "kv_b_proj.weight", c.heads * (c.nope + c.v_dim), c.kv_lora)
+            proj(a + "o_proj.weight", h, c.heads * c.v_dim)
+            proj(a + "g_proj.weight", c.heads * c.v_dim, h)
+        else:
+            for n in ("q", "k", "v", "g"):
+                proj(a + n + "_proj.weight", p, h)
+            for n in ("q", "k", "v"):
+                t[a + n + "_conv1d.weight"] = (torch.randn(p, 1, c.conv, generator=g) / math.sqrt(c.conv)).float()
+            proj(a + "b_proj.weight", c.kda_heads, h)
+            proj(a + "f_a_proj.weight", c.kda_dim, h)
+            proj(a + "f_b_proj.weight", p, c.kda_dim)
+            t[a + "A_log"] = torch.log(torch.empty(c.kda_heads).uniform_(1.0, 16.0, generator=g)).float()
+            t[a + "dt_bias"] = (0.1 * torch.randn(p, generator=g)).float()
+            norm(a + "o_norm.weight", c.kda_dim)
+            proj(a + "o_proj.weight", h, p)
+        m = pre + "mlp."
+        if l < c.first_dense:
+            proj(m + "gate_proj.weight", c.inter, h)
+            proj(m + "up_proj.weight", c.inter, h)
+            proj(m + "down_proj.weight", h, c.inter)
+            continue
+        proj(m + "gate.weight", c.experts, h)
+        t[m + "gate.e_score_correction_bias"] = (0.01 * torch.randn(c.experts, generator=g)).float()
+        s = c.moe_inter * c.shared
+        proj(m + "shared_experts.gate_proj.weight", s, h)
+        proj(m + "shared_experts.up_proj.weight", s, h)
+        proj(m + "shared_experts.down_proj.weight", h, s)
+        proj(m + "routed_expert_down_proj.weight", c.latent, h)
+        norm(m + "routed_expert_norm.weight", c.latent)
+        proj(m + "routed_expert_up_proj.weight", h, c.latent)
+        for e in range(c.experts):
+            for name, rows, cols in (("w1", c.moe_inter, c.latent), ("w3", c.moe_inter, c.latent), ("w2", c.latent, c.moe_inter)):
+                w = torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+                key = f"{m}experts.{e}.{name}."
+                if mxfp4:
+                    t[key + "weight_packed"], t[key + "weight_scale"] = mxfp4_quantize(w)
+                else:
+                    t[key + "weight"] = w.to(torch.bfloat16)
+    os.makedirs(out, exist_ok=True)
+    save_file({PREFIX + k: v.contiguous() for k, v in sorted(t.items())}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = json.load(open(cfg_path))
+    text = cfg.get("text_config", cfg)
+    if mxfp4:
+        text["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    else:
+        text.pop("quantization_config", None)
+    json.dump(cfg, open(os.path.join(out, "config.json"), "w"), indent=2)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("out")
+    ap.add_argument("--bf16-experts", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    make(a.config, a.out, not a.bf16_experts, a.seed)
