@@ -337,3 +337,22 @@ fn device_tables_follow_the_schedule_and_the_device_opcodes() {
         .collect();
     assert_eq!(names, expected);
 }
+
+#[test]
+fn codegen_is_deterministic_and_names_are_legal() {
+    let v = compile("kimi_linear", "tiny.json");
+    let t = Target::load("b200").unwrap();
+    let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
+    let a =
+        mkc::emit::emit(&v, &plan::plan(&v, &t, Options::default()).unwrap(), "kimi-linear tiny/b200", &from).unwrap();
+    let b =
+        mkc::emit::emit(&v, &plan::plan(&v, &t, Options::default()).unwrap(), "kimi-linear tiny/b200", &from).unwrap();
+    assert_eq!(a.files, b.files);
+    assert!(a.files[0].1.contains("namespace mkc::generated::kimi_linear_tiny_b200 {"));
+    assert_eq!(mkc::emit::namespace("9lives"), "m9lives");
+    // Every instruction of the plan is in the table.
+    let rows =
+        a.files[0].1.lines().filter(|l| l.trim_start().starts_with("{ ") && l.trim_end().ends_with("},")).count();
+    let tasks: usize = plan::plan(&v, &t, Options::default()).unwrap().tiling.tasks.len();
+    assert!(rows >= tasks, "{rows} rows for {tasks} tasks");
+}
