@@ -1,14 +1,15 @@
 // mkc device runtime: the persistent megakernel loop.
 //
-// One CTA per SM, launched once per decode step. Warps 0-7 are consumers,
-// warp 8 the loader, warp 9 the controller:
+// One CTA per SM, launched once per decode step, laid out as the planner's
+// warp plan says (src/plan/specialize.rs): two consumer warpgroups (warps 0-7)
+// and one producer warpgroup (warp 8 loader, 9 controller, 10 storer, 11 spare):
 //   controller: for each instruction of this SM's list, waits on its counters
-//               (acquire), releases the consumers (named barrier 1), waits for
-//               them to finish (named barrier 2), then bumps the instruction's
-//               counter (release);
+//               (acquire), then releases the consumers (named barrier 1);
 //   loader:     streams every instruction's weights into the page ring, never
 //               waiting on counters (weights do not depend on activations);
-//   consumers:  run the instruction's math between the two barriers.
+//   consumers:  run the instruction's math between the two barriers;
+//   storer:     once the consumers are done (named barrier 2, their stores
+//               fenced), bumps the instruction's counter (release).
 // A debug build bounds every counter wait: on timeout the controller writes
 // a HangReport (SM, instruction, counter, expected, seen) to host-mapped
 // memory and traps, so the host can print the report instead of hanging.
@@ -21,8 +22,9 @@ namespace mkc {
 
 constexpr int kLoaderWarp = kConsumerWarps;
 constexpr int kControllerWarp = kConsumerWarps + 1;
-constexpr int kThreads = (kConsumerWarps + 2) * 32;
-constexpr int kBarrierThreads = (kConsumerWarps + 1) * 32;  // consumers + controller
+constexpr int kStorerWarp = kConsumerWarps + 2;
+constexpr int kThreads = (kConsumerWarps + 4) * 32;         // 384: the plan's layout
+constexpr int kBarrierThreads = (kConsumerWarps + 1) * 32;  // consumers + controller, or consumers + storer
 constexpr size_t kSmemBytes = sizeof(Ring);
 
 // The plan of one step, as device pointers.
@@ -66,11 +68,14 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Program p, uint32_t st
       }
       __syncwarp();
       named_barrier(1, kBarrierThreads);  // consumers may start
+    }
+  } else if (warp == kStorerWarp) {
+    for (uint32_t i = begin; i < end; ++i) {
       named_barrier(2, kBarrierThreads);  // consumers are done, their stores fenced
-      if (threadIdx.x % 32 == 0) add_release(p.counters + ins.signal, 1);
+      if (threadIdx.x % 32 == 0) add_release(p.counters + p.instructions[i].signal, 1);
       __syncwarp();
     }
-  } else {
+  } else if (warp < kConsumerWarps) {
     for (uint32_t i = begin; i < end; ++i) {
       const Instruction ins = p.instructions[i];
       named_barrier(1, kBarrierThreads);
