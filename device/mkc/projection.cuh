@@ -148,7 +148,12 @@ __device__ inline void projection_compute(const ProjectionTask& t, uint32_t& it,
         }
       }
       __syncwarp();
-      if (lane == 0) Barrier::arrive(&ring_ptr()->empty[slot]);
+      if (lane == 0) {
+        // The page's generic-proxy reads are ordered before the loader's next
+        // bulk copy (async proxy) into it.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        Barrier::arrive(&ring_ptr()->empty[slot]);
+      }
     }
     if (r0 + warp < t.rows) {
       for (uint32_t b = 0; b < t.batch; ++b) {
