@@ -85,9 +85,7 @@ pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
                     let k = users.iter().map(|(u, _)| g.value_type(g.operands(*u)[1]).elements()).max().unwrap_or(n);
                     active = active.saturating_add(k.min(n).saturating_mul(elems));
                     for (i, b) in batches.iter().enumerate() {
-                        let p = k.min(n) as f64 / n as f64;
-                        let distinct = n as f64 * (1.0 - (1.0 - p).powf(*b as f64));
-                        per_batch[i] += distinct * bytes as f64;
+                        per_batch[i] += expected_distinct_experts(n, k, *b) * bytes as f64;
                     }
                 } else {
                     active = active.saturating_add(n.saturating_mul(elems));
@@ -117,6 +115,14 @@ pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
         context,
         state: state.into_iter().map(|(k, (n, b))| (k, n, b)).collect(),
     }
+}
+
+/// Expected number of distinct experts of `e` that `batch` tokens choosing
+/// `k` each touch under uniform routing: `E (1 - (1 - k/E)^B)`, exactly `k`
+/// at batch 1.
+pub fn expected_distinct_experts(e: u64, k: u64, batch: u64) -> f64 {
+    let p = k.min(e) as f64 / e.max(1) as f64;
+    e as f64 * (1.0 - (1.0 - p).powf(batch as f64))
 }
 
 /// `1234567` as `1,234,567`.

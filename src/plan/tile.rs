@@ -430,12 +430,11 @@ impl Builder<'_> {
         let (e, i, d) = (wg.shape[0], wg.shape[1], wg.shape[2]);
         let k = self.g.value_type(self.g.operands(node(g, n))[1]).elements();
         let b = self.b();
-        let p = k as f64 / e as f64;
         // Tasks cover the worst case, every (token, slot) a different expert;
         // their bytes are the expected share under uniform routing, where
         // `E (1 - (1 - k/E)^B)` experts are distinct (exactly k at batch 1).
         let slots = (b * k).min(e).max(1);
-        let expected = ((e as f64) * (1.0 - (1.0 - p).powf(b as f64))).min(slots as f64);
+        let expected = crate::report::expected_distinct_experts(e, k, b).min(slots as f64);
         let share = |bytes: u64| (bytes as f64 * expected / slots as f64).round() as u64;
         let sms = u64::from(self.target.sms);
         let up_row = 2 * wg.bytes() / (e * i);
