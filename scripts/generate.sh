@@ -5,10 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --quiet
+# The K2 family compiles to a whole program; K3 and Kimi Linear, whose KDA,
+# attention-residual and latent-MoE device functions are not written yet,
+# to their plan tables and weight lists only.
 for model in kimi_k2 kimi_k3 kimi_linear; do
+  only=()
+  [ "$model" = kimi_k2 ] || only=(--tables-only)
   for target in h200 b200 gb300; do
     ./target/release/mkc codegen "model_graphs/$model/graph.mkc" --config "model_graphs/$model/tiny.json" \
-      --target "$target" -o "generated/${model}_tiny_${target}" > /dev/null
+      --target "$target" -o "generated/${model}_tiny_${target}" "${only[@]}" > /dev/null
   done
 done
 if [ "${1:-}" = "--check" ]; then
@@ -25,6 +30,10 @@ if [ "${1:-}" = "--check" ]; then
   for dir in generated/*/; do
     name=$(basename "$dir")
     case "$name" in *_h200) arch=90a ;; *_b200) arch=100a ;; *_gb300) arch=103a ;; *) continue ;; esac
+    if [ -f "$dir/model.cu" ]; then
+      scripts/build_model.sh "$dir" "$tmp/$name" --object-only
+      continue
+    fi
     printf '#include "plan_tables.h"\n#include "weights.h"\n' > "$tmp/$name.cu"
     "$nvcc" -std=c++17 -c -gencode="arch=compute_${arch},code=sm_${arch}" -I "$dir" -I device -I runtime/include \
       -I "$cutlass/include" -o "$tmp/$name.o" "$tmp/$name.cu"

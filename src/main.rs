@@ -82,6 +82,10 @@ enum Command {
         /// The output folder (created if missing).
         #[arg(short, long)]
         out: PathBuf,
+        /// Emit only the plan's tables and the weight list (for graphs with
+        /// operations the device library does not compute yet).
+        #[arg(long)]
+        tables_only: bool,
     },
     /// Print the op graph.
     Graph {
@@ -177,7 +181,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Codegen { graph, config, target, batch, context, out } => {
+        Command::Codegen { graph, config, target, batch, context, out, tables_only } => {
             let v = load(&graph, config.as_deref(), None)?;
             let t = Target::load(&target).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
             let source = std::fs::read_to_string(&graph).unwrap_or_default();
@@ -187,7 +191,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             let from =
                 emit::Provenance { graph: graph.display().to_string(), config: config_name.display().to_string() };
             let name = out.file_name().map_or_else(|| v.graph().model.clone(), |n| n.to_string_lossy().into_owned());
-            let artifact = emit::emit(&v, &p, &name, &from).map_err(|e| render(&e))?;
+            let artifact = emit::emit(&v, &p, &name, &from, &source, tables_only).map_err(|e| render(&e))?;
             std::fs::create_dir_all(&out).map_err(|e| format!("error: cannot create {}: {e}\n", out.display()))?;
             for (file, text) in &artifact.files {
                 let path = out.join(file);

@@ -344,9 +344,11 @@ fn codegen_is_deterministic_and_names_are_legal() {
     let t = Target::load("b200").unwrap();
     let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
     let a =
-        mkc::emit::emit(&v, &plan::plan(&v, &t, Options::default()).unwrap(), "kimi-linear tiny/b200", &from).unwrap();
+        mkc::emit::emit(&v, &plan::plan(&v, &t, Options::default()).unwrap(), "kimi-linear tiny/b200", &from, "", true)
+            .unwrap();
     let b =
-        mkc::emit::emit(&v, &plan::plan(&v, &t, Options::default()).unwrap(), "kimi-linear tiny/b200", &from).unwrap();
+        mkc::emit::emit(&v, &plan::plan(&v, &t, Options::default()).unwrap(), "kimi-linear tiny/b200", &from, "", true)
+            .unwrap();
     assert_eq!(a.files, b.files);
     assert!(a.files[0].1.contains("namespace mkc::generated::kimi_linear_tiny_b200 {"));
     assert_eq!(mkc::emit::namespace("9lives"), "m9lives");

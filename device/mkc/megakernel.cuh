@@ -16,6 +16,7 @@
 #pragma once
 
 #include "instruction.cuh"
+#include "ops.cuh"
 #include "projection.cuh"
 
 namespace mkc {
@@ -25,24 +26,28 @@ constexpr int kControllerWarp = kConsumerWarps + 1;
 constexpr int kStorerWarp = kConsumerWarps + 2;
 constexpr int kThreads = (kConsumerWarps + 4) * 32;         // 384: the plan's layout
 constexpr int kBarrierThreads = (kConsumerWarps + 1) * 32;  // consumers + controller, or consumers + storer
-constexpr size_t kSmemBytes = sizeof(Ring);
+constexpr size_t kSmemBytes = sizeof(Ring) + kScratchBytes;  // the page ring, then scratch
 
-// The plan of one step, as device pointers.
-struct Program {
+// The schedule of one step, as device pointers.
+struct Schedule {
   const Instruction* instructions;  // all SMs' lists, back to back
   const uint32_t* sm_begin;         // [sms + 1]: SM s runs instructions[sm_begin[s] .. sm_begin[s+1])
   const Wait* waits;
-  const ProjectionTask* projections;
   uint32_t* counters;
   HangReport* report;               // host-mapped
 };
+
+// What the tasks compute is a policy: `Tasks::load(task, params, it)` streams
+// a task's weights (loader warp), `Tasks::run(task, params, it, warp)` runs
+// it (consumer warps); the generated program (generated/*/program.cuh) is
+// one, the skeleton test's projections another.
 
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-template <bool kDebug>
-__global__ void __launch_bounds__(kThreads, 1) megakernel(Program p, uint32_t step) {
+template <class Tasks, bool kDebug>
+__global__ void __launch_bounds__(kThreads, 1) megakernel(Schedule p, typename Tasks::Params params, uint32_t step) {
   Ring& ring = *ring_ptr();
   const int warp = threadIdx.x / 32;
   if (threadIdx.x == 0) ring_init(ring);
@@ -53,8 +58,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Program p, uint32_t st
 
   if (warp == kLoaderWarp) {
     for (uint32_t i = begin; i < end; ++i) {
-      const Instruction ins = p.instructions[i];
-      if (ins.opcode == kProjectionRows) projection_load(p.projections[ins.task], it);
+      Tasks::load(p.instructions[i].task, params, it);
     }
   } else if (warp == kControllerWarp) {
     for (uint32_t i = begin; i < end; ++i) {
@@ -77,13 +81,8 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Program p, uint32_t st
     }
   } else if (warp < kConsumerWarps) {
     for (uint32_t i = begin; i < end; ++i) {
-      const Instruction ins = p.instructions[i];
       named_barrier(1, kBarrierThreads);
-      if (ins.opcode == kProjectionRows) {
-        projection_compute(p.projections[ins.task], it, warp);
-      } else {
-        __trap();  // an opcode this build does not implement: fail loudly, never skip work
-      }
+      Tasks::run(p.instructions[i].task, params, it, warp);
       __threadfence();
       named_barrier(2, kBarrierThreads);
     }

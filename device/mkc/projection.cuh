@@ -44,6 +44,32 @@ constexpr int kPageRows = kConsumerWarps;
 constexpr int kPageK = 1024;
 constexpr int kPageBytes = kPageRows * kPageK * 2;
 constexpr int kPages = 12;
+// Who releases a page: every consumer thread after its own reads (each read
+// then ordered before the loader's next copy by that thread's own arrive,
+// which compute-sanitizer's racecheck follows: 0 hazards), or, with
+// MKC_RELEASE_PER_WARP, one lane per warp after a __syncwarp (fewer arrives;
+// racecheck does not follow __syncwarp and reports the page reads).
+#ifndef MKC_RELEASE_PER_WARP
+constexpr int kEmptyArrivals = kConsumerWarps * 32;
+#else
+constexpr int kEmptyArrivals = kConsumerWarps;
+#endif
+
+// Releases page `slot` after this thread's (warp's) reads of it: the reads
+// (generic proxy) are ordered before the loader's next bulk copy (async
+// proxy) into the page.
+__device__ __forceinline__ void release_page(uint64_t* empty) {
+#ifndef MKC_RELEASE_PER_WARP
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  cutlass::arch::ClusterTransactionBarrier::arrive(empty);
+#else
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    cutlass::arch::ClusterTransactionBarrier::arrive(empty);
+  }
+#endif
+}
 
 // The ring: pages and their full/empty barriers, shared by both roles.
 struct Ring {
@@ -63,7 +89,7 @@ __device__ inline Ring* ring_ptr() {
 __device__ inline void ring_init(Ring& ring) {
   for (int i = 0; i < kPages; ++i) {
     Barrier::init(&ring.full[i], 1);
-    Barrier::init(&ring.empty[i], kConsumerWarps);
+    Barrier::init(&ring.empty[i], kEmptyArrivals);
   }
   cutlass::arch::fence_barrier_init();
 }
@@ -147,13 +173,7 @@ __device__ inline void projection_compute(const ProjectionTask& t, uint32_t& it,
           }
         }
       }
-      __syncwarp();
-      if (lane == 0) {
-        // The page's generic-proxy reads are ordered before the loader's next
-        // bulk copy (async proxy) into it.
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        Barrier::arrive(&ring_ptr()->empty[slot]);
-      }
+      release_page(&ring_ptr()->empty[slot]);
     }
     if (r0 + warp < t.rows) {
       for (uint32_t b = 0; b < t.batch; ++b) {

@@ -14,6 +14,16 @@
 
 #include "mkc/megakernel.cuh"
 
+// The skeleton's tasks: every instruction is a projection, its task an index
+// into a table of ProjectionTask.
+struct Projections {
+  using Params = const mkc::ProjectionTask*;
+  static __device__ void load(uint32_t task, Params p, uint32_t& it) { mkc::projection_load(p[task], it); }
+  static __device__ void run(uint32_t task, Params p, uint32_t& it, int warp) {
+    mkc::projection_compute(p[task], it, warp);
+  }
+};
+
 #define CHECK(call)                                                                          \
   do {                                                                                       \
     cudaError_t err_ = (call);                                                               \
@@ -136,14 +146,15 @@ int main(int argc, char** argv) {
   uint32_t* counters = nullptr;
   CHECK(cudaMalloc(&counters, 2 * sizeof(uint32_t)));
   CHECK(cudaMemset(counters, 0, 2 * sizeof(uint32_t)));
-  mkc::Program prog{upload(plan.instructions), upload(plan.sm_begin), upload(plan.waits), upload(plan.tasks), counters, d_report};
-  CHECK(cudaFuncSetAttribute(mkc::megakernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
-  CHECK(cudaFuncSetAttribute(mkc::megakernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
+  mkc::Schedule prog{upload(plan.instructions), upload(plan.sm_begin), upload(plan.waits), counters, d_report};
+  const mkc::ProjectionTask* d_tasks = upload(plan.tasks);
+  CHECK(cudaFuncSetAttribute(mkc::megakernel<Projections, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
+  CHECK(cudaFuncSetAttribute(mkc::megakernel<Projections, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
 
   int failures = 0;
   for (uint32_t step = 1; step <= 3; ++step) {
     CHECK(cudaMemset(d_y2, 0, batch * n2 * 2));
-    mkc::megakernel<false><<<sms, mkc::kThreads, mkc::kSmemBytes>>>(prog, step);
+    mkc::megakernel<Projections, false><<<sms, mkc::kThreads, mkc::kSmemBytes>>>(prog, d_tasks, step);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
     // Every element of both stages' outputs against the reference.
@@ -181,8 +192,8 @@ int main(int argc, char** argv) {
   // A plan whose stage-1 waits ask for one bump more than stage 0 gives: the
   // debug build must report the hang (and trap) instead of spinning forever.
   Plan bad = make_plan(sms, 6, t0, t1, s0, s1, t0 + 1);
-  mkc::Program badprog{upload(bad.instructions), upload(bad.sm_begin), upload(bad.waits), upload(bad.tasks), counters, d_report};
-  mkc::megakernel<true><<<sms, mkc::kThreads, mkc::kSmemBytes>>>(badprog, 4);
+  mkc::Schedule badprog{upload(bad.instructions), upload(bad.sm_begin), upload(bad.waits), counters, d_report};
+  mkc::megakernel<Projections, true><<<sms, mkc::kThreads, mkc::kSmemBytes>>>(badprog, upload(bad.tasks), 4);
   const cudaError_t launch = cudaDeviceSynchronize();
   const bool reported = launch != cudaSuccess && report->valid && report->counter == 0 &&
                         report->expected == 4u * (t0 + 1) && report->seen == 4u * t0;

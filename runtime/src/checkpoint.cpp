@@ -281,6 +281,11 @@ int64_t mkc_checkpoint_read(const mkc_checkpoint* ckpt, const char* key, void* d
   return int64_t(bytes);
 }
 
+const char* mkc_checkpoint_dtype(const mkc_checkpoint* ckpt, const char* key) {
+  const auto it = ckpt->tensors.find(key);
+  return it == ckpt->tensors.end() ? nullptr : it->second.dtype.c_str();
+}
+
 void mkc_checkpoint_close(mkc_checkpoint* ckpt) { delete ckpt; }
 
 }  // extern "C"

@@ -2,11 +2,18 @@
 //! `templates/`. The templates only spell what the plan decided (strict
 //! undefined variables); identifiers come from [`namespace`].
 //!
-//! Emitted so far, into `generated/<model>_<target>/`:
+//! Emitted into `generated/<model>_<target>/`:
 //! - `plan_tables.h`: the schedule as the megakernel reads it;
-//! - `weights.h`: the checkpoint tensors the runtime checks and uploads.
+//! - `weights.h`: the checkpoint tensors the runtime checks and uploads;
+//! - `program.cuh`: what each task computes ([`program`]), the arena layout
+//!   and the megakernel's task policy;
+//! - `model.cu`: the runtime (C ABI of `runtime/include/mkc/model.h`);
+//! - `CMakeLists.txt`: builds the runtime library and the generate tool.
 //!
-//! Not yet: task operands, the kernel and the runtime (codegen issue).
+//! With `tables_only`, only the first two (for graphs whose operations the
+//! device library does not compute yet).
+
+pub mod program;
 
 use serde::Serialize;
 
@@ -63,13 +70,25 @@ fn render(env: &minijinja::Environment, name: &str, ctx: minijinja::Value) -> Re
         .map_err(|e| Error::new(ErrorKind::Invalid, format!("internal error: template {name}: {e:#}")))
 }
 
-/// Renders the plan's tables and the graph's weight list.
-pub fn emit(v: &Validated, plan: &Plan, name: &str, from: &Provenance) -> Result<Artifact> {
+/// Renders the plan's tables and the graph's weight list and, unless
+/// `tables_only`, the program, the runtime and its build file. `source` is
+/// the graph file's text, for line:column comments.
+pub fn emit(
+    v: &Validated,
+    plan: &Plan,
+    name: &str,
+    from: &Provenance,
+    source: &str,
+    tables_only: bool,
+) -> Result<Artifact> {
     let mut env = minijinja::Environment::new();
     env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
     env.set_keep_trailing_newline(true);
     env.add_template("plan_tables.h", include_str!("../../templates/plan_tables.h.j2"))
         .and_then(|_| env.add_template("weights.h", include_str!("../../templates/weights.h.j2")))
+        .and_then(|_| env.add_template("program.cuh", include_str!("../../templates/program.cuh.j2")))
+        .and_then(|_| env.add_template("model.cu", include_str!("../../templates/model.cu.j2")))
+        .and_then(|_| env.add_template("CMakeLists.txt", include_str!("../../templates/CMakeLists.txt.j2")))
         .map_err(|e| Error::new(ErrorKind::Invalid, format!("internal error: templates do not parse: {e:#}")))?;
     let t = tables(plan);
     let mut sms_lists = vec![];
@@ -98,8 +117,58 @@ pub fn emit(v: &Validated, plan: &Plan, name: &str, from: &Provenance) -> Result
         "weights.h",
         minijinja::context! { version, graph => from.graph, config => from.config, namespace => ns, weights },
     )?;
-    Ok(Artifact {
-        name: name.to_string(),
-        files: vec![("plan_tables.h".into(), tables_h), ("weights.h".into(), weights_h)],
-    })
+    let mut files = vec![("plan_tables.h".into(), tables_h), ("weights.h".into(), weights_h)];
+    if tables_only {
+        return Ok(Artifact { name: name.to_string(), files });
+    }
+    let p = program::program(v, plan, source)?;
+    let out_of = |dtype: &str, elements: u64| p.outputs.iter().position(|o| o.1 == dtype && (elements == 0 || o.2 > 1));
+    let (Some(next_token_output), Some(logits_output)) = (out_of("int32_t", 0), out_of("float", 1)) else {
+        return Err(Error::new(
+            ErrorKind::Invalid,
+            "codegen: the graph must output the next token (i32) and the logits (f32 [vocab])".to_string(),
+        ));
+    };
+    let vocab = p.outputs[logits_output].2;
+    let tasks: Vec<(usize, usize, [u32; 4])> = {
+        let mut index = vec![0usize; plan.tiling.stages.len()];
+        p.tasks
+            .iter()
+            .map(|(stage, args)| {
+                let i = index[*stage];
+                index[*stage] += 1;
+                (*stage, i, *args)
+            })
+            .collect()
+    };
+    let outputs: Vec<(String, &str, u64)> =
+        p.outputs.iter().map(|(n, t, e)| (n.clone(), *t, e * if *t == "__nv_bfloat16" { 2 } else { 4 })).collect();
+    let program_h = render(
+        &env,
+        "program.cuh",
+        minijinja::context! {
+            version, graph => from.graph, config => from.config, target => plan.target,
+            batch => plan.options.batch, context => plan.options.context, namespace => ns,
+            arena_bytes => p.arena_bytes, staging_floats => p.staging_floats, states => p.states,
+            outputs, next_token_output, logits_output, vocab, tasks, code => p.code,
+            load_cases => p.load_cases, run_cases => p.run_cases,
+        },
+    )?;
+    let model_cu = render(
+        &env,
+        "model.cu",
+        minijinja::context! { version, graph => from.graph, config => from.config, target => plan.target, namespace => ns },
+    )?;
+    let arch = match plan.target.as_str() {
+        "h200" | "h100" => "90a",
+        "b200" => "100a",
+        "gb300" | "b300" => "103a",
+        _ => "90a",
+    };
+    let cmake =
+        render(&env, "CMakeLists.txt", minijinja::context! { version, target => plan.target, namespace => ns, arch })?;
+    files.push(("program.cuh".into(), program_h));
+    files.push(("model.cu".into(), model_cu));
+    files.push(("CMakeLists.txt".into(), cmake));
+    Ok(Artifact { name: name.to_string(), files })
 }

@@ -84,6 +84,12 @@ pub struct Task {
     pub state_bytes: u64,
     /// Floating-point operations.
     pub flops: u64,
+    /// Which part of its operation the task computes, as the generated code
+    /// reads it: projections `[linear node, paired up node or u32::MAX, row0,
+    /// row1]`; MLA `[head group, split]`; expert stages `[slot, row0, row1]`;
+    /// expert combine `[tile, tiles]`.
+    #[serde(skip)]
+    pub args: [u32; 4],
 }
 
 /// A set of tasks of one kind that may run in parallel.
@@ -138,6 +144,20 @@ impl Tiling {
     }
 }
 
+/// A task before it is numbered: label, weight, activation and state bytes,
+/// FLOPs and arguments.
+type Part = (String, u64, u64, u64, u64, [u32; 4]);
+
+/// How MLA decode splits: `(head groups, heads per group, KV splits)`.
+pub fn mla_split_shape(heads: u64, context: u64, sms: u32) -> (u64, u64, u64) {
+    let groups = heads.min(16);
+    let hpt = heads.div_ceil(groups);
+    let groups = heads.div_ceil(hpt);
+    let ctx = context.max(1);
+    let splits = (u64::from(sms) / groups).clamp(1, ctx.div_ceil(256).max(1));
+    (groups, hpt, splits)
+}
+
 struct Builder<'a> {
     g: &'a Graph,
     target: &'a Target,
@@ -179,18 +199,12 @@ impl Builder<'_> {
         u64::from(self.opts.batch)
     }
 
-    fn add_stage(
-        &mut self,
-        op: usize,
-        kind: TaskKind,
-        reads: Vec<usize>,
-        parts: Vec<(String, u64, u64, u64, u64)>,
-    ) -> usize {
+    fn add_stage(&mut self, op: usize, kind: TaskKind, reads: Vec<usize>, parts: Vec<Part>) -> usize {
         let id = self.stages.len();
         let mut ids = vec![];
-        for (label, weight_bytes, act_bytes, state_bytes, flops) in parts {
+        for (label, weight_bytes, act_bytes, state_bytes, flops, args) in parts {
             let tid = self.tasks.len();
-            self.tasks.push(Task { id: tid, stage: id, label, weight_bytes, act_bytes, state_bytes, flops });
+            self.tasks.push(Task { id: tid, stage: id, label, weight_bytes, act_bytes, state_bytes, flops, args });
             ids.push(tid);
         }
         self.stages.push(Stage { id, op, kind, tasks: ids, reads });
@@ -254,7 +268,10 @@ impl Builder<'_> {
                     }
                     _ => {}
                 }
-                if matches!(op, OpKind::ConvUpdate | OpKind::Split | OpKind::Silu | OpKind::Sigmoid) {
+                if matches!(
+                    op,
+                    OpKind::ConvUpdate | OpKind::Split | OpKind::Silu | OpKind::Sigmoid | OpKind::Add | OpKind::Mul
+                ) {
                     frontier.push(u);
                 }
             }
@@ -294,7 +311,8 @@ impl Builder<'_> {
                 label = format!("{label}+{}", g.node(node(g, *up)).name.rsplit('/').next().unwrap_or(""));
             }
             let align = self.align_for(*l, nodes).min(rows.max(1));
-            segments.push((label, rows, row_bytes, k, align, coupled.values().any(|gte| gte == l)));
+            let up = coupled.iter().find(|(_, gate)| **gate == *l).map(|(up, _)| *up as u32).unwrap_or(u32::MAX);
+            segments.push((label, rows, row_bytes, k, align, coupled.values().any(|gte| gte == l), *l as u32, up));
         }
         let total: u64 = segments.iter().map(|s| s.1 * s.2).sum();
         let per_task = (total / u64::from(self.target.sms)).max(32 << 10);
@@ -302,7 +320,7 @@ impl Builder<'_> {
         let out_total = self.external_outputs(nodes) * self.b();
         let b = self.b();
         let mut parts = vec![];
-        for (label, rows, row_bytes, k, align, pair) in &segments {
+        for (label, rows, row_bytes, k, align, pair, lin, up) in &segments {
             let tile =
                 round_up(per_task.div_ceil((*row_bytes).max(1)), *align).min(round_up(*rows, *align)).max(*align);
             let mut r0 = 0;
@@ -311,7 +329,14 @@ impl Builder<'_> {
                 let n = r1 - r0;
                 let mult = if *pair { 2 } else { 1 };
                 let out = out_total * n / segments.iter().map(|s| s.1).sum::<u64>().max(1);
-                parts.push((format!("{label}[{r0}..{r1}]"), n * row_bytes, in_bytes + out, 0, 2 * n * k * b * mult));
+                parts.push((
+                    format!("{label}[{r0}..{r1}]"),
+                    n * row_bytes,
+                    in_bytes + out,
+                    0,
+                    2 * n * k * b * mult,
+                    [*lin, *up, r0 as u32, r1 as u32],
+                ));
                 r0 = r1;
             }
         }
@@ -329,7 +354,7 @@ impl Builder<'_> {
     ) -> usize {
         let act = (self.external_inputs(nodes) + self.external_outputs(nodes)) * self.b();
         let weights: u64 = self.weights_of(nodes);
-        self.add_stage(op, kind, reads, vec![("all".into(), weights, act, state, flops)])
+        self.add_stage(op, kind, reads, vec![("all".into(), weights, act, state, flops, [0; 4])])
     }
 
     /// Bytes of the non-expert weights the nodes read.
@@ -356,11 +381,8 @@ impl Builder<'_> {
         let heads = attrs.int("heads") as u64;
         let (nope, rope, v_dim) = (attrs.int("nope") as u64, attrs.int("rope") as u64, attrs.int("v_dim") as u64);
         let c = self.weight_of(n, 3).shape[1];
-        let groups = heads.min(16);
-        let hpt = heads.div_ceil(groups);
-        let groups = heads.div_ceil(hpt);
+        let (groups, hpt, splits) = mla_split_shape(heads, self.opts.context, self.target.sms);
         let ctx = self.opts.context.max(1);
-        let splits = (u64::from(self.target.sms) / groups).clamp(1, ctx.div_ceil(256).max(1));
         let b = self.b();
         let cache_row = (c + rope) * 2;
         let w = self.weight_of(n, 3);
@@ -380,6 +402,7 @@ impl Builder<'_> {
                     act,
                     chunk * cache_row * b / groups,
                     flops,
+                    [hg as u32, s as u32, 0, 0],
                 ));
             }
         }
@@ -394,6 +417,7 @@ impl Builder<'_> {
                 partials + out / groups,
                 0,
                 2 * hpt * v_dim * c * b,
+                [hg as u32, 0, 0, 0],
             ));
         }
         let combine = self.add_stage(op, TaskKind::MlaCombine, vec![split], parts);
@@ -416,7 +440,8 @@ impl Builder<'_> {
         let parts = (0..tasks)
             .map(|t| {
                 let h = hpt.min(heads - t * hpt);
-                (format!("heads[{}..{}]", t * hpt, t * hpt + h), w, act, 2 * h * d * d * 4 * b, 8 * h * d * d * b)
+                let args = [(t * hpt) as u32, (t * hpt + h) as u32, 0, 0];
+                (format!("heads[{}..{}]", t * hpt, t * hpt + h), w, act, 2 * h * d * d * 4 * b, 8 * h * d * d * b, args)
             })
             .collect();
         self.add_stage(op, TaskKind::Kda, reads, parts)
@@ -455,11 +480,13 @@ impl Builder<'_> {
                     x_bytes / slots + (r1 - r0) * 2 * b,
                     0,
                     4 * (r1 - r0) * d * b * k / slots,
+                    [s as u32, r0 as u32, r1 as u32, 0],
                 ));
                 r0 = r1;
             }
         }
-        let up = self.add_stage(op, TaskKind::ExpertUp, reads, parts);
+        // Every stage reads the router's ids (and the combine its weights).
+        let up = self.add_stage(op, TaskKind::ExpertUp, reads.clone(), parts);
         self.out_bytes[up] = slots * i * 2 * b;
         let mut parts = vec![];
         for s in 0..slots {
@@ -472,18 +499,22 @@ impl Builder<'_> {
                     i * 2 * b + (r1 - r0) * 4 * b,
                     0,
                     2 * (r1 - r0) * i * b * k / slots,
+                    [s as u32, r0 as u32, r1 as u32, 0],
                 ));
                 r0 = r1;
             }
         }
-        let down = self.add_stage(op, TaskKind::ExpertDown, vec![up], parts);
+        let down = self.add_stage(op, TaskKind::ExpertDown, [vec![up], reads.clone()].concat(), parts);
         self.out_bytes[down] = slots * d * 4 * b;
         let tiles = d.div_ceil(1024).min(8);
         let out = self.external_outputs(nodes) * b;
         let parts = (0..tiles)
-            .map(|t| (format!("cols {t}/{tiles}"), 0, (k * d * 4 * b + out) / tiles, 0, 2 * k * d * b / tiles))
+            .map(|t| {
+                let args = [t as u32, tiles as u32, 0, 0];
+                (format!("cols {t}/{tiles}"), 0, (k * d * 4 * b + out) / tiles, 0, 2 * k * d * b / tiles, args)
+            })
             .collect();
-        let combine = self.add_stage(op, TaskKind::ExpertCombine, vec![down], parts);
+        let combine = self.add_stage(op, TaskKind::ExpertCombine, [vec![down], reads].concat(), parts);
         (up, down, combine)
     }
 }

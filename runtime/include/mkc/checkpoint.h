@@ -54,6 +54,9 @@ size_t mkc_checkpoint_tensor_count(const mkc_checkpoint* ckpt);
 int64_t mkc_checkpoint_read(const mkc_checkpoint* ckpt, const char* key, void* dst, size_t dst_len, char* err,
                             size_t err_len);
 
+/* The stored dtype of tensor `key` (safetensors name), or NULL if absent. */
+const char* mkc_checkpoint_dtype(const mkc_checkpoint* ckpt, const char* key);
+
 void mkc_checkpoint_close(mkc_checkpoint* ckpt);
 
 #ifdef __cplusplus

@@ -1,0 +1,658 @@
+// mkc device library: the fused operations the generated program calls
+// (generated/*/program.cuh), one function per task kind, and the row-local
+// epilogue steps a projection's generated code chains after its rows.
+//
+// Conventions. Consumers are threads 0..255 (warps 0-7) and synchronise on
+// named barrier 3 (`consumer_sync`). Activations are [batch, elements]
+// row-major; weights row-major [rows, k]. Accumulation is fp32; values that
+// cross operations (activations, type T) are kept in fp32 by the generated
+// programs (a few KB per token: exact enough to follow an fp32 reference
+// through routing decisions), or bf16.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "projection.cuh"
+
+namespace mkc {
+
+constexpr int kConsumerThreads = kConsumerWarps * 32;
+// Shared memory beside the page ring, for attention, experts and routing.
+constexpr int kScratchBytes = 24 << 10;
+
+// Everything a step reads and writes, as the runtime resolved it.
+struct Memory {
+  void* const* w;         // weight tensors, in weights.h order
+  char* arena;            // values crossing operations (the plan's buffers)
+  void* const* state;     // per-sequence state (KV caches), [batch, ...] each
+  void* const* out;       // graph outputs, [batch, ...] each
+  const int32_t* tokens;  // [batch] the tokens of this step
+  const int32_t* pos;     // [batch] tokens already in each sequence
+  float* staging;         // fp32 projection tiles, one slice per SM
+};
+
+// One plan task: its stage, its index in the stage, and what part of the
+// operation it computes (src/plan/tile.rs, Task::args).
+struct TaskArgs {
+  uint16_t stage;
+  uint16_t index;
+  uint32_t a[4];
+};
+
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 3, %0;" ::"r"(kConsumerThreads) : "memory"); }
+
+__device__ inline unsigned char* scratch_ptr() {
+  extern __shared__ __align__(128) unsigned char mkc_smem[];
+  return mkc_smem + sizeof(Ring);
+}
+
+__device__ __forceinline__ float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <class T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
+
+__device__ __forceinline__ float2 load_pair(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 load_pair(const __nv_bfloat16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+// Sum over all consumer threads; every consumer gets the result.
+__device__ inline float block_sum(float v) {
+  __shared__ float part[kConsumerWarps];
+  __shared__ float total;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  v = warp_sum(v);
+  if (lane == 0) part[warp] = v;
+  consumer_sync();
+  if (threadIdx.x == 0) {
+    float s = 0.f;
+    for (int w = 0; w < kConsumerWarps; ++w) s += part[w];
+    total = s;
+  }
+  consumer_sync();
+  const float r = total;
+  consumer_sync();
+  return r;
+}
+
+// Dot product of a bf16 row with a bf16 or fp32 vector over n elements
+// (n a multiple of 8; bf16 rows 16-byte aligned), one warp.
+__device__ inline float warp_dot(const __nv_bfloat16* w, const __nv_bfloat16* x, uint32_t n) {
+  const int lane = threadIdx.x % 32;
+  float acc = 0.f;
+  for (uint32_t e = lane * 8; e < n; e += 256) {
+    const uint4 wv = *reinterpret_cast<const uint4*>(w + e);
+    const uint4 xv = *reinterpret_cast<const uint4*>(x + e);
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+    const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 a = __bfloat1622float2(w2[j]), b = __bfloat1622float2(x2[j]);
+      acc = fmaf(a.x, b.x, fmaf(a.y, b.y, acc));
+    }
+  }
+  return warp_sum(acc);
+}
+__device__ inline float warp_dot(const __nv_bfloat16* w, const float* x, uint32_t n) {
+  const int lane = threadIdx.x % 32;
+  float acc = 0.f;
+  for (uint32_t e = lane * 8; e < n; e += 256) {
+    const uint4 wv = *reinterpret_cast<const uint4*>(w + e);
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 a = __bfloat1622float2(w2[j]);
+      acc = fmaf(a.x, x[e + 2 * j], fmaf(a.y, x[e + 2 * j + 1], acc));
+    }
+  }
+  return warp_sum(acc);
+}
+
+// ---------------------------------------------------------------------------
+// Embedding: out[b] = table[tokens[b]].
+template <int B, class T>
+__device__ void embedding(const __nv_bfloat16* table, const int32_t* tokens, uint32_t hidden, T* out) {
+  for (uint32_t i = threadIdx.x; i < B * hidden; i += kConsumerThreads) {
+    const uint32_t b = i / hidden, e = i % hidden;
+    out[i] = from_float<T>(bf(table[size_t(tokens[b]) * hidden + e]));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Projection rows: a task's weight rows, rows [r0, r1) of w0 and, for a
+// gate/up pair, the same rows of w1 after them (tile columns [n, 2n)).
+struct Rows {
+  const __nv_bfloat16* w0;
+  const __nv_bfloat16* w1;
+  uint32_t r0, r1, k;
+  __device__ uint32_t cols() const { return (r1 - r0) * (w1 != nullptr ? 2 : 1); }
+  __device__ const __nv_bfloat16* row(uint32_t j) const {
+    const uint32_t n = r1 - r0;
+    return j < n ? w0 + size_t(r0 + j) * k : w1 + size_t(r0 + j - n) * k;
+  }
+};
+
+// Loader: streams the task's rows into the page ring (kPageRows rows of up to
+// kPageK weights per page).
+__device__ inline void rows_load(const Rows& r, uint32_t& it) {
+  const int lane = threadIdx.x % 32;
+  const uint32_t cols = r.cols();
+  for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
+    const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
+    for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK, ++it) {
+      const uint32_t nk = min(uint32_t(kPageK), r.k - k0);
+      const int slot = it % kPages;
+      const uint32_t phase = (it / kPages) & 1;
+      if (lane == 0) {
+        Barrier::wait(&ring_ptr()->empty[slot], phase ^ 1);
+        Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * nk * 2);
+        for (uint32_t j = 0; j < nr; ++j) {
+          cute::SM90_BULK_COPY_G2S::copy(r.row(j0 + j) + k0, &ring_ptr()->full[slot], &ring_ptr()->page[slot][j * kPageK],
+                                         int32_t(nk * 2));
+        }
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// Consumers: st[b * cols + j] = sum_e row(j)[e] x'[b, e], with x' = x or
+// RMSNorm(x) * norm when `norm` is given (the prologue, recomputed per task).
+template <int B, class T>
+__device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* norm, float eps,
+                             uint32_t& it, int warp, float* st) {
+  const int lane = threadIdx.x % 32;
+  __shared__ float scale[B];
+  if (norm != nullptr) {
+    for (int b = 0; b < B; ++b) {
+      float ss = 0.f;
+      for (uint32_t e = threadIdx.x; e < r.k; e += kConsumerThreads) {
+        const float v = to_float(x[size_t(b) * r.k + e]);
+        ss = fmaf(v, v, ss);
+      }
+      ss = block_sum(ss);
+      if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(r.k) + eps);
+    }
+    consumer_sync();
+  }
+  const uint32_t cols = r.cols();
+  for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
+    float acc[B] = {};
+    for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK, ++it) {
+      const uint32_t nk = min(uint32_t(kPageK), r.k - k0);
+      const int slot = it % kPages;
+      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      if (j0 + warp < cols) {
+        const __nv_bfloat162* wrow = reinterpret_cast<const __nv_bfloat162*>(&ring_ptr()->page[slot][warp * kPageK]);
+        for (uint32_t e = 2 * lane; e < nk; e += 64) {
+          const float2 w2 = __bfloat1622float2(wrow[e / 2]);
+          float2 g = make_float2(1.f, 1.f);
+          if (norm != nullptr) g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&norm[k0 + e]));
+#pragma unroll
+          for (int b = 0; b < B; ++b) {
+            float2 x2 = load_pair(&x[size_t(b) * r.k + k0 + e]);
+            if (norm != nullptr) x2 = make_float2(x2.x * scale[b] * g.x, x2.y * scale[b] * g.y);
+            acc[b] = fmaf(w2.x, x2.x, fmaf(w2.y, x2.y, acc[b]));
+          }
+        }
+      }
+      release_page(&ring_ptr()->empty[slot]);
+    }
+    if (j0 + warp < cols) {
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const float v = warp_sum(acc[b]);
+        if (lane == 0) st[size_t(b) * cols + j0 + warp] = v;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Epilogue steps on the staging tile st [B, n]. A Span says which part of a
+// value the tile holds: tile columns [c0, c0 + len) are its elements
+// [e0, e0 + len). A step whose span is empty does nothing.
+struct Span {
+  uint32_t c0, e0, len;
+};
+
+// The span of linear `node`'s output in task t (its rows [a2, a3)).
+__device__ inline Span linear_span(const TaskArgs& t, uint32_t node) {
+  return t.a[0] == node ? Span{0, t.a[2], t.a[3] - t.a[2]} : Span{0, 0, 0};
+}
+
+// The span of elements [off, off + size) of a value, as a value of its own.
+__device__ inline Span sub_span(Span s, uint32_t off, uint32_t size) {
+  const uint32_t lo = max(s.e0, off), hi = min(s.e0 + s.len, off + size);
+  if (s.len == 0 || hi <= lo) return Span{0, 0, 0};
+  return Span{s.c0 + lo - s.e0, lo - off, hi - lo};
+}
+
+// gate = silu(gate) * up, the up rows at tile columns [n/2, n).
+template <int B>
+__device__ void ep_silu_and_mul(float* st, uint32_t n, Span g) {
+  const uint32_t half = n / 2;
+  for (uint32_t i = threadIdx.x; i < B * g.len; i += kConsumerThreads) {
+    const uint32_t b = i / g.len, c = g.c0 + i % g.len;
+    const float x = st[b * n + c], u = st[b * n + half + c];
+    st[b * n + c] = x / (1.f + expf(-x)) * u;
+  }
+}
+
+template <int B, class T>
+__device__ void ep_add(float* st, uint32_t n, Span s, const T* other, uint32_t len) {
+  for (uint32_t i = threadIdx.x; i < B * s.len; i += kConsumerThreads) {
+    const uint32_t b = i / s.len, j = i % s.len;
+    st[b * n + s.c0 + j] += to_float(other[size_t(b) * len + s.e0 + j]);
+  }
+}
+
+// RoPE of the last `rot` values of each head (whole heads in the span), at
+// each sequence's position; interleaved pairs (2i, 2i+1), else (i, i + rot/2).
+template <int B>
+__device__ void ep_rope(float* st, uint32_t n, Span s, uint32_t head_dim, uint32_t rot, bool interleaved,
+                        const float* inv_freq, float mscale, const int32_t* pos) {
+  if (s.len == 0) return;
+  if (s.e0 % head_dim != 0 || s.len % head_dim != 0) __trap();  // the tiler aligns tiles to heads
+  const uint32_t heads = s.len / head_dim, half = rot / 2;
+  for (uint32_t i = threadIdx.x; i < B * heads * half; i += kConsumerThreads) {
+    const uint32_t b = i / (heads * half), h = (i / half) % heads, p = i % half;
+    const uint32_t base = b * n + s.c0 + h * head_dim + head_dim - rot;
+    const uint32_t ia = interleaved ? base + 2 * p : base + p;
+    const uint32_t ib = interleaved ? ia + 1 : ia + half;
+    const float angle = float(pos[b]) * inv_freq[p];
+    const float c = cosf(angle) * mscale, sn = sinf(angle) * mscale;
+    const float xa = st[ia], xb = st[ib];
+    st[ia] = xa * c - xb * sn;
+    st[ib] = xb * c + xa * sn;
+  }
+}
+
+// RMSNorm of a whole value (the tiler keeps it in one task).
+template <int B>
+__device__ void ep_rms_norm(float* st, uint32_t n, Span s, uint32_t full, const __nv_bfloat16* w, float eps) {
+  if (s.len == 0) return;
+  if (s.e0 != 0 || s.len != full) __trap();
+  for (int b = 0; b < B; ++b) {
+    float ss = 0.f;
+    for (uint32_t j = threadIdx.x; j < s.len; j += kConsumerThreads) ss = fmaf(st[b * n + s.c0 + j], st[b * n + s.c0 + j], ss);
+    const float r = rsqrtf(block_sum(ss) / float(full) + eps);
+    for (uint32_t j = threadIdx.x; j < s.len; j += kConsumerThreads) st[b * n + s.c0 + j] *= r * bf(w[j]);
+  }
+}
+
+template <int B, class T>
+__device__ void ep_store(const float* st, uint32_t n, Span s, T* dst, uint32_t len) {
+  for (uint32_t i = threadIdx.x; i < B * s.len; i += kConsumerThreads) {
+    const uint32_t b = i / s.len, j = i % s.len;
+    dst[size_t(b) * len + s.e0 + j] = from_float<T>(st[b * n + s.c0 + j]);
+  }
+}
+
+// Per token, the tile's largest value and its index (the lowest on ties).
+template <int B>
+__device__ void ep_tile_max(const float* st, uint32_t n, Span s, float2* out, uint32_t tile, uint32_t tiles) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int b = warp; b < B; b += kConsumerWarps) {
+    float best = -INFINITY;
+    uint32_t at = 0xffffffffu;
+    for (uint32_t j = lane; j < s.len; j += 32) {
+      const float v = st[b * n + s.c0 + j];
+      if (v > best) best = v, at = s.e0 + j;
+    }
+    for (int off = 16; off > 0; off /= 2) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, off);
+      const uint32_t oa = __shfl_xor_sync(0xffffffffu, at, off);
+      if (ob > best || (ob == best && oa < at)) best = ob, at = oa;
+    }
+    if (lane == 0) out[b * tiles + tile] = make_float2(best, __uint_as_float(at));
+  }
+}
+
+template <int B>
+__device__ void argmax_tiles(const float2* tm, uint32_t tiles, int32_t* next) {
+  if (threadIdx.x >= B) return;
+  const int b = threadIdx.x;
+  float best = -INFINITY;
+  uint32_t at = 0;
+  for (uint32_t t = 0; t < tiles; ++t) {
+    const float2 v = tm[b * tiles + t];
+    const uint32_t idx = __float_as_uint(v.y);
+    if (v.x > best || (v.x == best && idx < at)) best = v.x, at = idx;
+  }
+  next[b] = int32_t(at);
+}
+
+// ---------------------------------------------------------------------------
+// Weight-absorbed MLA decode. Per token b, head h: q = [q_nope (nope) | q_pe
+// (rope)], the cache row p = [c_kv (c) | k_pe (rope)], kv_b_proj rows per head
+// [W_UK (nope rows) | W_UV (v_dim rows)] of width c. Score_p = scale (q_nope
+// W_UK . c_kv_p + q_pe . k_pe_p); out = W_UV sum_p softmax_p c_kv_p.
+struct MlaShape {
+  uint32_t heads, hpt, groups, splits;
+  uint32_t ctx, c, nope, rope, v_dim;
+  float scale;
+};
+
+__device__ inline void split_range(const MlaShape& s, uint32_t split, uint32_t& p0, uint32_t& p1) {
+  const uint32_t base = s.ctx / s.splits, rem = s.ctx % s.splits;
+  p0 = split * base + min(split, rem);
+  p1 = p0 + base + (split < rem ? 1 : 0);
+}
+
+// One (head group, KV split) task: partials [B, heads, splits, 2 + c] of
+// (max, sum of exp, sum of exp * c_kv). The split holding the current
+// position appends the new row to the cache (head group 0 writes it; the
+// others use their own copy).
+template <int B, class T>
+__device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const T* q, const T* ckv_raw,
+                          const __nv_bfloat16* norm, float eps, const T* kpe,
+                          const __nv_bfloat16* wkvb, __nv_bfloat16* cache, const int32_t* pos, float* partials) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t h0 = hg * s.hpt, nh = min(s.hpt, s.heads - h0);
+  const uint32_t qk = s.nope + s.rope, row = s.c + s.rope;
+  uint32_t p0, p1;
+  split_range(s, split, p0, p1);
+  float* qlat = reinterpret_cast<float*>(scratch_ptr());  // [hpt, c]
+  float* qpe = qlat + s.hpt * s.c;                         // [hpt, rope]
+  float* cur = qpe + s.hpt * s.rope;                       // [c + rope]
+  float* sc = cur + row;                                   // [hpt, p1 - p0]
+  const uint32_t chunk = p1 - p0;
+  for (int b = 0; b < B; ++b) {
+    const uint32_t p_now = uint32_t(pos[b]);
+    const uint32_t hi = min(p1, p_now + 1);
+    const bool has_now = p0 <= p_now && p_now < p1;
+    if (has_now) {
+      float ss = 0.f;
+      for (uint32_t j = threadIdx.x; j < s.c; j += kConsumerThreads) {
+        const float v = to_float(ckv_raw[size_t(b) * s.c + j]);
+        ss = fmaf(v, v, ss);
+      }
+      const float r = norm != nullptr ? rsqrtf(block_sum(ss) / float(s.c) + eps) : 1.f;
+      __nv_bfloat16* dst = cache + (size_t(b) * s.ctx + p_now) * row;
+      for (uint32_t j = threadIdx.x; j < row; j += kConsumerThreads) {
+        float v;
+        if (j < s.c) {
+          v = to_float(ckv_raw[size_t(b) * s.c + j]);
+          if (norm != nullptr) v = v * r * bf(norm[j]);
+        } else {
+          v = to_float(kpe[size_t(b) * s.rope + j - s.c]);
+        }
+        const __nv_bfloat16 stored = __float2bfloat16(v);
+        cur[j] = bf(stored);
+        if (hg == 0) dst[j] = stored;
+      }
+    }
+    // q absorbed into the latent space.
+    for (uint32_t i = threadIdx.x; i < nh * s.c; i += kConsumerThreads) {
+      const uint32_t h = i / s.c, cc = i % s.c;
+      const T* qh = q + size_t(b) * s.heads * qk + size_t(h0 + h) * qk;
+      const __nv_bfloat16* w = wkvb + size_t(h0 + h) * (s.nope + s.v_dim) * s.c + cc;
+      float acc = 0.f;
+      for (uint32_t n = 0; n < s.nope; ++n) acc = fmaf(to_float(qh[n]), bf(w[size_t(n) * s.c]), acc);
+      qlat[h * s.c + cc] = acc;
+    }
+    for (uint32_t i = threadIdx.x; i < nh * s.rope; i += kConsumerThreads) {
+      const uint32_t h = i / s.rope, r = i % s.rope;
+      qpe[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + s.nope + r]);
+    }
+    consumer_sync();
+    // Scores: a warp per position, all heads of the group.
+    for (uint32_t p = p0 + warp; p < hi; p += kConsumerWarps) {
+      const __nv_bfloat16* crow = cache + (size_t(b) * s.ctx + p) * row;
+      for (uint32_t h = 0; h < nh; ++h) {
+        float acc = 0.f;
+        for (uint32_t j = lane; j < row; j += 32) {
+          const float kv = p == p_now ? cur[j] : bf(crow[j]);
+          acc = fmaf(j < s.c ? qlat[h * s.c + j] : qpe[h * s.rope + j - s.c], kv, acc);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) sc[h * chunk + p - p0] = acc * s.scale;
+      }
+    }
+    consumer_sync();
+    // Softmax statistics per head (a warp per head), probabilities in place.
+    __shared__ float stat[2 * 16];
+    for (uint32_t h = warp; h < nh; h += kConsumerWarps) {
+      float m = -INFINITY;
+      for (uint32_t p = p0 + lane; p < hi; p += 32) m = fmaxf(m, sc[h * chunk + p - p0]);
+      m = warp_max(m);
+      float l = 0.f;
+      for (uint32_t p = p0 + lane; p < hi; p += 32) {
+        const float e = expf(sc[h * chunk + p - p0] - m);
+        sc[h * chunk + p - p0] = e;
+        l += e;
+      }
+      l = warp_sum(l);
+      if (lane == 0) stat[2 * h] = m, stat[2 * h + 1] = l;
+    }
+    consumer_sync();
+    for (uint32_t i = threadIdx.x; i < nh * s.c; i += kConsumerThreads) {
+      const uint32_t h = i / s.c, cc = i % s.c;
+      float acc = 0.f;
+      for (uint32_t p = p0; p < hi; ++p) {
+        const float kv = p == p_now ? cur[cc] : bf(cache[(size_t(b) * s.ctx + p) * row + cc]);
+        acc = fmaf(sc[h * chunk + p - p0], kv, acc);
+      }
+      float* part = partials + ((size_t(b) * s.heads + h0 + h) * s.splits + split) * (2 + s.c);
+      part[2 + cc] = acc;
+      if (cc == 0) {
+        part[0] = hi > p0 ? stat[2 * h] : -INFINITY;
+        part[1] = hi > p0 ? stat[2 * h + 1] : 0.f;
+      }
+    }
+    consumer_sync();
+  }
+}
+
+// One head group: merges the splits by log-sum-exp and applies W_UV.
+template <int B, class T>
+__device__ void mla_combine(const MlaShape& s, uint32_t hg, const float* partials, const __nv_bfloat16* wkvb, T* out) {
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const uint32_t h0 = hg * s.hpt, nh = min(s.hpt, s.heads - h0);
+  float* olat = reinterpret_cast<float*>(scratch_ptr());  // [hpt, c]
+  for (int b = 0; b < B; ++b) {
+    for (uint32_t i = threadIdx.x; i < nh * s.c; i += kConsumerThreads) {
+      const uint32_t h = i / s.c, cc = i % s.c;
+      const float* part = partials + (size_t(b) * s.heads + h0 + h) * s.splits * (2 + s.c);
+      float m = -INFINITY;
+      for (uint32_t k = 0; k < s.splits; ++k) m = fmaxf(m, part[k * (2 + s.c)]);
+      float l = 0.f, acc = 0.f;
+      for (uint32_t k = 0; k < s.splits; ++k) {
+        const float* pk = part + k * (2 + s.c);
+        if (pk[1] == 0.f) continue;
+        const float w = expf(pk[0] - m);
+        l = fmaf(pk[1], w, l);
+        acc = fmaf(pk[2 + cc], w, acc);
+      }
+      olat[i] = acc / l;
+    }
+    consumer_sync();
+    for (uint32_t i = warp; i < nh * s.v_dim; i += kConsumerWarps) {
+      const uint32_t h = i / s.v_dim, j = i % s.v_dim;
+      const __nv_bfloat16* w = wkvb + (size_t(h0 + h) * (s.nope + s.v_dim) + s.nope + j) * s.c;
+      const float v = warp_dot(w, olat + h * s.c, s.c);
+      if (lane == 0) out[size_t(b) * s.heads * s.v_dim + (h0 + h) * s.v_dim + j] = from_float<T>(v);
+    }
+    consumer_sync();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Router, as DeepSeek-V3: s = sigmoid(logits); choice = s + bias; groups
+// ranked by the sum of their two best choices, the best `topk_group` kept
+// (the others' choices set to 0); top-k of the choices; weights s at the
+// chosen experts, renormalised (sum + 1e-20) if asked, times `scale`.
+struct RouterShape {
+  uint32_t experts, top_k, n_group, topk_group;
+  bool renormalize;
+  float scale;
+};
+
+template <int B>
+__device__ void router(const RouterShape& r, const float* logits, const float* bias, int32_t* ids, float* wts) {
+  if (threadIdx.x >= B) return;
+  const int b = threadIdx.x;
+  const float* lg = logits + size_t(b) * r.experts;
+  auto score = [&](uint32_t e) { return 1.f / (1.f + expf(-lg[e])); };
+  auto choice = [&](uint32_t e) { return score(e) + (bias != nullptr ? bias[e] : 0.f); };
+  const uint32_t per = r.experts / r.n_group;
+  uint64_t kept = ~0ull;  // groups kept (n_group <= 64, checked at codegen)
+  if (r.n_group > 1) {
+    kept = 0;
+    float gs[64];
+    for (uint32_t g = 0; g < r.n_group; ++g) {
+      float a = -INFINITY, c = -INFINITY;
+      for (uint32_t e = g * per; e < (g + 1) * per; ++e) {
+        const float v = choice(e);
+        if (v > a) c = a, a = v;
+        else if (v > c) c = v;
+      }
+      gs[g] = a + (per > 1 ? c : 0.f);
+    }
+    for (uint32_t t = 0; t < r.topk_group; ++t) {
+      int best = -1;
+      for (uint32_t g = 0; g < r.n_group; ++g)
+        if (!(kept >> g & 1) && (best < 0 || gs[g] > gs[best])) best = int(g);
+      kept |= 1ull << best;
+    }
+  }
+  int32_t* my_ids = ids + size_t(b) * r.top_k;
+  float* my_w = wts + size_t(b) * r.top_k;
+  float sum = 0.f;
+  for (uint32_t t = 0; t < r.top_k; ++t) {
+    int best = -1;
+    float bv = -INFINITY;
+    for (uint32_t e = 0; e < r.experts; ++e) {
+      bool taken = false;
+      for (uint32_t u = 0; u < t; ++u) taken |= my_ids[u] == int32_t(e);
+      if (taken) continue;
+      const float v = (kept >> (e / per) & 1) ? choice(e) : 0.f;
+      if (best < 0 || v > bv) best = int(e), bv = v;
+    }
+    my_ids[t] = best;
+    my_w[t] = score(best);
+    sum += my_w[t];
+  }
+  for (uint32_t t = 0; t < r.top_k; ++t) my_w[t] = (r.renormalize ? my_w[t] / (sum + 1e-20f) : my_w[t]) * r.scale;
+}
+
+// ---------------------------------------------------------------------------
+// Routed experts. Slot s holds the s-th smallest distinct expert id among the
+// batch's choices (so every task finds the same assignment without talking);
+// a slot past the distinct count is empty.
+struct MoeShape {
+  uint32_t experts, top_k, inter, hidden, slots;
+  uint32_t gate_base, up_base, down_base;  // weight index of expert 0's tensors
+};
+
+template <int B>
+__device__ int slot_expert(const int32_t* ids, uint32_t n, uint32_t slot) {
+  for (uint32_t i = 0; i < n; ++i) {
+    bool first = true;
+    uint32_t below = 0;
+    for (uint32_t j = 0; j < n; ++j) {
+      first &= !(j < i && ids[j] == ids[i]);
+      bool first_j = true;
+      for (uint32_t u = 0; u < j; ++u) first_j &= ids[u] != ids[j];
+      below += first_j && ids[j] < ids[i];
+    }
+    if (first && below == slot) return ids[i];
+  }
+  return -1;
+}
+
+__device__ inline uint32_t slot_of(const int32_t* ids, uint32_t n, int32_t e) {
+  uint32_t below = 0;
+  for (uint32_t j = 0; j < n; ++j) {
+    bool first_j = true;
+    for (uint32_t u = 0; u < j; ++u) first_j &= ids[u] != ids[j];
+    below += first_j && ids[j] < e;
+  }
+  return below;
+}
+
+__device__ inline bool uses(const int32_t* ids, uint32_t k, int b, int e) {
+  for (uint32_t j = 0; j < k; ++j)
+    if (ids[b * k + j] == e) return true;
+  return false;
+}
+
+// act[slot, b, r] = silu(gate_e[r] . x_b) * (up_e[r] . x_b) for rows [r0, r1).
+template <int B, class T>
+__device__ void expert_up(const MoeShape& s, uint32_t slot, uint32_t r0, uint32_t r1, void* const* w, const T* x,
+                          const int32_t* ids, float* act) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int e = slot_expert<B>(ids, B * s.top_k, slot);
+  if (e < 0) return;
+  const auto* gate = static_cast<const __nv_bfloat16*>(w[s.gate_base + e]);
+  const auto* up = static_cast<const __nv_bfloat16*>(w[s.up_base + e]);
+  for (uint32_t r = r0 + warp; r < r1; r += kConsumerWarps) {
+    for (int b = 0; b < B; ++b) {
+      if (!uses(ids, s.top_k, b, e)) continue;
+      const float g = warp_dot(gate + size_t(r) * s.hidden, x + size_t(b) * s.hidden, s.hidden);
+      const float u = warp_dot(up + size_t(r) * s.hidden, x + size_t(b) * s.hidden, s.hidden);
+      if (lane == 0) act[(size_t(slot) * B + b) * s.inter + r] = g / (1.f + expf(-g)) * u;
+    }
+  }
+}
+
+// out[slot, b, r] = down_e[r] . act[slot, b] for rows [r0, r1).
+template <int B>
+__device__ void expert_down(const MoeShape& s, uint32_t slot, uint32_t r0, uint32_t r1, void* const* w,
+                            const int32_t* ids, const float* act, float* out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int e = slot_expert<B>(ids, B * s.top_k, slot);
+  if (e < 0) return;
+  const auto* down = static_cast<const __nv_bfloat16*>(w[s.down_base + e]);
+  for (uint32_t r = r0 + warp; r < r1; r += kConsumerWarps) {
+    for (int b = 0; b < B; ++b) {
+      if (!uses(ids, s.top_k, b, e)) continue;
+      const float v = warp_dot(down + size_t(r) * s.inter, act + (size_t(slot) * B + b) * s.inter, s.inter);
+      if (lane == 0) out[(size_t(slot) * B + b) * s.hidden + r] = v;
+    }
+  }
+}
+
+// routed[b, d] = sum_j weight[b, j] out[slot(ids[b, j]), b, d], for column
+// tile `tile` of `tiles`.
+template <int B, class T>
+__device__ void expert_combine(const MoeShape& s, uint32_t tile, uint32_t tiles, const int32_t* ids, const float* wts,
+                               const float* dn, T* routed) {
+  __shared__ uint32_t slot[B * 64];
+  if (B * s.top_k > B * 64) __trap();
+  for (uint32_t i = threadIdx.x; i < B * s.top_k; i += kConsumerThreads) slot[i] = slot_of(ids, B * s.top_k, ids[i]);
+  consumer_sync();
+  const uint32_t d0 = tile * s.hidden / tiles, d1 = (tile + 1) * s.hidden / tiles;
+  for (uint32_t i = threadIdx.x; i < B * (d1 - d0); i += kConsumerThreads) {
+    const uint32_t b = i / (d1 - d0), d = d0 + i % (d1 - d0);
+    float acc = 0.f;
+    for (uint32_t j = 0; j < s.top_k; ++j)
+      acc = fmaf(wts[b * s.top_k + j], dn[(size_t(slot[b * s.top_k + j]) * B + b) * s.hidden + d], acc);
+    routed[size_t(b) * s.hidden + d] = from_float<T>(acc);
+  }
+  consumer_sync();
+}
+
+}  // namespace mkc

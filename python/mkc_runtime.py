@@ -1,0 +1,86 @@
+"""Python binding of a compiled mkc model (the C ABI of runtime/include/mkc/model.h).
+
+    from mkc_runtime import Model
+    m = Model("target/models/kimi_k2_tiny_h200/libkimi_k2_tiny_h200.so", "/path/to/checkpoint")
+    next_tokens, logits = m.step([token] * m.batch)
+
+ctypes only (numpy for the arrays); errors from the runtime become MkcError
+with the runtime's message (which names the tensor, the CUDA call, ...).
+"""
+
+import ctypes
+
+import numpy as np
+
+
+class MkcError(RuntimeError):
+    pass
+
+
+class _Info(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("batch", ctypes.c_uint32),
+        ("vocab", ctypes.c_uint64),
+        ("context", ctypes.c_uint64),
+        ("state_bytes", ctypes.c_uint64),
+    ]
+
+
+class Model:
+    def __init__(self, library, checkpoint):
+        self._lib = ctypes.CDLL(str(library))
+        lib = self._lib
+        lib.mkc_model_open.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
+        lib.mkc_model_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Info)]
+        lib.mkc_model_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_char_p, ctypes.c_size_t]
+        lib.mkc_model_reset.argtypes = [ctypes.c_void_p]
+        lib.mkc_model_save_state.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p,
+                                             ctypes.c_size_t]
+        lib.mkc_model_load_state.argtypes = lib.mkc_model_save_state.argtypes
+        lib.mkc_model_close.argtypes = [ctypes.c_void_p]
+        self._err = ctypes.create_string_buffer(1 << 16)
+        handle = ctypes.c_void_p()
+        if lib.mkc_model_open(str(checkpoint).encode(), ctypes.byref(handle), self._err, len(self._err)) != 0:
+            raise MkcError(self._err.value.decode())
+        self._m = handle
+        info = _Info()
+        lib.mkc_model_get_info(self._m, ctypes.byref(info))
+        self.name = info.name.decode()
+        self.batch = info.batch
+        self.vocab = info.vocab
+        self.context = info.context
+        self.state_bytes = info.state_bytes
+
+    def step(self, tokens, debug=False):
+        """One decode step; returns (next tokens [batch] int32, logits [batch, vocab] float32)."""
+        t = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(self.batch))
+        nxt = np.zeros(self.batch, dtype=np.int32)
+        logits = np.zeros((self.batch, self.vocab), dtype=np.float32)
+        if self._lib.mkc_model_step(self._m, t.ctypes.data, nxt.ctypes.data, logits.ctypes.data, int(debug), self._err,
+                                    len(self._err)) != 0:
+            raise MkcError(self._err.value.decode())
+        return nxt, logits
+
+    def reset(self):
+        self._lib.mkc_model_reset(self._m)
+
+    def save_state(self):
+        buf = np.zeros(self.state_bytes, dtype=np.uint8)
+        if self._lib.mkc_model_save_state(self._m, buf.ctypes.data, buf.size, self._err, len(self._err)) != 0:
+            raise MkcError(self._err.value.decode())
+        return buf
+
+    def load_state(self, buf):
+        buf = np.ascontiguousarray(buf, dtype=np.uint8)
+        if self._lib.mkc_model_load_state(self._m, buf.ctypes.data, buf.size, self._err, len(self._err)) != 0:
+            raise MkcError(self._err.value.decode())
+
+    def close(self):
+        if getattr(self, "_m", None):
+            self._lib.mkc_model_close(self._m)
+            self._m = None
+
+    def __del__(self):
+        self.close()

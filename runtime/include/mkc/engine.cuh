@@ -1,0 +1,280 @@
+// mkc runtime: loads a checkpoint for a generated program, owns the device
+// memory of one model (weights, arena, KV caches and state, outputs), and
+// runs decode steps with the megakernel. Generic over the generated model
+// (generated/<model>_<target>/program.cuh); `model.cu` there instantiates it
+// behind the C ABI of mkc/model.h.
+//
+// Every CUDA call is checked; every failure becomes a message naming what
+// failed (the tensor, the call), returned through the C ABI, never an abort.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mkc/checkpoint.h"
+#include "mkc/megakernel.cuh"
+
+namespace mkc {
+
+struct Failure {
+  std::string message;
+};
+
+inline void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Failure{std::string(what) + ": " + cudaGetErrorString(e)};
+}
+#define MKC_CUDA(call) ::mkc::check_cuda((call), #call)
+
+inline size_t dtype_bytes(const char* d) {
+  const std::string s = d;
+  if (s == "F32" || s == "I32") return 4;
+  if (s == "BF16" || s == "F16") return 2;
+  if (s == "I64") return 8;
+  return 1;
+}
+
+inline float half_bits_to_float(uint16_t h, bool bf16) {
+  if (bf16) {
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  const uint32_t sign = (h >> 15) & 1, exp = (h >> 10) & 31, man = h & 1023;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(float(man), -24);
+  } else if (exp == 31) {
+    f = man ? NAN : INFINITY;
+  } else {
+    f = std::ldexp(float(man | 1024), int(exp) - 25);
+  }
+  return sign ? -f : f;
+}
+
+// P: the generated program's namespace as a struct of its tables (see
+// model.cu.j2): kBatch, kSms, kCounters, kTasks, weights, instructions, ...
+template <class P>
+class Engine {
+ public:
+  explicit Engine(const char* dir) {
+    int device = 0, sms = 0;
+    MKC_CUDA(cudaGetDevice(&device));
+    MKC_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (uint32_t(sms) < P::kSms) {
+      throw Failure{"this program was planned for " + std::to_string(P::kSms) + " SMs; the GPU has " +
+                    std::to_string(sms)};
+    }
+    char err[4096];
+    mkc_checkpoint* ck = nullptr;
+    if (mkc_checkpoint_open(dir, &ck, err, sizeof err) != 0) throw Failure{err};
+    std::vector<char> report(1 << 16);
+    const int problems = mkc_checkpoint_check(ck, P::weights, P::kWeights, report.data(), report.size());
+    if (problems != 0) {
+      mkc_checkpoint_close(ck);
+      throw Failure{std::string(dir) + " does not match the plan (" + std::to_string(problems) + " problems):\n" +
+                    report.data()};
+    }
+    try {
+      upload(ck);
+    } catch (...) {
+      mkc_checkpoint_close(ck);
+      throw;
+    }
+    mkc_checkpoint_close(ck);
+    allocate();
+  }
+
+  ~Engine() {
+    for (void* p : owned_) cudaFree(p);
+    if (report_) cudaFreeHost(report_);
+  }
+
+  // Forgets every sequence: positions back to 0 (the cache rows past a
+  // position are never read).
+  void reset() { std::fill(pos_.begin(), pos_.end(), 0); }
+
+  // One decode step for all kBatch sequences: tokens in, next tokens (and
+  // logits, if asked) out.
+  void step(const int32_t* tokens, int32_t* next, float* logits, bool debug) {
+    for (int b = 0; b < P::kBatch; ++b) {
+      if (tokens[b] < 0 || uint64_t(tokens[b]) >= P::kVocab) {
+        throw Failure{"token " + std::to_string(tokens[b]) + " of sequence " + std::to_string(b) +
+                      " is outside the vocabulary (" + std::to_string(P::kVocab) + ")"};
+      }
+      if (uint64_t(pos_[b]) >= P::kContext) {
+        throw Failure{"sequence " + std::to_string(b) + " is full: the plan's context is " +
+                      std::to_string(P::kContext) + " tokens"};
+      }
+    }
+    MKC_CUDA(cudaMemcpy(d_tokens_, tokens, sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
+    MKC_CUDA(cudaMemcpy(d_pos_, pos_.data(), sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
+    ++step_;
+    void* args[] = {&schedule_, &memory_, &step_};
+    const void* fn = debug ? kernel<true>() : kernel<false>();
+    MKC_CUDA(cudaLaunchCooperativeKernel(fn, dim3(P::kSms), dim3(kThreads), args, kSmemBytes, 0));
+    const cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+      std::string msg = std::string("the megakernel failed: ") + cudaGetErrorString(e);
+      if (report_->valid) {
+        msg += "; hang report: SM " + std::to_string(report_->sm) + ", instruction " +
+               std::to_string(report_->instruction) + ", counter " + std::to_string(report_->counter) +
+               ", expected " + std::to_string(report_->expected) + ", seen " + std::to_string(report_->seen);
+      }
+      throw Failure{msg};
+    }
+    MKC_CUDA(cudaMemcpy(next, outputs_[P::kNextTokenOutput], sizeof(int32_t) * P::kBatch, cudaMemcpyDeviceToHost));
+    if (logits != nullptr) {
+      MKC_CUDA(cudaMemcpy(logits, outputs_[P::kLogitsOutput], sizeof(float) * P::kBatch * P::kVocab,
+                          cudaMemcpyDeviceToHost));
+    }
+    for (auto& p : pos_) ++p;
+  }
+
+  int32_t position(int b) const { return pos_[b]; }
+
+  // The per-sequence state (KV caches and recurrent state) with the
+  // positions, as bytes: what a restart needs.
+  size_t state_size() const {
+    size_t need = sizeof(int32_t) * P::kBatch;
+    for (uint32_t s = 0; s < P::kStates; ++s) need += P::state_bytes[s] * P::kBatch;
+    return need;
+  }
+
+  void save(char* out, size_t len) const {
+    if (len != state_size()) {
+      throw Failure{"the state buffer has " + std::to_string(len) + " bytes; this model's state has " +
+                    std::to_string(state_size())};
+    }
+    std::memcpy(out, pos_.data(), sizeof(int32_t) * P::kBatch);
+    size_t at = sizeof(int32_t) * P::kBatch;
+    for (uint32_t s = 0; s < P::kStates; ++s) {
+      const size_t n = P::state_bytes[s] * P::kBatch;
+      MKC_CUDA(cudaMemcpy(out + at, states_[s], n, cudaMemcpyDeviceToHost));
+      at += n;
+    }
+  }
+
+  void restore(const char* data, size_t len) {
+    const size_t need = state_size();
+    if (len != need) {
+      throw Failure{"saved state has " + std::to_string(len) + " bytes; this model's state has " + std::to_string(need)};
+    }
+    std::memcpy(pos_.data(), data, sizeof(int32_t) * P::kBatch);
+    size_t at = sizeof(int32_t) * P::kBatch;
+    for (uint32_t s = 0; s < P::kStates; ++s) {
+      const size_t n = P::state_bytes[s] * P::kBatch;
+      MKC_CUDA(cudaMemcpy(states_[s], data + at, n, cudaMemcpyHostToDevice));
+      at += n;
+    }
+  }
+
+ private:
+  template <bool kDebug>
+  static const void* kernel() {
+    return reinterpret_cast<const void*>(&megakernel<typename P::Step, kDebug>);
+  }
+
+  template <class T>
+  T* device_alloc(size_t bytes) {
+    void* p = nullptr;
+    MKC_CUDA(cudaMalloc(&p, bytes == 0 ? 16 : bytes));
+    owned_.push_back(p);
+    return static_cast<T*>(p);
+  }
+
+  void upload(mkc_checkpoint* ck) {
+    std::vector<char> host, wide;
+    char err[1024];
+    weights_.resize(P::kWeights);
+    for (uint32_t i = 0; i < P::kWeights; ++i) {
+      const mkc_tensor_spec& s = P::weights[i];
+      uint64_t n = 1;
+      for (uint32_t d = 0; d < s.ndim; ++d) n *= s.shape[d];
+      const char* stored = mkc_checkpoint_dtype(ck, s.key);
+      const size_t bytes = n * dtype_bytes(stored);
+      host.resize(bytes);
+      if (mkc_checkpoint_read(ck, s.key, host.data(), host.size(), err, sizeof err) < 0) throw Failure{err};
+      const char* src = host.data();
+      size_t up = bytes;
+      if (std::strcmp(s.dtype, stored) != 0) {  // an f32 tensor stored as bf16 or f16: widened exactly
+        wide.resize(n * 4);
+        const bool is_bf16 = std::strcmp(stored, "BF16") == 0;
+        for (uint64_t e = 0; e < n; ++e) {
+          uint16_t h;
+          std::memcpy(&h, host.data() + 2 * e, 2);
+          const float f = half_bits_to_float(h, is_bf16);
+          std::memcpy(wide.data() + 4 * e, &f, 4);
+        }
+        src = wide.data();
+        up = n * 4;
+      }
+      weights_[i] = device_alloc<char>(up);
+      try {
+        MKC_CUDA(cudaMemcpy(weights_[i], src, up, cudaMemcpyHostToDevice));
+      } catch (Failure& f) {
+        f.message = std::string("uploading ") + s.key + ": " + f.message;
+        throw;
+      }
+    }
+  }
+
+  void allocate() {
+    void** w = device_alloc<void*>(sizeof(void*) * P::kWeights);
+    MKC_CUDA(cudaMemcpy(w, weights_.data(), sizeof(void*) * P::kWeights, cudaMemcpyHostToDevice));
+    char* arena = device_alloc<char>(P::kArenaBytes);
+    MKC_CUDA(cudaMemset(arena, 0, P::kArenaBytes));
+    for (uint32_t s = 0; s < P::kStates; ++s) {
+      states_.push_back(device_alloc<char>(P::state_bytes[s] * P::kBatch));
+      MKC_CUDA(cudaMemset(states_.back(), 0, P::state_bytes[s] * P::kBatch));
+    }
+    void** st = device_alloc<void*>(sizeof(void*) * (P::kStates + 1));
+    if (P::kStates > 0) MKC_CUDA(cudaMemcpy(st, states_.data(), sizeof(void*) * P::kStates, cudaMemcpyHostToDevice));
+    for (uint32_t o = 0; o < P::kOutputs; ++o) outputs_.push_back(device_alloc<char>(P::output_bytes[o] * P::kBatch));
+    void** out = device_alloc<void*>(sizeof(void*) * P::kOutputs);
+    MKC_CUDA(cudaMemcpy(out, outputs_.data(), sizeof(void*) * P::kOutputs, cudaMemcpyHostToDevice));
+    d_tokens_ = device_alloc<int32_t>(sizeof(int32_t) * P::kBatch);
+    d_pos_ = device_alloc<int32_t>(sizeof(int32_t) * P::kBatch);
+    float* staging = device_alloc<float>(sizeof(float) * P::kStagingFloats * P::kSms);
+    memory_ = Memory{w, arena, st, out, d_tokens_, d_pos_, staging};
+
+    schedule_.instructions = device_copy(P::instructions, P::kTasks);
+    schedule_.sm_begin = device_copy(P::sm_begin, P::kSms + 1);
+    schedule_.waits = device_copy(P::waits, P::kWaits);
+    schedule_.counters = device_alloc<uint32_t>(sizeof(uint32_t) * P::kCounters);
+    MKC_CUDA(cudaMemset(schedule_.counters, 0, sizeof(uint32_t) * P::kCounters));
+    MKC_CUDA(cudaHostAlloc(&report_, sizeof(HangReport), cudaHostAllocMapped));
+    std::memset(report_, 0, sizeof(HangReport));
+    MKC_CUDA(cudaHostGetDevicePointer(&schedule_.report, report_, 0));
+    pos_.assign(P::kBatch, 0);
+    MKC_CUDA(cudaFuncSetAttribute(kernel<false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+    MKC_CUDA(cudaFuncSetAttribute(kernel<true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+  }
+
+  template <class T>
+  const T* device_copy(const T* src, size_t n) {
+    T* d = device_alloc<T>(sizeof(T) * n);
+    MKC_CUDA(cudaMemcpy(d, src, sizeof(T) * n, cudaMemcpyHostToDevice));
+    return d;
+  }
+
+  std::vector<void*> owned_;
+  std::vector<void*> weights_;
+  std::vector<void*> states_;
+  std::vector<void*> outputs_;
+  int32_t* d_tokens_ = nullptr;
+  int32_t* d_pos_ = nullptr;
+  Memory memory_{};
+  Schedule schedule_{};
+  HangReport* report_ = nullptr;
+  std::vector<int32_t> pos_;
+  uint32_t step_ = 0;
+};
+
+}  // namespace mkc

@@ -1,0 +1,54 @@
+/* mkc runtime: one compiled model behind a C ABI. Each generated model
+ * (generated/<model>_<target>/model.cu) implements these functions; the
+ * Python binding (python/mkc_runtime.py) and tools/generate.cpp use them.
+ *
+ * Functions returning int return 0 on success, or -1 with a message in err
+ * (always NUL-terminated) naming what failed: a tensor of the checkpoint, a
+ * CUDA call, a token outside the vocabulary, a full context.
+ */
+#ifndef MKC_MODEL_H
+#define MKC_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mkc_model mkc_model;
+
+typedef struct mkc_model_info {
+  const char* name;      /* the generated program, e.g. "kimi_k2_tiny_h200" */
+  uint32_t batch;        /* sequences decoded together */
+  uint64_t vocab;        /* logits per sequence */
+  uint64_t context;      /* tokens each sequence may hold */
+  uint64_t state_bytes;  /* what mkc_model_save_state writes */
+} mkc_model_info;
+
+/* Checks the checkpoint in `dir` against the plan (every tensor, by name),
+ * uploads it and allocates caches and state on the current CUDA device. */
+int mkc_model_open(const char* dir, mkc_model** out, char* err, size_t err_len);
+
+void mkc_model_get_info(const mkc_model* m, mkc_model_info* info);
+
+/* One decode step: tokens[batch] in, next[batch] (greedy) out, and logits
+ * [batch, vocab] if not NULL. debug != 0 runs the debug kernel, whose waits
+ * are bounded and report (SM, instruction, counter, expected, seen). */
+int mkc_model_step(mkc_model* m, const int32_t* tokens, int32_t* next, float* logits, int debug, char* err,
+                   size_t err_len);
+
+/* Every sequence back to position 0. */
+void mkc_model_reset(mkc_model* m);
+
+/* Positions, KV caches and recurrent state, to restart a decode later. */
+int mkc_model_save_state(const mkc_model* m, void* dst, size_t len, char* err, size_t err_len);
+int mkc_model_load_state(mkc_model* m, const void* src, size_t len, char* err, size_t err_len);
+
+void mkc_model_close(mkc_model* m);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MKC_MODEL_H */

@@ -1,0 +1,798 @@
+//! The program of one decode step as the megakernel runs it: where every
+//! value lives, what each task computes, and the device code of each stage.
+//!
+//! Values that cross fused operations live in the scratch arena, in the
+//! region of the stage that writes them (the plan's regions and buffers, so
+//! the verifier's reuse proof covers them); graph outputs go to their own
+//! buffers, per-sequence state to its own allocations, weights are read
+//! through the runtime's pointer table in `weights.h` order.
+//!
+//! Each stage becomes one device function (its comment names the graph nodes
+//! it covers) that calls the library in `device/mkc/ops.cuh` with the stage's
+//! constants and pointers. A projection's epilogue is compiled from its
+//! nodes: the task's rows sit in an fp32 staging tile, and each row-local op
+//! (split, RoPE, residual add, act-and-mul, RMSNorm) works on the part of its
+//! value that the tile holds (a [`Span`] computed at run time), in graph
+//! order; a value read outside the operation is stored as soon as it is
+//! final. What the library does not compute yet is refused with the fused
+//! operation's name, never skipped.
+
+use std::collections::HashMap;
+use std::fmt::Write;
+
+use crate::checkpoint::requirements;
+use crate::diag::{Error, ErrorKind, Result};
+use crate::ir::{DType, Graph, NodeId, NodeKind, TensorType, ValueRef};
+use crate::ops::Attrs;
+use crate::ops::OpKind;
+use crate::plan::fuse::{FusedKind, FusedOp};
+use crate::plan::tile::mla_split_shape;
+use crate::plan::Plan;
+use crate::valid::Validated;
+
+/// The type bf16 values take in the arena: fp32. Activations are a few KB
+/// per token, so keeping them exact costs nothing measurable and lets the
+/// kernel follow an fp32 reference through discontinuous decisions (top-k
+/// routing); weights and the KV cache keep their checkpoint/graph dtypes.
+const ACTIVATIONS: DType = DType::F32;
+
+/// Shared memory the stages may use beside the page ring (device/mkc/ops.cuh).
+const SCRATCH_BYTES: u64 = 24 << 10;
+
+/// The generated program of one step.
+#[derive(Debug, Clone)]
+pub struct Program {
+    /// The arena's size in bytes.
+    pub arena_bytes: u64,
+    /// fp32 staging per SM for projection epilogues.
+    pub staging_floats: u64,
+    /// Per-sequence states: (name, bytes per sequence).
+    pub states: Vec<(String, u64)>,
+    /// Graph outputs: (name, C++ type, elements per sequence).
+    pub outputs: Vec<(String, &'static str, u64)>,
+    /// Per plan task: (stage, args).
+    pub tasks: Vec<(usize, [u32; 4])>,
+    /// Device code: constants and one function per stage.
+    pub code: String,
+    /// `case` lines of the loader's dispatch.
+    pub load_cases: Vec<String>,
+    /// `case` lines of the consumers' dispatch.
+    pub run_cases: Vec<String>,
+}
+
+fn unsupported(op: &FusedOp, what: &str) -> Error {
+    Error::new(
+        ErrorKind::Invalid,
+        format!(
+            "codegen: fused operation {} ({}) needs {what}, which the device library does not compute yet",
+            op.id, op.name
+        ),
+    )
+}
+
+fn ctype(d: DType) -> &'static str {
+    match d {
+        DType::Bf16 => "__nv_bfloat16",
+        DType::F32 => "float",
+        DType::I32 => "int32_t",
+        DType::F16 => "__half",
+        DType::I64 => "int64_t",
+        DType::U8 | DType::Mxfp4 | DType::Fp8E4m3 => "uint8_t",
+    }
+}
+
+fn align(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+fn float(x: f64) -> String {
+    let s = format!("{:e}", x as f32);
+    format!("{s}f")
+}
+
+/// Where a value is, as a C++ pointer expression.
+#[derive(Debug, Clone)]
+struct Slot {
+    ptr: String,
+    ty: TensorType,
+}
+
+struct Gen<'a> {
+    g: &'a Graph,
+    plan: &'a Plan,
+    source: &'a str,
+    batch: u64,
+    weight_index: HashMap<String, usize>,
+    state_index: HashMap<NodeId, usize>,
+    slots: HashMap<ValueRef, Slot>,
+    writer: HashMap<ValueRef, usize>,
+    region_bytes: Vec<u64>,
+    buffer_offset: Vec<u64>,
+    staging: u64,
+    code: String,
+    load_cases: Vec<String>,
+    run_cases: Vec<String>,
+}
+
+fn nid(i: usize) -> NodeId {
+    NodeId(petgraph::stable_graph::NodeIndex::new(i))
+}
+
+impl<'a> Gen<'a> {
+    fn op_of(&self, n: NodeId) -> Option<(OpKind, &'a Attrs)> {
+        let g: &'a Graph = self.g;
+        match &g.node(n).kind {
+            NodeKind::Op { op, attrs } => Some((*op, attrs)),
+            _ => None,
+        }
+    }
+
+    fn where_(&self, n: NodeId) -> String {
+        let node = self.g.node(n);
+        if self.source.is_empty() {
+            return node.name.clone();
+        }
+        let (l, c) = node.span.line_col(self.source);
+        format!("{} ({l}:{c})", node.name)
+    }
+
+    /// The pointer to a weight (member `i` of a family).
+    fn weight(&self, n: NodeId, i: u64) -> Result<String> {
+        let NodeKind::Weight(w) = &self.g.node(n).kind else {
+            return Err(Error::new(ErrorKind::Invalid, format!("codegen: {} is not a weight", self.g.node(n).name)));
+        };
+        let idx = self.weight_index[&w.key_at(i)];
+        Ok(format!("static_cast<const {}*>(m.w[{idx}])", ctype(w.ty.dtype)))
+    }
+
+    /// The index of family member 0 (members are consecutive).
+    fn family_base(&self, n: NodeId) -> usize {
+        let NodeKind::Weight(w) = &self.g.node(n).kind else { unreachable!("a weight") };
+        self.weight_index[&w.key_at(0)]
+    }
+
+    /// The pointer to an activation value.
+    fn value(&self, v: ValueRef, op: &FusedOp) -> Result<String> {
+        let node = self.g.node(v.node);
+        match &node.kind {
+            NodeKind::Input => Ok("m.tokens".into()),
+            NodeKind::Weight(_) => self.weight(v.node, 0),
+            _ => self
+                .slots
+                .get(&v)
+                .map(|s| s.ptr.clone())
+                .ok_or_else(|| unsupported(op, &format!("{}'s value in the arena", node.name))),
+        }
+    }
+
+    /// Reserves `bytes` in the region `stage` writes; returns the arena offset.
+    fn reserve(&mut self, stage: usize, bytes: u64) -> Result<u64> {
+        let Some(r) = self.plan.tiling.regions.iter().find(|r| r.writer == stage) else {
+            return Err(Error::new(
+                ErrorKind::Invalid,
+                format!("codegen: stage {stage} writes values but has no region"),
+            ));
+        };
+        let at = self.region_bytes[r.id];
+        self.region_bytes[r.id] = align(at + bytes, 16);
+        Ok((r.buffer as u64) << 40 | at)
+    }
+
+    /// Gives every value of `op` read elsewhere a slot in `stage`'s region
+    /// (or an output buffer).
+    fn place_outputs(&mut self, op: &FusedOp, stage: usize) -> Result<()> {
+        let inside = |n: NodeId| op.nodes.contains(&n.index());
+        for &n in &op.nodes {
+            let id = nid(n);
+            let node = self.g.node(id);
+            for (o, ty) in node.outputs.iter().enumerate() {
+                let v = ValueRef { node: id, output: o as u16 };
+                let outside =
+                    self.g.g.edges_directed(id.0, petgraph::Direction::Outgoing).any(|e| {
+                        e.weight().output == o as u16 && !inside(NodeId(petgraph::visit::EdgeRef::target(&e)))
+                    });
+                self.writer.insert(v, stage);
+                if let Some(k) = self.g.outputs.iter().position(|(_, ov)| *ov == v) {
+                    let ptr = format!("static_cast<{}*>(m.out[{k}])", ctype(ty.dtype));
+                    self.slots.insert(v, Slot { ptr, ty: ty.clone() });
+                } else if outside {
+                    // Activations cross operations in fp32 (see ACTIVATIONS).
+                    let dtype = if ty.dtype == DType::Bf16 { ACTIVATIONS } else { ty.dtype };
+                    let kept = TensorType::new(dtype, ty.shape.clone());
+                    let at = self.reserve(stage, kept.bytes() * self.batch)?;
+                    let ptr = format!("reinterpret_cast<{}*>(m.arena + @ARENA({at}))", ctype(dtype));
+                    self.slots.insert(v, Slot { ptr, ty: kept });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that `stage` waits for the writers of the arena values it
+    /// reads: the plan's orderings and buffer reuse are proved for the
+    /// stages' declared reads, so a read outside them would be a race.
+    fn check_reads(&self, stage: usize, values: &[ValueRef]) -> Result<()> {
+        for v in values {
+            if let Some(w) = self.writer.get(v) {
+                if !self.plan.tiling.stages[stage].reads.contains(w) {
+                    return Err(Error::new(
+                        ErrorKind::Invalid,
+                        format!(
+                            "internal error: stage {stage} reads {} (written by stage {w}) without depending on it",
+                            self.g.node(v.node).name
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn last_stage(&self, op: &FusedOp) -> usize {
+        self.plan.tiling.stages.iter().filter(|s| s.op == op.id).map(|s| s.id).max().expect("every op has a stage")
+    }
+
+    fn stages_of(&self, op: &FusedOp) -> Vec<usize> {
+        self.plan.tiling.stages.iter().filter(|s| s.op == op.id).map(|s| s.id).collect()
+    }
+
+    fn header(&mut self, stage: usize, op: &FusedOp, what: &str) {
+        let _ = writeln!(self.code, "\n// Stage {stage}: {what} of fused operation {}, {}", op.id, op.name);
+        for &n in &op.nodes {
+            let (o, _) = self.op_of(nid(n)).expect("fused ops hold ops");
+            let _ = writeln!(self.code, "//   {} {}", o.name(), self.where_(nid(n)));
+        }
+    }
+
+    fn fused(&mut self, op: &FusedOp) -> Result<()> {
+        match op.kind {
+            FusedKind::Embedding => self.embedding(op),
+            FusedKind::Projection | FusedKind::LmHead => self.projection(op),
+            FusedKind::MlaDecode => self.mla(op),
+            FusedKind::Router => self.router(op),
+            FusedKind::Moe => self.moe(op),
+            FusedKind::KdaDecode => Err(unsupported(op, "KDA decode")),
+            FusedKind::AttnRes => Err(unsupported(op, "the attention-residual mix")),
+            FusedKind::Elementwise => Err(unsupported(op, "a stand-alone element-wise operation")),
+        }
+    }
+
+    fn embedding(&mut self, op: &FusedOp) -> Result<()> {
+        let stage = self.last_stage(op);
+        self.place_outputs(op, stage)?;
+        let n = nid(op.nodes[0]);
+        let ops = self.g.operands(n);
+        let table = self.weight(ops[1].node, 0)?;
+        let hidden = self.g.value_type(ops[1]).shape[1];
+        let out = self.value(ValueRef { node: n, output: 0 }, op)?;
+        self.header(stage, op, "token rows");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  embedding<kBatch>({table}, m.tokens, {hidden}, {out});\n}}"
+        );
+        self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+        Ok(())
+    }
+
+    fn projection(&mut self, op: &FusedOp) -> Result<()> {
+        let g = self.g;
+        let stages = self.stages_of(op);
+        let rows_stage = stages[0];
+        let last = *stages.last().expect("a stage");
+        self.place_outputs(op, last)?;
+        let inside = |n: NodeId| op.nodes.contains(&n.index());
+        let linears: Vec<NodeId> = op
+            .nodes
+            .iter()
+            .map(|n| nid(*n))
+            .filter(|n| matches!(self.op_of(*n), Some((OpKind::Linear | OpKind::LmHead, _))))
+            .collect();
+        // The shared input and its prologue.
+        let x = g.operands(linears[0])[0];
+        for l in &linears {
+            if g.operands(*l)[0] != x {
+                return Err(unsupported(op, "linears with different inputs in one projection"));
+            }
+        }
+        let x_in = if inside(x.node) { g.operands(x.node)[0] } else { x };
+        let mut reads = vec![x_in];
+        let (x_ptr, norm, eps, k) = if inside(x.node) {
+            let Some((OpKind::RmsNorm, attrs)) = self.op_of(x.node) else {
+                return Err(unsupported(op, &format!("a {} prologue", g.node(x.node).name)));
+            };
+            let nops = g.operands(x.node);
+            if inside(nops[0].node) {
+                return Err(unsupported(op, "a prologue of more than one op"));
+            }
+            let k = g.value_type(nops[0]).elements();
+            (self.value(nops[0], op)?, self.weight(nops[1].node, 0)?, attrs.float("eps"), k)
+        } else {
+            (self.value(x, op)?, "nullptr".to_string(), 1e-6, g.value_type(x).elements())
+        };
+        if !matches!(g.value_type(x).dtype, DType::Bf16 | DType::F32) || !k.is_multiple_of(8) {
+            return Err(unsupported(op, "a bf16 or f32 input whose length is a multiple of 8"));
+        }
+        for l in &linears {
+            let w = g.value_type(g.operands(*l)[1]);
+            if w.dtype != DType::Bf16 {
+                return Err(unsupported(op, &format!("{} weights ({})", w.dtype.name(), g.node(*l).name)));
+            }
+        }
+        // Row sources of each task, by its linear node.
+        let mut rows = String::new();
+        let _ = writeln!(rows, "  Rows r{{nullptr, nullptr, t.a[2], t.a[3], {k}}};\n  switch (t.a[0]) {{");
+        for l in &linears {
+            let w = self.weight(g.operands(*l)[1].node, 0)?;
+            let up = op
+                .nodes
+                .iter()
+                .map(|n| nid(*n))
+                .find(|n| matches!(self.op_of(*n), Some((OpKind::ActAndMul, _))) && g.operands(*n)[0].node == *l);
+            let w1 = match up.map(|a| g.operands(a)[1].node) {
+                Some(u) if linears.contains(&u) => self.weight(g.operands(u)[1].node, 0)?,
+                _ => "nullptr".into(),
+            };
+            let _ = writeln!(rows, "    case {}: r.w0 = {w}; r.w1 = {w1}; break;", l.index());
+        }
+        let _ = writeln!(rows, "    default: __trap();\n  }}");
+        let tasks: Vec<usize> = self.plan.tiling.stages[rows_stage].tasks.clone();
+        let max_cols = tasks
+            .iter()
+            .map(|t| {
+                let a = self.plan.tiling.tasks[*t].args;
+                u64::from(a[3] - a[2]) * if a[1] == u32::MAX { 1 } else { 2 }
+            })
+            .max()
+            .unwrap_or(0);
+        self.staging = self.staging.max(max_cols * self.batch);
+
+        // The epilogue, in graph order: each value's span in the tile.
+        let mut body = String::new();
+        let mut span: HashMap<ValueRef, String> = HashMap::new();
+        let mut in_op_users: HashMap<ValueRef, usize> = HashMap::new();
+        for &n in &op.nodes {
+            for v in g.operands(nid(n)) {
+                if inside(v.node) {
+                    *in_op_users.entry(v).or_default() += 1;
+                }
+            }
+        }
+        let mut spans = 0;
+        let mut new_span = |body: &mut String, expr: String| {
+            spans += 1;
+            let name = format!("s{spans}");
+            let _ = writeln!(body, "  const Span {name} = {expr};");
+            name
+        };
+        let mut lm_tiles = None;
+        for &ni in &op.nodes {
+            let n = nid(ni);
+            let (kind, attrs) = self.op_of(n).expect("an op");
+            let ops = g.operands(n);
+            let out = ValueRef { node: n, output: 0 };
+            let comment = format!("  // {} {}", kind.name(), self.where_(n));
+            let _ = writeln!(body, "{comment}");
+            match kind {
+                OpKind::RmsNorm if n == x.node => continue,
+                OpKind::Linear | OpKind::LmHead => {
+                    let s = new_span(&mut body, format!("linear_span(t, {})", n.index()));
+                    span.insert(out, s);
+                }
+                OpKind::ActAndMul => {
+                    let gate = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "act_and_mul of values it does not compute"))?;
+                    if attrs.str("act") != "silu" {
+                        return Err(unsupported(op, &format!("act_and_mul with act \"{}\"", attrs.str("act"))));
+                    }
+                    let _ = writeln!(body, "  ep_silu_and_mul<kBatch>(st, n, {gate});\n  consumer_sync();");
+                    span.insert(out, gate);
+                }
+                OpKind::Split => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "a split of a value it does not compute"))?;
+                    let mut off = 0i64;
+                    for (o, size) in attrs.int_list("sizes").iter().enumerate() {
+                        let s = new_span(&mut body, format!("sub_span({src}, {off}, {size})"));
+                        span.insert(ValueRef { node: n, output: o as u16 }, s);
+                        off += size;
+                    }
+                }
+                OpKind::Rope => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "RoPE of a value it does not compute"))?;
+                    let (inv, mscale) = rope_table(attrs);
+                    let table = format!("rope_{}", n.index());
+                    let list: Vec<String> = inv.iter().map(|f| float(*f)).collect();
+                    let _ = writeln!(
+                        self.code,
+                        "__device__ const float {table}[{}] = {{{}}};",
+                        list.len(),
+                        list.join(", ")
+                    );
+                    let style = match attrs.str("style") {
+                        "interleaved" => "true",
+                        "neox" => "false",
+                        s => return Err(unsupported(op, &format!("RoPE style \"{s}\""))),
+                    };
+                    let _ = writeln!(
+                        body,
+                        "  ep_rope<kBatch>(st, n, {src}, {}, {}, {style}, {table}, {}, m.pos);\n  consumer_sync();",
+                        attrs.int("head_dim"),
+                        attrs.int("rot"),
+                        float(mscale)
+                    );
+                    span.insert(out, src);
+                }
+                OpKind::Add => {
+                    let (mine, other) = match (span.get(&ops[0]), span.get(&ops[1])) {
+                        (Some(s), None) => (s.clone(), ops[1]),
+                        (None, Some(s)) => (s.clone(), ops[0]),
+                        _ => return Err(unsupported(op, "an add of two values it computes")),
+                    };
+                    let ptr = self.value(other, op)?;
+                    reads.push(other);
+                    let len = g.value_type(other).elements();
+                    let _ = writeln!(body, "  ep_add<kBatch>(st, n, {mine}, {ptr}, {len});\n  consumer_sync();");
+                    span.insert(out, mine);
+                }
+                OpKind::RmsNorm => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "RMSNorm of a value it does not compute"))?;
+                    let w = self.weight(ops[1].node, 0)?;
+                    let len = g.value_type(ops[0]).elements();
+                    if g.value_type(ops[1]).elements() != len {
+                        return Err(unsupported(op, "a grouped RMSNorm epilogue"));
+                    }
+                    let _ = writeln!(
+                        body,
+                        "  ep_rms_norm<kBatch>(st, n, {src}, {len}, {w}, {});\n  consumer_sync();",
+                        float(attrs.float("eps"))
+                    );
+                    span.insert(out, src);
+                }
+                OpKind::Argmax => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "argmax of a value it does not compute"))?;
+                    let tiles = tasks.len();
+                    let at = self.reserve(rows_stage, self.batch * tiles as u64 * 8)?;
+                    let ptr = format!("reinterpret_cast<float2*>(m.arena + @ARENA({at}))");
+                    let _ = writeln!(body, "  ep_tile_max<kBatch>(st, n, {src}, {ptr}, t.index, {tiles});");
+                    lm_tiles = Some((ptr, tiles, out));
+                    continue;
+                }
+                other => return Err(unsupported(op, &format!("a {} epilogue", other.name()))),
+            }
+            // Values read elsewhere are stored once final.
+            for (o, _) in g.node(n).outputs.iter().enumerate() {
+                let v = ValueRef { node: n, output: o as u16 };
+                if let (Some(slot), Some(s)) = (self.slots.get(&v), span.get(&v)) {
+                    let len = slot.ty.elements();
+                    let _ = writeln!(body, "  ep_store<kBatch>(st, n, {s}, {}, {len});", slot.ptr);
+                }
+            }
+            if in_op_users.get(&out).copied().unwrap_or(0) > 1 {
+                return Err(unsupported(op, &format!("{} read twice inside the operation", g.node(n).name)));
+            }
+        }
+        self.check_reads(rows_stage, &reads)?;
+        self.header(rows_stage, op, "output rows");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline Rows stage_{rows_stage}_rows(const TaskArgs& t, const Memory& m) {{\n{rows}  return r;\n}}"
+        );
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{rows_stage}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
+             const Rows r = stage_{rows_stage}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+             rows_compute<kBatch>(r, {x_ptr}, {norm}, {}, it, warp, st);\n  consumer_sync();\n{body}}}",
+            float(eps)
+        );
+        self.load_cases.push(format!("case {rows_stage}: rows_load(stage_{rows_stage}_rows(t, m), it); break;"));
+        self.run_cases.push(format!("case {rows_stage}: stage_{rows_stage}(t, m, it, warp); break;"));
+        if let Some((ptr, tiles, out)) = lm_tiles {
+            let stage = stages[1];
+            let dst = self.value(out, op)?;
+            self.header(stage, op, "argmax over the row tiles");
+            let _ = writeln!(
+                self.code,
+                "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  argmax_tiles<kBatch>({ptr}, {tiles}, {dst});\n}}"
+            );
+            self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+        }
+        Ok(())
+    }
+
+    fn mla(&mut self, op: &FusedOp) -> Result<()> {
+        let g = self.g;
+        let stages = self.stages_of(op);
+        let (split, combine) = (stages[0], stages[1]);
+        self.place_outputs(op, combine)?;
+        let n = op
+            .nodes
+            .iter()
+            .map(|n| nid(*n))
+            .find(|n| matches!(self.op_of(*n), Some((OpKind::MlaDecode, _))))
+            .expect("anchor");
+        let (_, attrs) = self.op_of(n).expect("an op");
+        let ops = g.operands(n);
+        let heads = attrs.int("heads") as u64;
+        let (nope, rope, v_dim) = (attrs.int("nope"), attrs.int("rope"), attrs.int("v_dim"));
+        let c = g.value_type(ops[1]).elements();
+        let q = self.value(ops[0], op)?;
+        let (ckv, norm, eps) = if op.nodes.contains(&ops[1].node.index()) {
+            let Some((OpKind::RmsNorm, a)) = self.op_of(ops[1].node) else {
+                return Err(unsupported(op, "a latent prologue other than RMSNorm"));
+            };
+            let nops = g.operands(ops[1].node);
+            (self.value(nops[0], op)?, self.weight(nops[1].node, 0)?, a.float("eps"))
+        } else {
+            (self.value(ops[1], op)?, "nullptr".into(), 1e-6)
+        };
+        let kpe = self.value(ops[2], op)?;
+        let wkvb = self.weight(ops[3].node, 0)?;
+        let NodeKind::State(_) = &g.node(ops[4].node).kind else {
+            return Err(unsupported(op, "a cache that is state"));
+        };
+        let cache = format!("static_cast<__nv_bfloat16*>(m.state[{}])", self.state_index[&ops[4].node]);
+        let out = self.value(ValueRef { node: n, output: 0 }, op)?;
+        let ctx = self.plan.options.context;
+        let sms = self.plan.schedule.sms.len() as u32;
+        let (groups, hpt, splits) = mla_split_shape(heads, ctx, sms);
+        let chunk = ctx.div_ceil(splits);
+        let scratch = 4 * (hpt * c + hpt * chunk + hpt * rope as u64 + c + rope as u64 + 64);
+        if scratch > SCRATCH_BYTES || !c.is_multiple_of(8) {
+            return Err(unsupported(op, &format!("MLA scratch of {scratch} bytes (at most {SCRATCH_BYTES}) and a latent width that is a multiple of 8")));
+        }
+        let raw = if op.nodes.contains(&ops[1].node.index()) { g.operands(ops[1].node)[0] } else { ops[1] };
+        self.check_reads(split, &[ops[0], raw, ops[2]])?;
+        let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
+        let at = self.reserve(split, partial_bytes)?;
+        let partials = format!("reinterpret_cast<float*>(m.arena + @ARENA({at}))");
+        let _ = writeln!(
+            self.code,
+            "\n__device__ constexpr MlaShape mla_{}{{{heads}, {hpt}, {groups}, {splits}, {ctx}, {c}, {nope}, {rope}, {v_dim}, {}}};",
+            n.index(),
+            float(attrs.float("scale"))
+        );
+        self.header(split, op, "attention over one KV split");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{split}(const TaskArgs& t, const Memory& m) {{\n  \
+             mla_split<kBatch>(mla_{i}, t.a[0], t.a[1], {q}, {ckv}, {norm}, {}, {kpe}, {wkvb}, {cache}, m.pos, {partials});\n}}",
+            float(eps),
+            i = n.index()
+        );
+        self.header(combine, op, "split merge and value up-projection");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{combine}(const TaskArgs& t, const Memory& m) {{\n  \
+             mla_combine<kBatch>(mla_{i}, t.a[0], {partials}, {wkvb}, {out});\n}}",
+            i = n.index()
+        );
+        self.run_cases.push(format!("case {split}: stage_{split}(t, m); break;"));
+        self.run_cases.push(format!("case {combine}: stage_{combine}(t, m); break;"));
+        Ok(())
+    }
+
+    fn router(&mut self, op: &FusedOp) -> Result<()> {
+        let g = self.g;
+        let stage = self.last_stage(op);
+        self.place_outputs(op, stage)?;
+        let n = nid(op.nodes[0]);
+        let (_, attrs) = self.op_of(n).expect("an op");
+        if attrs.str("scoring") != "sigmoid" {
+            return Err(unsupported(op, &format!("router scoring \"{}\"", attrs.str("scoring"))));
+        }
+        let ops = g.operands(n);
+        let e = g.value_type(ops[0]).elements();
+        let logits = self.value(ops[0], op)?;
+        let bias = if ops.len() > 1 { self.weight(ops[1].node, 0)? } else { "nullptr".into() };
+        let ids = self.value(ValueRef { node: n, output: 0 }, op)?;
+        let wts = self.value(ValueRef { node: n, output: 1 }, op)?;
+        self.check_reads(stage, &[ops[0]])?;
+        self.header(stage, op, "scores and top-k");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  \
+             router<kBatch>(RouterShape{{{e}, {}, {}, {}, {}, {}}}, {logits}, {bias}, {ids}, {wts});\n}}",
+            attrs.int("top_k"),
+            attrs.int("n_group"),
+            attrs.int("topk_group"),
+            attrs.bool("renormalize"),
+            float(attrs.float("scale"))
+        );
+        self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+        Ok(())
+    }
+
+    fn moe(&mut self, op: &FusedOp) -> Result<()> {
+        let g = self.g;
+        let stages = self.stages_of(op);
+        let (up, down, combine) = (stages[0], stages[1], stages[2]);
+        self.place_outputs(op, combine)?;
+        let n = nid(op.nodes[0]);
+        let (_, attrs) = self.op_of(n).expect("an op");
+        if attrs.str("act") != "silu" {
+            return Err(unsupported(op, &format!("experts with act \"{}\"", attrs.str("act"))));
+        }
+        let ops = g.operands(n);
+        let wg = g.value_type(ops[3]).clone();
+        if wg.dtype != DType::Bf16 {
+            return Err(unsupported(op, &format!("{} expert weights", wg.dtype.name())));
+        }
+        let (e, i, d) = (wg.shape[0], wg.shape[1], wg.shape[2]);
+        let k = g.value_type(ops[1]).elements();
+        let slots = (self.batch * k).min(e);
+        let x = self.value(ops[0], op)?;
+        let ids = self.value(ops[1], op)?;
+        let wts = self.value(ops[2], op)?;
+        let (bg, bu, bd) =
+            (self.family_base(ops[3].node), self.family_base(ops[4].node), self.family_base(ops[5].node));
+        let out = self.value(ValueRef { node: n, output: 0 }, op)?;
+        self.check_reads(up, &[ops[0], ops[1]])?;
+        self.check_reads(down, &[ops[1]])?;
+        self.check_reads(combine, &[ops[1], ops[2]])?;
+        if !d.is_multiple_of(8) || !i.is_multiple_of(8) || self.batch * k > 512 {
+            return Err(unsupported(op, "expert widths that are multiples of 8 and at most 512 choices per step"));
+        }
+        let act_at = self.reserve(up, self.batch * slots * i * 4)?;
+        let down_at = self.reserve(down, self.batch * slots * d * 4)?;
+        let _ = writeln!(
+            self.code,
+            "\n__device__ constexpr MoeShape moe_{}{{{e}, {k}, {i}, {d}, {slots}, {bg}, {bu}, {bd}}};",
+            n.index()
+        );
+        let act = format!("reinterpret_cast<float*>(m.arena + @ARENA({act_at}))");
+        let dn = format!("reinterpret_cast<float*>(m.arena + @ARENA({down_at}))");
+        let i_ = n.index();
+        self.header(up, op, "one expert slot's gate/up rows");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{up}(const TaskArgs& t, const Memory& m) {{\n  \
+             expert_up<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {x}, {ids}, {act});\n}}"
+        );
+        self.header(down, op, "one expert slot's down rows");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{down}(const TaskArgs& t, const Memory& m) {{\n  \
+             expert_down<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, {act}, {dn});\n}}"
+        );
+        self.header(combine, op, "weighted sum of the slots");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{combine}(const TaskArgs& t, const Memory& m) {{\n  \
+             expert_combine<kBatch>(moe_{i_}, t.a[0], t.a[1], {ids}, {wts}, {dn}, {out});\n}}"
+        );
+        for s in [up, down, combine] {
+            self.run_cases.push(format!("case {s}: stage_{s}(t, m); break;"));
+        }
+        Ok(())
+    }
+}
+
+/// RoPE's inverse frequencies and cos/sin scale, as transformers computes
+/// them (default, or DeepSeek-V3's YaRN when `yarn_factor > 1`).
+pub fn rope_table(attrs: &Attrs) -> (Vec<f64>, f64) {
+    let rot = attrs.int("rot") as usize;
+    let theta = attrs.float("theta");
+    let dim = rot as f64;
+    let pos_freqs: Vec<f64> = (0..rot / 2).map(|i| theta.powf((2 * i) as f64 / dim)).collect();
+    let factor = attrs.float("yarn_factor");
+    if factor <= 1.0 {
+        return (pos_freqs.iter().map(|p| 1.0 / p).collect(), 1.0);
+    }
+    let orig = attrs.int("yarn_original_max") as f64;
+    let (fast, slow) = (attrs.float("yarn_beta_fast"), attrs.float("yarn_beta_slow"));
+    let corr = |rotations: f64| dim * (orig / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
+    let low = corr(fast).floor().max(0.0);
+    let mut high = corr(slow).ceil().min(dim - 1.0);
+    if low == high {
+        high += 0.001;
+    }
+    let inv: Vec<f64> = pos_freqs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            let extrapolation = 1.0 - ramp;
+            (1.0 / (factor * p)) * (1.0 - extrapolation) + (1.0 / p) * extrapolation
+        })
+        .collect();
+    let ms = |m: f64| if m <= 0.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
+    let (m, m_all) = (attrs.float("yarn_mscale"), attrs.float("yarn_mscale_all_dim"));
+    let mscale = if m_all > 0.0 { ms(m) / ms(m_all) } else { ms(1.0) };
+    (inv, mscale)
+}
+
+/// Builds the program of `plan`. `source` is the graph file's text (for the
+/// comments' line:column; may be empty).
+pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
+    let g = v.graph();
+    let mut weight_index = HashMap::new();
+    for (i, r) in requirements(v).into_iter().enumerate() {
+        weight_index.entry(r.key).or_insert(i);
+    }
+    let mut state_index = HashMap::new();
+    let mut states = vec![];
+    for id in g.nodes() {
+        if let NodeKind::State(s) = &g.node(id).kind {
+            if s.dtype != DType::Bf16 && s.dtype != DType::F32 {
+                return Err(Error::new(
+                    ErrorKind::Invalid,
+                    format!("codegen: state {} must be bf16 or f32", g.node(id).name),
+                ));
+            }
+            state_index.insert(id, states.len());
+            states.push((g.node(id).name.clone(), s.bytes(plan.options.context)));
+        }
+    }
+    let outputs = g
+        .outputs
+        .iter()
+        .map(|(name, v)| {
+            let ty = g.value_type(*v);
+            (name.clone(), ctype(ty.dtype), ty.elements())
+        })
+        .collect();
+    let mut gen = Gen {
+        g,
+        plan,
+        source,
+        batch: u64::from(plan.options.batch),
+        weight_index,
+        state_index,
+        slots: HashMap::new(),
+        writer: HashMap::new(),
+        region_bytes: vec![0; plan.tiling.regions.len()],
+        buffer_offset: vec![],
+        staging: 0,
+        code: String::new(),
+        load_cases: vec![],
+        run_cases: vec![],
+    };
+    for op in &plan.fusion.ops {
+        gen.fused(op)?;
+    }
+    // Buffers: each as large as the largest region placed in it.
+    let mut sizes = vec![0u64; plan.tiling.buffers.len()];
+    for r in &plan.tiling.regions {
+        sizes[r.buffer] = sizes[r.buffer].max(gen.region_bytes[r.id]);
+    }
+    let mut at = 0;
+    for s in &sizes {
+        gen.buffer_offset.push(at);
+        at = align(at + s, 256);
+    }
+    // Resolve @ARENA(buffer << 40 | offset) into arena offsets.
+    let mut code = String::new();
+    let mut rest = gen.code.as_str();
+    while let Some(p) = rest.find("@ARENA(") {
+        code.push_str(&rest[..p]);
+        let end = rest[p..].find(')').expect("A(...) closes") + p;
+        let packed: u64 = rest[p + 7..end].parse().expect("A(...) holds a number");
+        code.push_str(&(gen.buffer_offset[(packed >> 40) as usize] + (packed & ((1 << 40) - 1))).to_string());
+        rest = &rest[end + 1..];
+    }
+    code.push_str(rest);
+    let tasks = plan.tiling.tasks.iter().map(|t| (t.stage, t.args)).collect();
+    Ok(Program {
+        arena_bytes: at.max(256),
+        staging_floats: align(gen.staging.max(1), 32),
+        states,
+        outputs,
+        tasks,
+        code,
+        load_cases: gen.load_cases,
+        run_cases: gen.run_cases,
+    })
+}

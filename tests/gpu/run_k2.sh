@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the H200: the compiled K2-family models against transformers.
+#   tests/gpu/run_k2.sh [SEEDS...]   (libraries from scripts/build_model.sh under target/models/)
+# Logs and JSON reports go to $OUT (default /tmp/mkc_out); a table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-/tmp/mkc_out}
+mkdir -p "$out"
+seeds=${*:-0 1 2}
+status=0
+summary=()
+for dir in target/models/*/; do
+  name=$(basename "$dir")
+  lib="$dir/lib$name.so"
+  [ -f "$lib" ] || continue
+  config=model_graphs/kimi_k2/tiny.json
+  extra=()
+  case "$name" in
+    kimi_k2_tiny_h200) extra=(--bad-checkpoints) ;;
+    kimi_k2_dims*) config=model_graphs/kimi_k2/test_2l16e.json ;;
+  esac
+  timeout 900 python3 tests/gpu/deepseek_v3_decode.py --lib "$lib" --config "$config" --seeds $seeds \
+    --json "$out/$name.json" ${MKC_DEBUG:+--debug} "${extra[@]}" > "$out/$name.log" 2>&1 || status=1
+  summary+=("$(grep -v '^$' "$out/$name.log" | tail -n 12)")
+done
+printf '%s\n\n' "${summary[@]}"
+exit $status
