@@ -40,6 +40,8 @@ class Model:
                                              ctypes.c_size_t]
         lib.mkc_model_load_state.argtypes = lib.mkc_model_save_state.argtypes
         lib.mkc_model_close.argtypes = [ctypes.c_void_p]
+        lib.mkc_model_time_steps.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                             ctypes.POINTER(ctypes.c_float), ctypes.c_char_p, ctypes.c_size_t]
         self._err = ctypes.create_string_buffer(1 << 16)
         handle = ctypes.c_void_p()
         if lib.mkc_model_open(str(checkpoint).encode(), ctypes.byref(handle), self._err, len(self._err)) != 0:
@@ -62,6 +64,15 @@ class Model:
                                     len(self._err)) != 0:
             raise MkcError(self._err.value.decode())
         return nxt, logits
+
+    def time_steps(self, tokens, warmup=10, n=100):
+        """Milliseconds per step, n steps back to back at the current positions (CUDA events)."""
+        t = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(self.batch))
+        ms = ctypes.c_float()
+        if self._lib.mkc_model_time_steps(self._m, t.ctypes.data, warmup, n, ctypes.byref(ms), self._err,
+                                          len(self._err)) != 0:
+            raise MkcError(self._err.value.decode())
+        return ms.value
 
     def reset(self):
         self._lib.mkc_model_reset(self._m)

@@ -128,6 +128,24 @@ __device__ inline float warp_dot(const __nv_bfloat16* w, const float* x, uint32_
   return warp_sum(acc);
 }
 
+// sum_e w[e] x[e] g[e] (x fp32, w and g bf16), one warp.
+__device__ inline float warp_dot_scaled(const __nv_bfloat16* w, const float* x, const __nv_bfloat16* g, uint32_t n) {
+  const int lane = threadIdx.x % 32;
+  float acc = 0.f;
+  for (uint32_t e = lane * 8; e < n; e += 256) {
+    const uint4 wv = *reinterpret_cast<const uint4*>(w + e);
+    const uint4 gv = *reinterpret_cast<const uint4*>(g + e);
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+    const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 a = __bfloat1622float2(w2[j]), c = __bfloat1622float2(g2[j]);
+      acc = fmaf(a.x * c.x, x[e + 2 * j], fmaf(a.y * c.y, x[e + 2 * j + 1], acc));
+    }
+  }
+  return warp_sum(acc);
+}
+
 // ---------------------------------------------------------------------------
 // Embedding: out[b] = table[tokens[b]].
 template <int B, class T>
@@ -600,19 +618,38 @@ __device__ inline bool uses(const int32_t* ids, uint32_t k, int b, int e) {
 }
 
 // act[slot, b, r] = silu(gate_e[r] . x_b) * (up_e[r] . x_b) for rows [r0, r1).
+// x' = x, or RMSNorm(x) * norm when `norm` is given (the prologue).
 template <int B, class T>
 __device__ void expert_up(const MoeShape& s, uint32_t slot, uint32_t r0, uint32_t r1, void* const* w, const T* x,
-                          const int32_t* ids, float* act) {
+                          const __nv_bfloat16* norm, float eps, const int32_t* ids, float* act) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int e = slot_expert<B>(ids, B * s.top_k, slot);
   if (e < 0) return;
+  __shared__ float scale[B];
+  for (int b = 0; b < B; ++b) {
+    if (norm == nullptr) break;
+    float ss = 0.f;
+    for (uint32_t j = threadIdx.x; j < s.hidden; j += kConsumerThreads) {
+      const float v = to_float(x[size_t(b) * s.hidden + j]);
+      ss = fmaf(v, v, ss);
+    }
+    ss = block_sum(ss);
+    if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(s.hidden) + eps);
+  }
+  consumer_sync();
   const auto* gate = static_cast<const __nv_bfloat16*>(w[s.gate_base + e]);
   const auto* up = static_cast<const __nv_bfloat16*>(w[s.up_base + e]);
   for (uint32_t r = r0 + warp; r < r1; r += kConsumerWarps) {
     for (int b = 0; b < B; ++b) {
       if (!uses(ids, s.top_k, b, e)) continue;
-      const float g = warp_dot(gate + size_t(r) * s.hidden, x + size_t(b) * s.hidden, s.hidden);
-      const float u = warp_dot(up + size_t(r) * s.hidden, x + size_t(b) * s.hidden, s.hidden);
+      float g, u;
+      if (norm == nullptr) {
+        g = warp_dot(gate + size_t(r) * s.hidden, x + size_t(b) * s.hidden, s.hidden);
+        u = warp_dot(up + size_t(r) * s.hidden, x + size_t(b) * s.hidden, s.hidden);
+      } else {
+        g = warp_dot_scaled(gate + size_t(r) * s.hidden, x + size_t(b) * s.hidden, norm, s.hidden) * scale[b];
+        u = warp_dot_scaled(up + size_t(r) * s.hidden, x + size_t(b) * s.hidden, norm, s.hidden) * scale[b];
+      }
       if (lane == 0) act[(size_t(slot) * B + b) * s.inter + r] = g / (1.f + expf(-g)) * u;
     }
   }

@@ -121,7 +121,7 @@ pub fn emit(
     if tables_only {
         return Ok(Artifact { name: name.to_string(), files });
     }
-    let p = program::program(v, plan, source)?;
+    let p = program::program(&plan.graph, plan, source)?;
     let out_of = |dtype: &str, elements: u64| p.outputs.iter().position(|o| o.1 == dtype && (elements == 0 || o.2 > 1));
     let (Some(next_token_output), Some(logits_output)) = (out_of("int32_t", 0), out_of("float", 1)) else {
         return Err(Error::new(

@@ -620,7 +620,7 @@ impl<'a> Gen<'a> {
         let stages = self.stages_of(op);
         let (up, down, combine) = (stages[0], stages[1], stages[2]);
         self.place_outputs(op, combine)?;
-        let n = nid(op.nodes[0]);
+        let n = op.nodes.iter().map(|n| nid(*n)).find(|n| matches!(self.op_of(*n), Some((OpKind::Moe, _)))).expect("anchor");
         let (_, attrs) = self.op_of(n).expect("an op");
         if attrs.str("act") != "silu" {
             return Err(unsupported(op, &format!("experts with act \"{}\"", attrs.str("act"))));
@@ -633,13 +633,22 @@ impl<'a> Gen<'a> {
         let (e, i, d) = (wg.shape[0], wg.shape[1], wg.shape[2]);
         let k = g.value_type(ops[1]).elements();
         let slots = (self.batch * k).min(e);
-        let x = self.value(ops[0], op)?;
+        // The input, or the input of its RMSNorm prologue.
+        let (x_in, x, norm, eps) = if op.nodes.contains(&ops[0].node.index()) {
+            let Some((OpKind::RmsNorm, a)) = self.op_of(ops[0].node) else {
+                return Err(unsupported(op, "an expert prologue other than RMSNorm"));
+            };
+            let nops = g.operands(ops[0].node);
+            (nops[0], self.value(nops[0], op)?, self.weight(nops[1].node, 0)?, a.float("eps"))
+        } else {
+            (ops[0], self.value(ops[0], op)?, "nullptr".to_string(), 1e-6)
+        };
         let ids = self.value(ops[1], op)?;
         let wts = self.value(ops[2], op)?;
         let (bg, bu, bd) =
             (self.family_base(ops[3].node), self.family_base(ops[4].node), self.family_base(ops[5].node));
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
-        self.check_reads(up, &[ops[0], ops[1]])?;
+        self.check_reads(up, &[x_in, ops[1]])?;
         self.check_reads(down, &[ops[1]])?;
         self.check_reads(combine, &[ops[1], ops[2]])?;
         if !d.is_multiple_of(8) || !i.is_multiple_of(8) || self.batch * k > 512 {
@@ -659,7 +668,8 @@ impl<'a> Gen<'a> {
         let _ = writeln!(
             self.code,
             "__device__ inline void stage_{up}(const TaskArgs& t, const Memory& m) {{\n  \
-             expert_up<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {x}, {ids}, {act});\n}}"
+             expert_up<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {x}, {norm}, {}, {ids}, {act});\n}}",
+            float(eps)
         );
         self.header(down, op, "one expert slot's down rows");
         let _ = writeln!(

@@ -3,10 +3,12 @@
 //! One explicit pipeline of passes with plain data between them:
 //!
 //! ```text
-//! Validated --fuse--> Fusion --tile--> Tiling --specialize--> WarpPlan
+//! Validated --recompute--> Validated --fuse--> Fusion --tile--> Tiling --specialize--> WarpPlan
 //!           --schedule--> Schedule --verify--> Plan
 //! ```
 //!
+//! - [`recompute`] copies norms read by several operations so each
+//!   recomputes its own (a prologue instead of a whole-row epilogue);
 //! - [`fuse`] groups graph nodes into fused operations by named rules, each
 //!   with the reason it pays;
 //! - [`tile`] splits each fused operation into stages of tasks sized for the
@@ -24,6 +26,7 @@ pub mod dot;
 pub mod estimate;
 pub mod fuse;
 pub mod html;
+pub mod recompute;
 pub mod schedule;
 pub mod specialize;
 pub mod tables;
@@ -70,10 +73,16 @@ pub struct Plan {
     pub schedule: schedule::Schedule,
     /// What the verifier checked.
     pub verified: verify::Proof,
+    /// The graph as planned (after [`recompute`]): node indices in the plan
+    /// refer to it; the original's nodes keep their indices.
+    #[serde(skip)]
+    pub graph: Validated,
 }
 
 /// Plans `graph` for `target`: fuse, tile, specialize, schedule, verify.
 pub fn plan(graph: &Validated, target: &Target, options: Options) -> Result<Plan> {
+    let planned = recompute::recompute_shared_norms(graph)?;
+    let graph = &planned;
     let fusion = fuse::fuse(graph)?;
     let tiling = tile::tile(graph, &fusion, target, options)?;
     let warps = specialize::specialize(&tiling, target, options)?;
@@ -88,5 +97,6 @@ pub fn plan(graph: &Validated, target: &Target, options: Options) -> Result<Plan
         warps,
         schedule,
         verified,
+        graph: planned.clone(),
     })
 }

@@ -16,6 +16,7 @@ for dir in target/models/*/; do
   config=model_graphs/kimi_k2/tiny.json
   extra=()
   case "$name" in
+    kimi_k2_bench*) continue ;;  # bench/k2_bench.py
     kimi_k2_tiny_h200) extra=(--bad-checkpoints) ;;
     kimi_k2_dims*) config=model_graphs/kimi_k2/test_2l16e.json ;;
   esac

@@ -139,6 +139,31 @@ class Engine {
 
   int32_t position(int b) const { return pos_[b]; }
 
+  // Benchmark: `n` steps back to back at the current positions (each step
+  // rewrites the same cache row; positions do not advance), timed with CUDA
+  // events after `warmup` untimed steps. Returns milliseconds per step.
+  float time_steps(const int32_t* tokens, int warmup, int n) {
+    MKC_CUDA(cudaMemcpy(d_tokens_, tokens, sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
+    MKC_CUDA(cudaMemcpy(d_pos_, pos_.data(), sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
+    cudaEvent_t start, stop;
+    MKC_CUDA(cudaEventCreate(&start));
+    MKC_CUDA(cudaEventCreate(&stop));
+    for (int i = 0; i < warmup + n; ++i) {
+      if (i == warmup) MKC_CUDA(cudaEventRecord(start));
+      ++step_;
+      void* args[] = {&schedule_, &memory_, &step_};
+      MKC_CUDA(cudaLaunchCooperativeKernel(kernel<false>(), dim3(P::kSms), dim3(kThreads), args, kSmemBytes, 0));
+    }
+    MKC_CUDA(cudaEventRecord(stop));
+    MKC_CUDA(cudaEventSynchronize(stop));
+    MKC_CUDA(cudaGetLastError());
+    float ms = 0.f;
+    MKC_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    return ms / float(n);
+  }
+
   // The per-sequence state (KV caches and recurrent state) with the
   // positions, as bytes: what a restart needs.
   size_t state_size() const {

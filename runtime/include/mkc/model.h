@@ -38,6 +38,11 @@ void mkc_model_get_info(const mkc_model* m, mkc_model_info* info);
 int mkc_model_step(mkc_model* m, const int32_t* tokens, int32_t* next, float* logits, int debug, char* err,
                    size_t err_len);
 
+/* Benchmark: n steps back to back at the current positions (positions do
+ * not advance), after `warmup` untimed ones; writes milliseconds per step. */
+int mkc_model_time_steps(mkc_model* m, const int32_t* tokens, int warmup, int n, float* ms_per_step, char* err,
+                         size_t err_len);
+
 /* Every sequence back to position 0. */
 void mkc_model_reset(mkc_model* m);
 

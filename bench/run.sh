@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# On the H200: the K2 benchmark (bench/k2_bench.py) with the libraries that
+# scripts/build_model.sh built for model_graphs/kimi_k2/bench_4l64e.json
+# (target/models/kimi_k2_bench_h200, batch 1; kimi_k2_bench_b8_h200, batch 8).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/mkc_out}
+mkdir -p "$out"
+libs=()
+for name in kimi_k2_bench_h200 kimi_k2_bench_b8_h200; do
+  lib=target/models/$name/lib$name.so
+  [ -f "$lib" ] && libs+=(--lib "$lib")
+done
+python3 bench/k2_bench.py --config model_graphs/kimi_k2/bench_4l64e.json "${libs[@]}" --json "$out/bench_k2.json" "$@"
