@@ -620,7 +620,12 @@ impl<'a> Gen<'a> {
         let stages = self.stages_of(op);
         let (up, down, combine) = (stages[0], stages[1], stages[2]);
         self.place_outputs(op, combine)?;
-        let n = op.nodes.iter().map(|n| nid(*n)).find(|n| matches!(self.op_of(*n), Some((OpKind::Moe, _)))).expect("anchor");
+        let n = op
+            .nodes
+            .iter()
+            .map(|n| nid(*n))
+            .find(|n| matches!(self.op_of(*n), Some((OpKind::Moe, _))))
+            .expect("anchor");
         let (_, attrs) = self.op_of(n).expect("an op");
         if attrs.str("act") != "silu" {
             return Err(unsupported(op, &format!("experts with act \"{}\"", attrs.str("act"))));
