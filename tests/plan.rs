@@ -403,3 +403,47 @@ fn codegen_refuses_what_it_cannot_compute() {
         assert!(err.contains("codegen: fused operation") && err.contains("not compute yet"), "{model}: {err}");
     }
 }
+
+/// The arena layout the program uses: every slot inside its buffer, buffers
+/// disjoint and inside the arena, slots of one region disjoint.
+#[test]
+fn k2_arena_layout_is_sound() {
+    for (config, batch, target) in [
+        ("tiny.json", 1, "h200"),
+        ("tiny.json", 4, "gb300"),
+        ("bench_4l64e.json", 8, "h200"),
+        ("test_2l16e.json", 1, "b200"),
+    ] {
+        let v = compile("kimi_k2", config);
+        let t = Target::load(target).unwrap();
+        let p = plan::plan(&v, &t, Options { batch, ..Options::default() }).unwrap();
+        let prog = mkc::emit::program::program(&p.graph, &p, "").unwrap();
+        let what = format!("{config} batch {batch} on {target}");
+        let mut bufs = prog.buffers.clone();
+        bufs.sort();
+        for w in bufs.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{what}: buffers overlap: {w:?}");
+        }
+        let last = bufs.last().unwrap();
+        assert!(last.0 + last.1 <= prog.arena_bytes, "{what}: the arena is too small");
+        assert!(!prog.layout.is_empty());
+        for s in &prog.layout {
+            let (at, size) = prog.buffers[s.buffer];
+            assert!(
+                s.offset >= at && s.offset + s.bytes <= at + size,
+                "{what}: {s:?} outside its buffer ({at}, {size})"
+            );
+            assert_eq!(s.offset % 16, 0, "{what}: {s:?} is not 16-byte aligned");
+        }
+        for (i, a) in prog.layout.iter().enumerate() {
+            for b in &prog.layout[i + 1..] {
+                if a.region == b.region {
+                    assert!(
+                        a.offset + a.bytes <= b.offset || b.offset + b.bytes <= a.offset,
+                        "{what}: {a:?} and {b:?}"
+                    );
+                }
+            }
+        }
+    }
+}
