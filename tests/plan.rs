@@ -92,7 +92,7 @@ fn batch_8_and_the_peer_configuration_plan() {
     let v = compile("kimi_k2", "bench_4l64e.json");
     let t = Target::load("h200").unwrap();
     for batch in [1, 8] {
-        let p = plan::plan(&v, &t, Options { batch, context: 4096 }).unwrap();
+        let p = plan::plan(&v, &t, Options { batch, context: 4096, ..Options::default() }).unwrap();
         insta::assert_yaml_snapshot!(format!("kimi_k2_bench_4l64e_h200_batch{batch}"), summary(&p));
     }
 }
@@ -263,7 +263,7 @@ proptest! {
         let v = compile_with(&source, &config);
         let mut t = Target::load(["h200", "b200", "gb300"][target]).unwrap();
         t.sms = sms;
-        let p = plan::plan(&v, &t, Options { batch, context }).unwrap();
+        let p = plan::plan(&v, &t, Options { batch, context, ..Options::default() }).unwrap();
         prop_assert!(p.schedule.step_ns + 1e-6 >= p.schedule.critical_path_ns,
             "step {} below the critical path {}", p.schedule.step_ns, p.schedule.critical_path_ns);
         prop_assert!(p.schedule.step_ns * 1.000001 >= p.schedule.floor_ns,
@@ -446,4 +446,24 @@ fn k2_arena_layout_is_sound() {
             }
         }
     }
+}
+
+/// Expert parallelism: one GPU's plan streams 1/N of the routed experts'
+/// expected bytes and every other weight: the expert part scales as 1/N.
+#[test]
+fn expert_parallel_plans_one_gpus_share() {
+    let v = compile("kimi_k2", "bench_4l64e.json");
+    let t = Target::load("h200").unwrap();
+    let w = |ep: u32| {
+        let p = plan::plan(&v, &t, Options { expert_parallel: ep, ..Options::default() }).unwrap();
+        plan::estimate::estimate(&p).weight_bytes as f64
+    };
+    let (w1, w2, w4) = (w(1), w(2), w(4));
+    assert!(w1 > w2 && w2 > w4, "{w1} {w2} {w4}");
+    // experts E: w1 - w2 = E/2, w1 - w4 = 3E/4.
+    let ratio = (w1 - w2) / (w1 - w4);
+    assert!((ratio - 2.0 / 3.0).abs() < 0.01, "ratio {ratio}");
+    // At batch 1 the expected experts are exactly top-k: 4 layers x 8 experts of 3 x 2048 x 7168 bf16.
+    let experts = 4.0 * 8.0 * 3.0 * 2048.0 * 7168.0 * 2.0;
+    assert!(((w1 - w2) - experts / 2.0).abs() / experts < 0.01, "{} vs {}", w1 - w2, experts / 2.0);
 }

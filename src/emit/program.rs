@@ -742,6 +742,12 @@ pub fn rope_table(attrs: &Attrs) -> (Vec<f64>, f64) {
 /// Builds the program of `plan`. `source` is the graph file's text (for the
 /// comments' line:column; may be empty).
 pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
+    if plan.options.expert_parallel > 1 {
+        return Err(Error::new(
+            ErrorKind::Invalid,
+            "codegen: plans sharding the experts over several GPUs are estimates only (no dispatch yet)".to_string(),
+        ));
+    }
     let g = v.graph();
     let mut weight_index = HashMap::new();
     for (i, r) in requirements(v).into_iter().enumerate() {
