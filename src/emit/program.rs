@@ -68,10 +68,16 @@ pub struct Program {
     pub staging_floats: u64,
     /// Per-sequence states: (name, bytes per sequence).
     pub states: Vec<(String, u64)>,
-    /// Graph outputs: (name, C++ type, elements per sequence).
+    /// Graph outputs: (name, C++ type, bytes per sequence).
     pub outputs: Vec<(String, &'static str, u64)>,
-    /// Per plan task: (stage, args).
-    pub tasks: Vec<(usize, [u32; 4])>,
+    /// Which output is the next token (i32) and which the logits (f32 [vocab]).
+    pub next_token_output: usize,
+    /// See `next_token_output`.
+    pub logits_output: usize,
+    /// Logits per sequence.
+    pub vocab: u64,
+    /// Per plan task: (stage, index in its stage, args).
+    pub tasks: Vec<(usize, usize, [u32; 4])>,
     /// Device code: constants and one function per stage.
     pub code: String,
     /// `case` lines of the loader's dispatch.
@@ -767,14 +773,24 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
             states.push((g.node(id).name.clone(), s.bytes(plan.options.context)));
         }
     }
-    let outputs = g
+    let outputs: Vec<(String, &'static str, u64)> = g
         .outputs
         .iter()
         .map(|(name, v)| {
             let ty = g.value_type(*v);
-            (name.clone(), ctype(ty.dtype), ty.elements())
+            (name.clone(), ctype(ty.dtype), ty.bytes())
         })
         .collect();
+    let output_of = |want: &dyn Fn(&TensorType) -> bool| g.outputs.iter().position(|(_, v)| want(g.value_type(*v)));
+    let next_token = output_of(&|t| t.dtype == DType::I32 && t.elements() == 1);
+    let logits = output_of(&|t| t.dtype == DType::F32 && t.shape.len() == 1);
+    let (Some(next_token_output), Some(logits_output)) = (next_token, logits) else {
+        return Err(Error::new(
+            ErrorKind::Invalid,
+            "codegen: the graph must output the next token (i32) and the logits (f32 [vocab])".to_string(),
+        ));
+    };
+    let vocab = g.value_type(g.outputs[logits_output].1).elements();
     let mut gen = Gen {
         g,
         plan,
@@ -816,7 +832,16 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         rest = &rest[end + 1..];
     }
     code.push_str(rest);
-    let tasks = plan.tiling.tasks.iter().map(|t| (t.stage, t.args)).collect();
+    let mut in_stage = vec![0usize; plan.tiling.stages.len()];
+    let tasks = plan
+        .tiling
+        .tasks
+        .iter()
+        .map(|t| {
+            in_stage[t.stage] += 1;
+            (t.stage, in_stage[t.stage] - 1, t.args)
+        })
+        .collect();
     let layout =
         gen.layout.iter().map(|s| ArenaSlot { offset: gen.buffer_offset[s.buffer] + s.offset, ..*s }).collect();
     let buffers = gen.buffer_offset.iter().copied().zip(sizes.iter().copied()).collect();
@@ -827,6 +852,9 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         staging_floats: align(gen.staging.max(1), 32),
         states,
         outputs,
+        next_token_output,
+        logits_output,
+        vocab,
         tasks,
         code,
         load_cases: gen.load_cases,
