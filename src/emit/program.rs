@@ -192,8 +192,10 @@ impl<'a> Gen<'a> {
         }
     }
 
-    /// Reserves `bytes` in the region `stage` writes; returns the arena offset.
-    fn reserve(&mut self, stage: usize, bytes: u64) -> Result<u64> {
+    /// Reserves `bytes` in the region `stage` writes; returns the address as
+    /// C++ (`m.arena + kBuffer<b> + offset`: buffer offsets are known once
+    /// every region is sized, and the header defines them).
+    fn reserve(&mut self, stage: usize, bytes: u64) -> Result<String> {
         let Some(r) = self.plan.tiling.regions.iter().find(|r| r.writer == stage) else {
             return Err(Error::new(
                 ErrorKind::Invalid,
@@ -203,7 +205,7 @@ impl<'a> Gen<'a> {
         let at = self.region_bytes[r.id];
         self.region_bytes[r.id] = align(at + bytes, 16);
         self.layout.push(ArenaSlot { region: r.id, buffer: r.buffer, offset: at, bytes, writer: stage });
-        Ok((r.buffer as u64) << 40 | at)
+        Ok(format!("m.arena + kBuffer{} + {at}", r.buffer))
     }
 
     /// Gives every value of `op` read elsewhere a slot in `stage`'s region
@@ -228,7 +230,7 @@ impl<'a> Gen<'a> {
                     let dtype = if ty.dtype == DType::Bf16 { ACTIVATIONS } else { ty.dtype };
                     let kept = TensorType::new(dtype, ty.shape.clone());
                     let at = self.reserve(stage, kept.bytes() * self.batch)?;
-                    let ptr = format!("reinterpret_cast<{}*>(m.arena + @ARENA({at}))", ctype(dtype));
+                    let ptr = format!("reinterpret_cast<{}*>({at})", ctype(dtype));
                     self.slots.insert(v, Slot { ptr, ty: kept });
                 }
             }
@@ -498,7 +500,7 @@ impl<'a> Gen<'a> {
                         .ok_or_else(|| unsupported(op, "argmax of a value it does not compute"))?;
                     let tiles = tasks.len();
                     let at = self.reserve(rows_stage, self.batch * tiles as u64 * 8)?;
-                    let ptr = format!("reinterpret_cast<float2*>(m.arena + @ARENA({at}))");
+                    let ptr = format!("reinterpret_cast<float2*>({at})");
                     let _ = writeln!(body, "  ep_tile_max<kBatch>(st, n, {src}, {ptr}, t.index, {tiles});");
                     lm_tiles = Some((ptr, tiles, out));
                     continue;
@@ -581,7 +583,7 @@ impl<'a> Gen<'a> {
         self.check_reads(split, &[ops[0], raw, ops[2]])?;
         let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
         let at = self.reserve(split, partial_bytes)?;
-        let partials = format!("reinterpret_cast<float*>(m.arena + @ARENA({at}))");
+        let partials = format!("reinterpret_cast<float*>({at})");
         let _ = writeln!(
             self.code,
             "\n__device__ constexpr MlaShape mla_{}{{{heads}, {hpt}, {groups}, {splits}, {ctx}, {c}, {nope}, {rope}, {v_dim}, {}}};",
@@ -682,8 +684,8 @@ impl<'a> Gen<'a> {
             "\n__device__ constexpr MoeShape moe_{}{{{e}, {k}, {i}, {d}, {slots}, {bg}, {bu}, {bd}}};",
             n.index()
         );
-        let act = format!("reinterpret_cast<float*>(m.arena + @ARENA({act_at}))");
-        let dn = format!("reinterpret_cast<float*>(m.arena + @ARENA({down_at}))");
+        let act = format!("reinterpret_cast<float*>({act_at})");
+        let dn = format!("reinterpret_cast<float*>({down_at})");
         let i_ = n.index();
         self.header(up, op, "one expert slot's gate/up rows");
         let _ = writeln!(
@@ -821,17 +823,6 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         gen.buffer_offset.push(at);
         at = align(at + s, 256);
     }
-    // Resolve @ARENA(buffer << 40 | offset) into arena offsets.
-    let mut code = String::new();
-    let mut rest = gen.code.as_str();
-    while let Some(p) = rest.find("@ARENA(") {
-        code.push_str(&rest[..p]);
-        let end = rest[p..].find(')').expect("A(...) closes") + p;
-        let packed: u64 = rest[p + 7..end].parse().expect("A(...) holds a number");
-        code.push_str(&(gen.buffer_offset[(packed >> 40) as usize] + (packed & ((1 << 40) - 1))).to_string());
-        rest = &rest[end + 1..];
-    }
-    code.push_str(rest);
     let mut in_stage = vec![0usize; plan.tiling.stages.len()];
     let tasks = plan
         .tiling
@@ -856,7 +847,7 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         logits_output,
         vocab,
         tasks,
-        code,
+        code: gen.code,
         load_cases: gen.load_cases,
         run_cases: gen.run_cases,
     })
