@@ -5,8 +5,9 @@
 // and one producer warpgroup (warp 8 loader, 9 controller, 10 storer, 11 spare):
 //   controller: for each instruction of this SM's list, waits on its counters
 //               (acquire), then releases the consumers (named barrier 1);
-//   loader:     streams every instruction's weights into the page ring, never
-//               waiting on counters (weights do not depend on activations);
+//   loader:     streams every instruction's weights into the page ring,
+//               running ahead of the controller; it waits on counters only
+//               for weights chosen by activations (routed experts);
 //   consumers:  run the instruction's math between the two barriers;
 //   storer:     once the consumers are done (named barrier 2, their stores
 //               fenced), bumps the instruction's counter (release).
@@ -58,7 +59,16 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Schedule p, typename T
 
   if (warp == kLoaderWarp) {
     for (uint32_t i = begin; i < end; ++i) {
-      Tasks::load(p.instructions[i].task, params, it);
+      const Instruction ins = p.instructions[i];
+      // Routed-expert weights depend on the router's output: the loader
+      // waits for the router's stage before streaming them (not for the
+      // instruction's own waits, which assume the SM's earlier waits done).
+      const Wait lw = Tasks::load_wait(ins.task, params);
+      if (lw.target != 0) {
+        if (threadIdx.x % 32 == 0 && !wait_counter<kDebug>(p.counters, lw, step, i, p.report)) __trap();
+        __syncwarp();
+      }
+      Tasks::load(ins.task, params, it);
     }
   } else if (warp == kControllerWarp) {
     for (uint32_t i = begin; i < end; ++i) {

@@ -18,6 +18,7 @@
 // into a table of ProjectionTask.
 struct Projections {
   using Params = const mkc::ProjectionTask*;
+  static __device__ mkc::Wait load_wait(uint32_t, Params) { return mkc::Wait{0, 0}; }
   static __device__ void load(uint32_t task, Params p, uint32_t& it) { mkc::projection_load(p[task], it); }
   static __device__ void run(uint32_t task, Params p, uint32_t& it, int warp) {
     mkc::projection_compute(p[task], it, warp);

@@ -151,7 +151,7 @@ pub fn emit(
             batch => plan.options.batch, context => plan.options.context, namespace => ns,
             arena_bytes => p.arena_bytes, staging_floats => p.staging_floats, states => p.states,
             outputs, next_token_output, logits_output, vocab, tasks, code => p.code,
-            load_cases => p.load_cases, run_cases => p.run_cases,
+            load_cases => p.load_cases, run_cases => p.run_cases, load_waits => p.load_waits,
         },
     )?;
     let model_cu = render(

@@ -62,11 +62,8 @@ pub fn recompute_shared_norms(v: &Validated) -> Result<Validated> {
                 g.connect(*o, copy, slot as u16);
             }
             for u in class {
-                let edges: Vec<_> = g
-                    .g
-                    .edges_connecting(id.0, u.0)
-                    .map(|e| (petgraph::visit::EdgeRef::id(&e), *e.weight()))
-                    .collect();
+                let edges: Vec<_> =
+                    g.g.edges_connecting(id.0, u.0).map(|e| (petgraph::visit::EdgeRef::id(&e), *e.weight())).collect();
                 for (e, w) in edges {
                     g.g.remove_edge(e);
                     g.g.add_edge(copy.0, u.0, w);
