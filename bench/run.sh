@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the H200: the K2 benchmark (bench/k2_bench.py) with the libraries that
 # scripts/build_model.sh built for model_graphs/kimi_k2/bench_4l64e.json
-# (target/models/kimi_k2_bench_h200, batch 1; kimi_k2_bench_b8_h200, batch 8).
+# (target/models/kimi_k2_bench_h200, batch 1; kimi_k2_bench_b8_h200, batch 8),
+# then the tiny config with target/models/kimi_k2_tiny_h200.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mkc_out}
@@ -12,3 +13,8 @@ for name in kimi_k2_bench_h200 kimi_k2_bench_b8_h200; do
   [ -f "$lib" ] && libs+=(--lib "$lib")
 done
 python3 bench/k2_bench.py --config model_graphs/kimi_k2/bench_4l64e.json "${libs[@]}" --json "$out/bench_k2.json" "$@"
+# The tiny config (batch 1), at position 100: launch and synchronisation cost.
+tiny=target/models/kimi_k2_tiny_h200/libkimi_k2_tiny_h200.so
+if [ -f "$tiny" ]; then
+  python3 bench/k2_bench.py --config model_graphs/kimi_k2/tiny.json --lib "$tiny" --pos 100 --json "$out/bench_tiny.json"
+fi

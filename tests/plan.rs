@@ -358,3 +358,48 @@ fn codegen_is_deterministic_and_names_are_legal() {
     let tasks: usize = plan::plan(&v, &t, Options::default()).unwrap().tiling.tasks.len();
     assert!(rows >= tasks, "{rows} rows for {tasks} tasks");
 }
+
+/// The whole K2-family program: every stage has device code in the
+/// consumers' dispatch, every projection and expert stage a loader case,
+/// every task its arguments, and two renderings are identical.
+#[test]
+fn k2_program_covers_every_stage() {
+    for (config, batch) in [("tiny.json", 1), ("tiny.json", 4), ("bench_4l64e.json", 8)] {
+        let v = compile("kimi_k2", config);
+        let t = Target::load("h200").unwrap();
+        let opts = Options { batch, ..Options::default() };
+        let p = plan::plan(&v, &t, opts).unwrap();
+        let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: config.into() };
+        let a = mkc::emit::emit(&v, &p, "k2_h200", &from, "", false).unwrap();
+        let b = mkc::emit::emit(&v, &plan::plan(&v, &t, opts).unwrap(), "k2_h200", &from, "", false).unwrap();
+        assert_eq!(a.files, b.files, "{config}: codegen is not deterministic");
+        let names: Vec<&str> = a.files.iter().map(|f| f.0.as_str()).collect();
+        assert_eq!(names, ["plan_tables.h", "weights.h", "program.cuh", "model.cu", "CMakeLists.txt"]);
+        let program = &a.files[2].1;
+        let (load, run) = program.split_once("static __device__ void run(").unwrap();
+        for s in &p.tiling.stages {
+            let case = format!("case {}: stage_{}(", s.id, s.id);
+            assert!(run.contains(&case), "{config}: stage {} ({:?}) has no device code", s.id, s.kind);
+            let streams = matches!(s.kind, plan::tile::TaskKind::ProjectionRows | plan::tile::TaskKind::LmHeadRows);
+            let load_case = format!("case {}: rows_load(", s.id);
+            assert_eq!(load.contains(&load_case), streams, "{config}: stage {} loader case", s.id);
+        }
+        let args = program.lines().filter(|l| l.starts_with("    { ") && l.ends_with("} },")).count();
+        assert_eq!(args, p.tiling.tasks.len(), "{config}: one argument row per task");
+        assert!(program.contains(&format!("inline constexpr int kBatch = {batch};")));
+    }
+}
+
+/// Graphs with operations the device library does not compute yet are
+/// refused by name (codegen without --tables-only), never emitted with gaps.
+#[test]
+fn codegen_refuses_what_it_cannot_compute() {
+    for model in ["kimi_k3", "kimi_linear"] {
+        let v = compile(model, "tiny.json");
+        let t = Target::load("h200").unwrap();
+        let p = plan::plan(&v, &t, Options::default()).unwrap();
+        let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
+        let err = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap_err().to_string();
+        assert!(err.contains("codegen: fused operation") && err.contains("not compute yet"), "{model}: {err}");
+    }
+}

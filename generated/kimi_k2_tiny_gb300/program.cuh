@@ -553,7 +553,6 @@ __device__ inline void stage_11(const TaskArgs& t, const Memory& m) {
 // Stage 12: output rows of fused operation 10, layer.1/decoder_layer/mla/proj(out)
 //   linear layer.1/decoder_layer/mla/out (85:9)
 //   add layer.1/decoder_layer/h (125:7)
-//   rms_norm layer.1/decoder_layer/x (126:7)
 __device__ inline Rows stage_12_rows(const TaskArgs& t, const Memory& m) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
@@ -573,14 +572,11 @@ __device__ inline void stage_12(const TaskArgs& t, const Memory& m, uint32_t& it
   // add layer.1/decoder_layer/h (125:7)
   ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 0), 64);
   consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 1280), 64);
-  // rms_norm layer.1/decoder_layer/x (126:7)
-  ep_rms_norm<kBatch>(st, n, s1, 64, static_cast<const __nv_bfloat16*>(m.w[16]), 1e-6f);
-  consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 1536), 64);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 64);
 }
 
 // Stage 13: output rows of fused operation 11, layer.1/decoder_layer/moe_mlp/proj(router_w,s_gate,s_up)
+//   rms_norm layer.1/decoder_layer/x (126:7)
 //   linear layer.1/decoder_layer/moe_mlp/linear (107:25)
 //   linear layer.1/decoder_layer/moe_mlp/linear#2 (115:33)
 //   linear layer.1/decoder_layer/moe_mlp/linear#3 (115:52)
@@ -599,11 +595,12 @@ __device__ inline void stage_13(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_13_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 1536), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 256), static_cast<const __nv_bfloat16*>(m.w[16]), 1e-6f, it, warp, st);
   consumer_sync();
+  // rms_norm layer.1/decoder_layer/x (126:7)
   // linear layer.1/decoder_layer/moe_mlp/linear (107:25)
   const Span s1 = linear_span(t, 64);
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 8);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 768), 8);
   // linear layer.1/decoder_layer/moe_mlp/linear#2 (115:33)
   const Span s2 = linear_span(t, 70);
   // linear layer.1/decoder_layer/moe_mlp/linear#3 (115:52)
@@ -611,33 +608,36 @@ __device__ inline void stage_13(const TaskArgs& t, const Memory& m, uint32_t& it
   // act_and_mul layer.1/decoder_layer/moe_mlp/act_and_mul (115:21)
   ep_silu_and_mul<kBatch>(st, n, s2);
   consumer_sync();
-  ep_store<kBatch>(st, n, s2, reinterpret_cast<float*>(m.arena + 288), 32);
+  ep_store<kBatch>(st, n, s2, reinterpret_cast<float*>(m.arena + 800), 32);
 }
 
 // Stage 14: scores and top-k of fused operation 12, layer.1/decoder_layer/moe_mlp/router(ids)
 //   router layer.1/decoder_layer/moe_mlp/ids (107:18)
 __device__ inline void stage_14(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + 256), static_cast<const float*>(m.w[25]), reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 16));
+  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + 768), static_cast<const float*>(m.w[25]), reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 16));
 }
 
 __device__ constexpr MoeShape moe_66{8, 2, 32, 64, 2, 26, 34, 42};
 
 // Stage 15: one expert slot's gate/up rows of fused operation 13, layer.1/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.1/decoder_layer/moe_mlp/routed (109:12)
+//   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
 __device__ inline void stage_15(const TaskArgs& t, const Memory& m) {
-  expert_up<kBatch>(moe_66, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<float*>(m.arena + 1536), reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 9984));
+  expert_up<kBatch>(moe_66, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<float*>(m.arena + 256), static_cast<const __nv_bfloat16*>(m.w[16]), 1e-6f, reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 9984));
 }
 
 // Stage 16: one expert slot's down rows of fused operation 13, layer.1/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.1/decoder_layer/moe_mlp/routed (109:12)
+//   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
 __device__ inline void stage_16(const TaskArgs& t, const Memory& m) {
-  expert_down<kBatch>(moe_66, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 9984), reinterpret_cast<float*>(m.arena + 10240));
+  expert_down<kBatch>(moe_66, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 9984), reinterpret_cast<float*>(m.arena + 1280));
 }
 
 // Stage 17: weighted sum of the slots of fused operation 13, layer.1/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.1/decoder_layer/moe_mlp/routed (109:12)
+//   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
 __device__ inline void stage_17(const TaskArgs& t, const Memory& m) {
-  expert_combine<kBatch>(moe_66, t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 16), reinterpret_cast<float*>(m.arena + 10240), reinterpret_cast<float*>(m.arena + 768));
+  expert_combine<kBatch>(moe_66, t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 16), reinterpret_cast<float*>(m.arena + 1280), reinterpret_cast<float*>(m.arena + 10240));
 }
 
 // Stage 18: output rows of fused operation 14, layer.1/decoder_layer/moe_mlp/proj(shared)
@@ -656,15 +656,15 @@ __device__ inline void stage_18(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_18_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 288), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 800), nullptr, 1e-6f, it, warp, st);
   consumer_sync();
   // linear layer.1/decoder_layer/moe_mlp/shared (115:14)
   const Span s1 = linear_span(t, 73);
   // add layer.1/decoder_layer/moe_mlp/routed#2 (116:14)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 768), 64);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 10240), 64);
   consumer_sync();
   // add layer.1/decoder_layer/h#2 (129:9)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 1280), 64);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 64);
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 9984), 64);
 }
@@ -694,17 +694,17 @@ __device__ inline void stage_19(const TaskArgs& t, const Memory& m, uint32_t& it
   // rms_norm layer.2/decoder_layer/rms_norm (125:18)
   // linear layer.2/decoder_layer/mla/linear (65:25)
   const Span s1 = linear_span(t, 82);
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 10240), 32);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 1280), 32);
   // linear layer.2/decoder_layer/mla/linear#3 (79:22)
   const Span s2 = linear_span(t, 91);
   // split layer.2/decoder_layer/mla/c_kv (79:16)
   const Span s3 = sub_span(s2, 0, 32);
   const Span s4 = sub_span(s2, 32, 8);
-  ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + 10368), 32);
+  ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + 1408), 32);
   // rope layer.2/decoder_layer/mla/k_pe (81:10)
   ep_rope<kBatch>(st, n, s4, 8, 8, true, rope_94, 1e0f, m.pos);
   consumer_sync();
-  ep_store<kBatch>(st, n, s4, reinterpret_cast<float*>(m.arena + 10496), 8);
+  ep_store<kBatch>(st, n, s4, reinterpret_cast<float*>(m.arena + 1536), 8);
 }
 __device__ const float rope_90[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 
@@ -724,7 +724,7 @@ __device__ inline void stage_20(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_20_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 10240), static_cast<const __nv_bfloat16*>(m.w[56]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 1280), static_cast<const __nv_bfloat16*>(m.w[56]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm layer.2/decoder_layer/mla/rms_norm (65:16)
   // linear layer.2/decoder_layer/mla/q (65:9)
@@ -741,20 +741,19 @@ __device__ constexpr MlaShape mla_95{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415
 //   rms_norm layer.2/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.2/decoder_layer/mla/o (84:7)
 __device__ inline void stage_21(const TaskArgs& t, const Memory& m) {
-  mla_split<kBatch>(mla_95, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + 768), reinterpret_cast<float*>(m.arena + 10368), static_cast<const __nv_bfloat16*>(m.w[59]), 1e-6f, reinterpret_cast<float*>(m.arena + 10496), static_cast<const __nv_bfloat16*>(m.w[60]), static_cast<__nv_bfloat16*>(m.state[2]), m.pos, reinterpret_cast<float*>(m.arena + 1280));
+  mla_split<kBatch>(mla_95, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + 768), reinterpret_cast<float*>(m.arena + 1408), static_cast<const __nv_bfloat16*>(m.w[59]), 1e-6f, reinterpret_cast<float*>(m.arena + 1536), static_cast<const __nv_bfloat16*>(m.w[60]), static_cast<__nv_bfloat16*>(m.state[2]), m.pos, reinterpret_cast<float*>(m.arena + 10240));
 }
 
 // Stage 22: split merge and value up-projection of fused operation 17, layer.2/decoder_layer/mla/mla(o)
 //   rms_norm layer.2/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.2/decoder_layer/mla/o (84:7)
 __device__ inline void stage_22(const TaskArgs& t, const Memory& m) {
-  mla_combine<kBatch>(mla_95, t.a[0], reinterpret_cast<float*>(m.arena + 1280), static_cast<const __nv_bfloat16*>(m.w[60]), reinterpret_cast<float*>(m.arena + 0));
+  mla_combine<kBatch>(mla_95, t.a[0], reinterpret_cast<float*>(m.arena + 10240), static_cast<const __nv_bfloat16*>(m.w[60]), reinterpret_cast<float*>(m.arena + 0));
 }
 
 // Stage 23: output rows of fused operation 18, layer.2/decoder_layer/mla/proj(out)
 //   linear layer.2/decoder_layer/mla/out (85:9)
 //   add layer.2/decoder_layer/h (125:7)
-//   rms_norm layer.2/decoder_layer/x (126:7)
 __device__ inline Rows stage_23_rows(const TaskArgs& t, const Memory& m) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
@@ -774,14 +773,11 @@ __device__ inline void stage_23(const TaskArgs& t, const Memory& m, uint32_t& it
   // add layer.2/decoder_layer/h (125:7)
   ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 9984), 64);
   consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 10240), 64);
-  // rms_norm layer.2/decoder_layer/x (126:7)
-  ep_rms_norm<kBatch>(st, n, s1, 64, static_cast<const __nv_bfloat16*>(m.w[54]), 1e-6f);
-  consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 10496), 64);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 64);
 }
 
 // Stage 24: output rows of fused operation 19, layer.2/decoder_layer/moe_mlp/proj(router_w,s_gate,s_up)
+//   rms_norm layer.2/decoder_layer/x (126:7)
 //   linear layer.2/decoder_layer/moe_mlp/linear (107:25)
 //   linear layer.2/decoder_layer/moe_mlp/linear#2 (115:33)
 //   linear layer.2/decoder_layer/moe_mlp/linear#3 (115:52)
@@ -800,11 +796,12 @@ __device__ inline void stage_24(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_24_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 10496), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 256), static_cast<const __nv_bfloat16*>(m.w[54]), 1e-6f, it, warp, st);
   consumer_sync();
+  // rms_norm layer.2/decoder_layer/x (126:7)
   // linear layer.2/decoder_layer/moe_mlp/linear (107:25)
   const Span s1 = linear_span(t, 104);
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 8);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 768), 8);
   // linear layer.2/decoder_layer/moe_mlp/linear#2 (115:33)
   const Span s2 = linear_span(t, 110);
   // linear layer.2/decoder_layer/moe_mlp/linear#3 (115:52)
@@ -812,33 +809,36 @@ __device__ inline void stage_24(const TaskArgs& t, const Memory& m, uint32_t& it
   // act_and_mul layer.2/decoder_layer/moe_mlp/act_and_mul (115:21)
   ep_silu_and_mul<kBatch>(st, n, s2);
   consumer_sync();
-  ep_store<kBatch>(st, n, s2, reinterpret_cast<float*>(m.arena + 288), 32);
+  ep_store<kBatch>(st, n, s2, reinterpret_cast<float*>(m.arena + 800), 32);
 }
 
 // Stage 25: scores and top-k of fused operation 20, layer.2/decoder_layer/moe_mlp/router(ids)
 //   router layer.2/decoder_layer/moe_mlp/ids (107:18)
 __device__ inline void stage_25(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + 256), static_cast<const float*>(m.w[63]), reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 16));
+  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + 768), static_cast<const float*>(m.w[63]), reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 16));
 }
 
 __device__ constexpr MoeShape moe_106{8, 2, 32, 64, 2, 64, 72, 80};
 
 // Stage 26: one expert slot's gate/up rows of fused operation 21, layer.2/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.2/decoder_layer/moe_mlp/routed (109:12)
+//   rms_norm layer.2/decoder_layer/x#recompute1 (126:7)
 __device__ inline void stage_26(const TaskArgs& t, const Memory& m) {
-  expert_up<kBatch>(moe_106, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<float*>(m.arena + 10496), reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 9984));
+  expert_up<kBatch>(moe_106, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<float*>(m.arena + 256), static_cast<const __nv_bfloat16*>(m.w[54]), 1e-6f, reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 9984));
 }
 
 // Stage 27: one expert slot's down rows of fused operation 21, layer.2/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.2/decoder_layer/moe_mlp/routed (109:12)
+//   rms_norm layer.2/decoder_layer/x#recompute1 (126:7)
 __device__ inline void stage_27(const TaskArgs& t, const Memory& m) {
   expert_down<kBatch>(moe_106, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 9984), reinterpret_cast<float*>(m.arena + 1280));
 }
 
 // Stage 28: weighted sum of the slots of fused operation 21, layer.2/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.2/decoder_layer/moe_mlp/routed (109:12)
+//   rms_norm layer.2/decoder_layer/x#recompute1 (126:7)
 __device__ inline void stage_28(const TaskArgs& t, const Memory& m) {
-  expert_combine<kBatch>(moe_106, t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 16), reinterpret_cast<float*>(m.arena + 1280), reinterpret_cast<float*>(m.arena + 768));
+  expert_combine<kBatch>(moe_106, t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 16), reinterpret_cast<float*>(m.arena + 1280), reinterpret_cast<float*>(m.arena + 10240));
 }
 
 // Stage 29: output rows of fused operation 22, layer.2/decoder_layer/moe_mlp/proj(shared)
@@ -857,15 +857,15 @@ __device__ inline void stage_29(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_29_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 288), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 800), nullptr, 1e-6f, it, warp, st);
   consumer_sync();
   // linear layer.2/decoder_layer/moe_mlp/shared (115:14)
   const Span s1 = linear_span(t, 113);
   // add layer.2/decoder_layer/moe_mlp/routed#2 (116:14)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 768), 64);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 10240), 64);
   consumer_sync();
   // add layer.2/decoder_layer/h#2 (129:9)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 10240), 64);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 64);
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 9984), 64);
 }

@@ -87,6 +87,17 @@ int mkc_model_step(mkc_model* m, const int32_t* tokens, int32_t* next, float* lo
   }
 }
 
+int mkc_model_time_steps(mkc_model* m, const int32_t* tokens, int warmup, int n, float* ms_per_step, char* err,
+                         size_t err_len) {
+  try {
+    *ms_per_step = m->engine.time_steps(tokens, warmup, n);
+    return 0;
+  } catch (const mkc::Failure& f) {
+    copy_message(f.message, err, err_len);
+    return -1;
+  }
+}
+
 void mkc_model_reset(mkc_model* m) { m->engine.reset(); }
 
 int mkc_model_save_state(const mkc_model* m, void* dst, size_t len, char* err, size_t err_len) {

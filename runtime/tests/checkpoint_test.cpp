@@ -101,6 +101,14 @@ int main(int argc, char** argv) {
     const std::string report = check(c, s.specs, &n);
     EXPECT(n == 0, "%s: %s", dir.c_str(), report.c_str());
     EXPECT(mkc_checkpoint_tensor_count(c) == s.specs.size(), "%zu tensors", mkc_checkpoint_tensor_count(c));
+    // The stored dtype, as the runtime's upload reads it to widen bf16 to f32.
+    for (const auto& spec : s.specs) {
+      const char* stored = mkc_checkpoint_dtype(c, spec.key);
+      EXPECT(stored != nullptr && (std::strcmp(stored, spec.dtype) == 0 ||
+                                   (std::strcmp(spec.dtype, "F32") == 0 && std::strcmp(stored, "BF16") == 0)),
+             "%s: stored %s, spec %s", spec.key, stored ? stored : "(none)", spec.dtype);
+    }
+    EXPECT(mkc_checkpoint_dtype(c, "no.such.tensor") == nullptr, "a missing tensor has no dtype");
     mkc_checkpoint_close(c);
   }
 
