@@ -143,6 +143,16 @@ pub fn emit(
     };
     let outputs: Vec<(String, &str, u64)> =
         p.outputs.iter().map(|(n, t, e)| (n.clone(), *t, e * if *t == "__nv_bfloat16" { 2 } else { 4 })).collect();
+    let stage_names: Vec<String> = plan
+        .tiling
+        .stages
+        .iter()
+        .map(|s| {
+            let kind =
+                serde_json::to_value(s.kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+            format!("{} {}", kind, plan.fusion.ops[s.op].name).replace(['"', '\\'], "_")
+        })
+        .collect();
     let program_h = render(
         &env,
         "program.cuh",
@@ -151,7 +161,7 @@ pub fn emit(
             batch => plan.options.batch, context => plan.options.context, namespace => ns,
             arena_bytes => p.arena_bytes, staging_floats => p.staging_floats, states => p.states,
             outputs, next_token_output, logits_output, vocab, tasks, code => p.code,
-            load_cases => p.load_cases, run_cases => p.run_cases, load_waits => p.load_waits,
+            load_cases => p.load_cases, run_cases => p.run_cases, load_waits => p.load_waits, stage_names,
         },
     )?;
     let model_cu = render(
