@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the C++ runtime's checkpoint reader with its CPU tests (address and
-# undefined-behaviour sanitizers on) and runs them on the fixture checkpoints.
+# undefined-behaviour sanitizers on) and runs them on the fixture checkpoints;
+# then a generated model's runtime on the fixture and broken copies of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/runtime
@@ -8,3 +9,11 @@ mkdir -p "$out"
 g++ -std=c++17 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
   -I runtime/include runtime/src/checkpoint.cpp runtime/tests/checkpoint_test.cpp -o "$out/checkpoint_test"
 "$out/checkpoint_test" tests/fixtures/checkpoints
+
+# The runtime of a generated model (tiny K2, built with the pinned toolchain),
+# opened on the transformers fixture and on broken copies of it.
+scripts/build_model.sh generated/kimi_k2_tiny_h200 "$out/kimi_k2_tiny_h200" > /dev/null
+g++ -std=c++17 -O1 -g -Wall -Wextra -Werror -I runtime/include runtime/tests/model_test.cpp \
+  -L "$out/kimi_k2_tiny_h200" -lkimi_k2_tiny_h200 -Wl,-rpath,"$PWD/$out/kimi_k2_tiny_h200" -o "$out/model_test"
+rm -rf "$out/model_scratch"
+"$out/model_test" tests/fixtures/checkpoints/deepseek_v3_tiny "$out/model_scratch"

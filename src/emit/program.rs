@@ -232,6 +232,23 @@ impl<'a> Gen<'a> {
         Ok(())
     }
 
+    /// An operation's input `v` with its optional RMSNorm prologue: the
+    /// value actually read, its pointer, the norm weight's pointer (or
+    /// `nullptr`) and epsilon. Any other prologue is refused.
+    fn with_norm_prologue(&self, op: &FusedOp, v: ValueRef) -> Result<(ValueRef, String, String, f64)> {
+        if !op.nodes.contains(&v.node.index()) {
+            return Ok((v, self.value(v, op)?, "nullptr".into(), 1e-6));
+        }
+        let Some((OpKind::RmsNorm, attrs)) = self.op_of(v.node) else {
+            return Err(unsupported(op, &format!("a {} prologue", self.g.node(v.node).name)));
+        };
+        let nops = self.g.operands(v.node);
+        if op.nodes.contains(&nops[0].node.index()) {
+            return Err(unsupported(op, "a prologue of more than one op"));
+        }
+        Ok((nops[0], self.value(nops[0], op)?, self.weight(nops[1].node, 0)?, attrs.float("eps")))
+    }
+
     fn last_stage(&self, op: &FusedOp) -> usize {
         self.plan.tiling.stages.iter().filter(|s| s.op == op.id).map(|s| s.id).max().expect("every op has a stage")
     }
@@ -298,21 +315,9 @@ impl<'a> Gen<'a> {
                 return Err(unsupported(op, "linears with different inputs in one projection"));
             }
         }
-        let x_in = if inside(x.node) { g.operands(x.node)[0] } else { x };
+        let (x_in, x_ptr, norm, eps) = self.with_norm_prologue(op, x)?;
+        let k = g.value_type(x_in).elements();
         let mut reads = vec![x_in];
-        let (x_ptr, norm, eps, k) = if inside(x.node) {
-            let Some((OpKind::RmsNorm, attrs)) = self.op_of(x.node) else {
-                return Err(unsupported(op, &format!("a {} prologue", g.node(x.node).name)));
-            };
-            let nops = g.operands(x.node);
-            if inside(nops[0].node) {
-                return Err(unsupported(op, "a prologue of more than one op"));
-            }
-            let k = g.value_type(nops[0]).elements();
-            (self.value(nops[0], op)?, self.weight(nops[1].node, 0)?, attrs.float("eps"), k)
-        } else {
-            (self.value(x, op)?, "nullptr".to_string(), 1e-6, g.value_type(x).elements())
-        };
         if !matches!(g.value_type(x).dtype, DType::Bf16 | DType::F32) || !k.is_multiple_of(8) {
             return Err(unsupported(op, "a bf16 or f32 input whose length is a multiple of 8"));
         }
@@ -533,15 +538,7 @@ impl<'a> Gen<'a> {
         let (nope, rope, v_dim) = (attrs.int("nope"), attrs.int("rope"), attrs.int("v_dim"));
         let c = g.value_type(ops[1]).elements();
         let q = self.value(ops[0], op)?;
-        let (ckv, norm, eps) = if op.nodes.contains(&ops[1].node.index()) {
-            let Some((OpKind::RmsNorm, a)) = self.op_of(ops[1].node) else {
-                return Err(unsupported(op, "a latent prologue other than RMSNorm"));
-            };
-            let nops = g.operands(ops[1].node);
-            (self.value(nops[0], op)?, self.weight(nops[1].node, 0)?, a.float("eps"))
-        } else {
-            (self.value(ops[1], op)?, "nullptr".into(), 1e-6)
-        };
+        let (raw, ckv, norm, eps) = self.with_norm_prologue(op, ops[1])?;
         let kpe = self.value(ops[2], op)?;
         let wkvb = self.weight(ops[3].node, 0)?;
         let NodeKind::State(_) = &g.node(ops[4].node).kind else {
@@ -557,7 +554,6 @@ impl<'a> Gen<'a> {
         if scratch > SCRATCH_BYTES || !c.is_multiple_of(8) || rope % 8 != 0 || hpt > 8 {
             return Err(unsupported(op, &format!("MLA scratch of {scratch} bytes (at most {SCRATCH_BYTES}) a latent width and RoPE width that are multiples of 8, at most 8 heads per task")));
         }
-        let raw = if op.nodes.contains(&ops[1].node.index()) { g.operands(ops[1].node)[0] } else { ops[1] };
         self.check_reads(split, &[ops[0], raw, ops[2]])?;
         let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
         let at = self.reserve(split, partial_bytes)?;
@@ -643,15 +639,7 @@ impl<'a> Gen<'a> {
         let k = g.value_type(ops[1]).elements();
         let slots = (self.batch * k).min(e);
         // The input, or the input of its RMSNorm prologue.
-        let (x_in, x, norm, eps) = if op.nodes.contains(&ops[0].node.index()) {
-            let Some((OpKind::RmsNorm, a)) = self.op_of(ops[0].node) else {
-                return Err(unsupported(op, "an expert prologue other than RMSNorm"));
-            };
-            let nops = g.operands(ops[0].node);
-            (nops[0], self.value(nops[0], op)?, self.weight(nops[1].node, 0)?, a.float("eps"))
-        } else {
-            (ops[0], self.value(ops[0], op)?, "nullptr".to_string(), 1e-6)
-        };
+        let (x_in, x, norm, eps) = self.with_norm_prologue(op, ops[0])?;
         let ids = self.value(ops[1], op)?;
         let wts = self.value(ops[2], op)?;
         let (bg, bu, bd) =

@@ -64,14 +64,9 @@ inline float half_bits_to_float(uint16_t h, bool bf16) {
 template <class P>
 class Engine {
  public:
+  // The checkpoint is checked first, before any CUDA call: a wrong
+  // checkpoint is reported by tensor name on any machine.
   explicit Engine(const char* dir) {
-    int device = 0, sms = 0;
-    MKC_CUDA(cudaGetDevice(&device));
-    MKC_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    if (uint32_t(sms) < P::kSms) {
-      throw Failure{"this program was planned for " + std::to_string(P::kSms) + " SMs; the GPU has " +
-                    std::to_string(sms)};
-    }
     char err[4096];
     mkc_checkpoint* ck = nullptr;
     if (mkc_checkpoint_open(dir, &ck, err, sizeof err) != 0) throw Failure{err};
@@ -83,19 +78,25 @@ class Engine {
                     report.data()};
     }
     try {
+      int device = 0, sms = 0;
+      MKC_CUDA(cudaGetDevice(&device));
+      MKC_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      if (uint32_t(sms) < P::kSms) {
+        throw Failure{"this program was planned for " + std::to_string(P::kSms) + " SMs; the GPU has " +
+                      std::to_string(sms)};
+      }
       upload(ck);
-    } catch (...) {
       mkc_checkpoint_close(ck);
+      ck = nullptr;
+      allocate();
+    } catch (...) {
+      if (ck != nullptr) mkc_checkpoint_close(ck);
+      release();  // a failed open leaves nothing allocated
       throw;
     }
-    mkc_checkpoint_close(ck);
-    allocate();
   }
 
-  ~Engine() {
-    for (void* p : owned_) cudaFree(p);
-    if (report_) cudaFreeHost(report_);
-  }
+  ~Engine() { release(); }
 
   // Forgets every sequence: positions back to 0 (the cache rows past a
   // position are never read).
@@ -239,6 +240,13 @@ class Engine {
   }
 
  private:
+  void release() {
+    for (void* p : owned_) cudaFree(p);
+    owned_.clear();
+    if (report_ != nullptr) cudaFreeHost(report_);
+    report_ = nullptr;
+  }
+
   template <bool kDebug>
   static const void* kernel() {
     return reinterpret_cast<const void*>(&megakernel<typename P::Step, kDebug>);
