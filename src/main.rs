@@ -53,6 +53,10 @@ enum Command {
         /// Context length the attention work is sized for.
         #[arg(long, default_value_t = 4096)]
         context: u64,
+        /// GPUs the routed experts are sharded over: plan one GPU's share
+        /// (its experts, every other weight); communication is not modelled.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+        expert_parallel: u32,
         /// Write the plan as YAML.
         #[arg(long)]
         yaml: Option<PathBuf>,
@@ -150,19 +154,29 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plan { graph, target, config, estimate, batch, context, yaml, dot, html } => {
+        Command::Plan { graph, target, config, estimate, batch, context, expert_parallel, yaml, dot, html } => {
             let v = load(&graph, config.as_deref(), None)?;
             let target = Target::load(&target).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
             let source = std::fs::read_to_string(&graph).unwrap_or_default();
             let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
-            let main = plan::plan(&v, &target, plan::Options { batch, context }).map_err(|e| render(&e))?;
+            let opts = plan::Options { batch, context, expert_parallel };
+            let main = plan::plan(&v, &target, opts).map_err(|e| render(&e))?;
             print!("{}", plan::estimate::render_structure(&main));
             if estimate {
+                if expert_parallel > 1 {
+                    println!(
+                        "assumptions: one GPU of {expert_parallel}: each MoE layer's routed experts sharded over them \
+                         (this GPU holds 1/{expert_parallel}, with that share of the distinct experts a step selects \
+                         under uniform routing); every other weight and all state replicated on each GPU; expert \
+                         dispatch/combine communication not modelled"
+                    );
+                }
                 for b in [1, 8] {
                     let p = if b == batch {
                         main.clone()
                     } else {
-                        plan::plan(&v, &target, plan::Options { batch: b, context }).map_err(|e| render(&e))?
+                        plan::plan(&v, &target, plan::Options { batch: b, context, expert_parallel })
+                            .map_err(|e| render(&e))?
                     };
                     print!("{}", plan::estimate::render(&plan::estimate::estimate(&p), target.read_bandwidth()));
                 }
@@ -186,7 +200,8 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             let t = Target::load(&target).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
             let source = std::fs::read_to_string(&graph).unwrap_or_default();
             let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
-            let p = plan::plan(&v, &t, plan::Options { batch, context }).map_err(|e| render(&e))?;
+            let p =
+                plan::plan(&v, &t, plan::Options { batch, context, ..Default::default() }).map_err(|e| render(&e))?;
             let config_name = config.clone().unwrap_or_else(|| mkc::default_config_path(&graph));
             let from =
                 emit::Provenance { graph: graph.display().to_string(), config: config_name.display().to_string() };

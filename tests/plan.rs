@@ -92,7 +92,7 @@ fn batch_8_and_the_peer_configuration_plan() {
     let v = compile("kimi_k2", "bench_4l64e.json");
     let t = Target::load("h200").unwrap();
     for batch in [1, 8] {
-        let p = plan::plan(&v, &t, Options { batch, context: 4096 }).unwrap();
+        let p = plan::plan(&v, &t, Options { batch, context: 4096, ..Options::default() }).unwrap();
         insta::assert_yaml_snapshot!(format!("kimi_k2_bench_4l64e_h200_batch{batch}"), summary(&p));
     }
 }
@@ -263,7 +263,7 @@ proptest! {
         let v = compile_with(&source, &config);
         let mut t = Target::load(["h200", "b200", "gb300"][target]).unwrap();
         t.sms = sms;
-        let p = plan::plan(&v, &t, Options { batch, context }).unwrap();
+        let p = plan::plan(&v, &t, Options { batch, context, ..Options::default() }).unwrap();
         prop_assert!(p.schedule.step_ns + 1e-6 >= p.schedule.critical_path_ns,
             "step {} below the critical path {}", p.schedule.step_ns, p.schedule.critical_path_ns);
         prop_assert!(p.schedule.step_ns * 1.000001 >= p.schedule.floor_ns,
@@ -403,4 +403,68 @@ fn codegen_refuses_what_it_cannot_compute() {
         let err = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap_err().to_string();
         assert!(err.contains("codegen: fused operation") && err.contains("not compute yet"), "{model}: {err}");
     }
+}
+
+/// The arena layout the program uses: every slot inside its buffer, buffers
+/// disjoint and inside the arena, slots of one region disjoint.
+#[test]
+fn k2_arena_layout_is_sound() {
+    for (config, batch, target) in [
+        ("tiny.json", 1, "h200"),
+        ("tiny.json", 4, "gb300"),
+        ("bench_4l64e.json", 8, "h200"),
+        ("test_2l16e.json", 1, "b200"),
+    ] {
+        let v = compile("kimi_k2", config);
+        let t = Target::load(target).unwrap();
+        let p = plan::plan(&v, &t, Options { batch, ..Options::default() }).unwrap();
+        let prog = mkc::emit::program::program(&p.graph, &p, "").unwrap();
+        let what = format!("{config} batch {batch} on {target}");
+        let mut bufs = prog.buffers.clone();
+        bufs.sort();
+        for w in bufs.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{what}: buffers overlap: {w:?}");
+        }
+        let last = bufs.last().unwrap();
+        assert!(last.0 + last.1 <= prog.arena_bytes, "{what}: the arena is too small");
+        assert!(!prog.layout.is_empty());
+        for s in &prog.layout {
+            let (at, size) = prog.buffers[s.buffer];
+            assert!(
+                s.offset >= at && s.offset + s.bytes <= at + size,
+                "{what}: {s:?} outside its buffer ({at}, {size})"
+            );
+            assert_eq!(s.offset % 16, 0, "{what}: {s:?} is not 16-byte aligned");
+        }
+        for (i, a) in prog.layout.iter().enumerate() {
+            for b in &prog.layout[i + 1..] {
+                if a.region == b.region {
+                    assert!(
+                        a.offset + a.bytes <= b.offset || b.offset + b.bytes <= a.offset,
+                        "{what}: {a:?} and {b:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Expert parallelism: one GPU's plan streams 1/N of the routed experts'
+/// expected bytes and every other weight: the expert part scales as 1/N.
+#[test]
+fn expert_parallel_plans_one_gpus_share() {
+    let v = compile("kimi_k2", "bench_4l64e.json");
+    let t = Target::load("h200").unwrap();
+    let w = |ep: u32| {
+        let p = plan::plan(&v, &t, Options { expert_parallel: ep, ..Options::default() }).unwrap();
+        plan::estimate::estimate(&p).weight_bytes as f64
+    };
+    let (w1, w2, w4) = (w(1), w(2), w(4));
+    assert!(w1 > w2 && w2 > w4, "{w1} {w2} {w4}");
+    // experts E: w1 - w2 = E/2, w1 - w4 = 3E/4.
+    let ratio = (w1 - w2) / (w1 - w4);
+    assert!((ratio - 2.0 / 3.0).abs() < 0.01, "ratio {ratio}");
+    // At batch 1 the expected experts are exactly top-k: 4 layers x 8 experts of 3 x 2048 x 7168 bf16.
+    let experts = 4.0 * 8.0 * 3.0 * 2048.0 * 7168.0 * 2.0;
+    assert!(((w1 - w2) - experts / 2.0).abs() / experts < 0.01, "{} vs {}", w1 - w2, experts / 2.0);
 }

@@ -39,9 +39,29 @@ const ACTIVATIONS: DType = DType::F32;
 /// Shared memory the stages may use beside the page ring (device/mkc/ops.cuh).
 const SCRATCH_BYTES: u64 = 24 << 10;
 
+/// A block of the arena the program reads or writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArenaSlot {
+    /// The plan's region it belongs to.
+    pub region: usize,
+    /// The region's buffer.
+    pub buffer: usize,
+    /// Offset: within the region while generating, in the arena in
+    /// [`Program::layout`].
+    pub offset: u64,
+    /// Size in bytes at the planned batch.
+    pub bytes: u64,
+    /// The stage that writes it.
+    pub writer: usize,
+}
+
 /// The generated program of one step.
 #[derive(Debug, Clone)]
 pub struct Program {
+    /// Every arena slot, at its arena offset.
+    pub layout: Vec<ArenaSlot>,
+    /// Each buffer's (arena offset, size).
+    pub buffers: Vec<(u64, u64)>,
     /// The arena's size in bytes.
     pub arena_bytes: u64,
     /// fp32 staging per SM for projection epilogues.
@@ -109,6 +129,7 @@ struct Gen<'a> {
     state_index: HashMap<NodeId, usize>,
     slots: HashMap<ValueRef, Slot>,
     writer: HashMap<ValueRef, usize>,
+    layout: Vec<ArenaSlot>,
     region_bytes: Vec<u64>,
     buffer_offset: Vec<u64>,
     staging: u64,
@@ -179,6 +200,7 @@ impl<'a> Gen<'a> {
         };
         let at = self.region_bytes[r.id];
         self.region_bytes[r.id] = align(at + bytes, 16);
+        self.layout.push(ArenaSlot { region: r.id, buffer: r.buffer, offset: at, bytes, writer: stage });
         Ok((r.buffer as u64) << 40 | at)
     }
 
@@ -755,6 +777,12 @@ pub fn rope_table(attrs: &Attrs) -> (Vec<f64>, f64) {
 /// Builds the program of `plan`. `source` is the graph file's text (for the
 /// comments' line:column; may be empty).
 pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
+    if plan.options.expert_parallel > 1 {
+        return Err(Error::new(
+            ErrorKind::Invalid,
+            "codegen: plans sharding the experts over several GPUs are estimates only (no dispatch yet)".to_string(),
+        ));
+    }
     let g = v.graph();
     let mut weight_index = HashMap::new();
     for (i, r) in requirements(v).into_iter().enumerate() {
@@ -791,6 +819,7 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         state_index,
         slots: HashMap::new(),
         writer: HashMap::new(),
+        layout: vec![],
         region_bytes: vec![0; plan.tiling.regions.len()],
         buffer_offset: vec![],
         staging: 0,
@@ -824,7 +853,12 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
     }
     code.push_str(rest);
     let tasks = plan.tiling.tasks.iter().map(|t| (t.stage, t.args)).collect();
+    let layout =
+        gen.layout.iter().map(|s| ArenaSlot { offset: gen.buffer_offset[s.buffer] + s.offset, ..*s }).collect();
+    let buffers = gen.buffer_offset.iter().copied().zip(sizes.iter().copied()).collect();
     Ok(Program {
+        layout,
+        buffers,
         arena_bytes: at.max(256),
         staging_floats: align(gen.staging.max(1), 32),
         states,

@@ -46,11 +46,20 @@ pub struct Options {
     pub batch: u32,
     /// Context length the attention work is sized for.
     pub context: u64,
+    /// GPUs the routed experts are sharded over (expert parallelism): this
+    /// plan is one GPU's, holding `experts / expert_parallel` of each MoE
+    /// layer's experts and every other weight. 1: all experts here.
+    #[serde(skip_serializing_if = "is_one")]
+    pub expert_parallel: u32,
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { batch: 1, context: 4096 }
+        Options { batch: 1, context: 4096, expert_parallel: 1 }
     }
 }
 

@@ -458,8 +458,12 @@ impl Builder<'_> {
         // Tasks cover the worst case, every (token, slot) a different expert;
         // their bytes are the expected share under uniform routing, where
         // `E (1 - (1 - k/E)^B)` experts are distinct (exactly k at batch 1).
-        let slots = (b * k).min(e).max(1);
-        let expected = crate::report::expected_distinct_experts(e, k, b).min(slots as f64);
+        // Sharded over `ep` GPUs, this GPU holds `E / ep` experts and
+        // expects that fraction of the distinct ones.
+        let ep = u64::from(self.opts.expert_parallel.max(1));
+        let local = e.div_ceil(ep);
+        let slots = (b * k).min(local).max(1);
+        let expected = (crate::report::expected_distinct_experts(e, k, b) / ep as f64).min(slots as f64);
         let share = |bytes: u64| (bytes as f64 * expected / slots as f64).round() as u64;
         let sms = u64::from(self.target.sms);
         let up_row = 2 * wg.bytes() / (e * i);
