@@ -15,3 +15,6 @@ for arch in 90a 100a 103a; do
     -o "$out/skeleton_test_sm${arch}" device/tests/skeleton_test.cu
   echo "built $out/skeleton_test_sm${arch}"
 done
+# The device library's functions one by one against CPU references (run on the H200).
+"$nvcc" "${flags[@]}" -gencode="arch=compute_90a,code=sm_90a" -o "$out/ops_test_sm90a" device/tests/ops_test.cu
+echo "built $out/ops_test_sm90a"

@@ -1,0 +1,374 @@
+// GPU tests of the device library's functions one by one (device/mkc/ops.cuh)
+// against CPU references in double precision, on fresh random inputs: the
+// router (with and without groups), expert slot assignment, the RoPE
+// epilogue, and MLA split + combine over several KV splits with the current
+// position inside one of them. Each kernel runs the 256 consumer threads of
+// one CTA with the megakernel's shared memory. Every output element is
+// compared; every CUDA call is checked. Prints one line per test and exits 1
+// on any failure.
+//
+//   target/device/ops_test_sm90a        (on an H200)
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "mkc/megakernel.cuh"
+
+#define CHECK(call)                                                                          \
+  do {                                                                                       \
+    cudaError_t e_ = (call);                                                                 \
+    if (e_ != cudaSuccess) {                                                                 \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+static int failures = 0;
+
+static void report(const char* name, bool ok, const char* detail) {
+  std::printf("%-44s %s  %s\n", name, ok ? "ok  " : "FAIL", detail);
+  if (!ok) ++failures;
+}
+
+template <class T>
+static T* upload(const std::vector<T>& v) {
+  T* d = nullptr;
+  CHECK(cudaMalloc(&d, v.size() * sizeof(T)));
+  CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+template <class T>
+static std::vector<T> download(const T* d, size_t n) {
+  std::vector<T> v(n);
+  CHECK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+static float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+template <class K>
+static void launch(K kernel, const char* name) {
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
+  kernel<<<1, mkc::kConsumerThreads, mkc::kSmemBytes>>>();
+  CHECK(cudaGetLastError());
+  const cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", name, cudaGetErrorString(e));
+    std::exit(2);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Router.
+constexpr int kRB = 4;
+__device__ mkc::RouterShape g_router;
+__device__ const float* g_logits;
+__device__ const float* g_bias;
+__device__ int32_t* g_ids;
+__device__ float* g_wts;
+__global__ void router_kernel() { mkc::router<kRB>(g_router, g_logits, g_bias, g_ids, g_wts); }
+
+static void test_router(std::mt19937& rng, uint32_t e, uint32_t k, uint32_t groups, uint32_t topk_group) {
+  std::normal_distribution<float> n(0.f, 1.f);
+  std::vector<float> logits(kRB * e), bias(e);
+  for (auto& x : logits) x = n(rng);
+  for (auto& x : bias) x = 0.1f * n(rng);
+  const mkc::RouterShape shape{e, k, groups, topk_group, true, 2.5f};
+  float* d_l = upload(logits);
+  float* d_b = upload(bias);
+  int32_t* d_ids = upload(std::vector<int32_t>(kRB * k, -7));
+  float* d_w = upload(std::vector<float>(kRB * k, NAN));
+  CHECK(cudaMemcpyToSymbol(g_router, &shape, sizeof shape));
+  CHECK(cudaMemcpyToSymbol(g_logits, &d_l, sizeof d_l));
+  CHECK(cudaMemcpyToSymbol(g_bias, &d_b, sizeof d_b));
+  CHECK(cudaMemcpyToSymbol(g_ids, &d_ids, sizeof d_ids));
+  CHECK(cudaMemcpyToSymbol(g_wts, &d_w, sizeof d_w));
+  launch(router_kernel, "router");
+  const auto ids = download(d_ids, kRB * k);
+  const auto wts = download(d_w, kRB * k);
+  double worst = 0;
+  bool ok = true;
+  for (int b = 0; b < kRB; ++b) {
+    // DeepSeek-V3 in double: groups by their two best choices, the others zeroed, top-k.
+    std::vector<double> s(e), c(e);
+    for (uint32_t i = 0; i < e; ++i) s[i] = 1 / (1 + std::exp(-double(logits[b * e + i]))), c[i] = s[i] + bias[i];
+    const uint32_t per = e / groups;
+    if (groups > 1) {
+      std::vector<std::pair<double, uint32_t>> gs;
+      for (uint32_t g = 0; g < groups; ++g) {
+        std::vector<double> v(c.begin() + g * per, c.begin() + (g + 1) * per);
+        std::sort(v.rbegin(), v.rend());
+        gs.push_back({v[0] + v[1], g});
+      }
+      std::sort(gs.rbegin(), gs.rend());
+      std::set<uint32_t> kept;
+      for (uint32_t t = 0; t < topk_group; ++t) kept.insert(gs[t].second);
+      for (uint32_t i = 0; i < e; ++i)
+        if (!kept.count(i / per)) c[i] = 0.0;
+    }
+    std::vector<uint32_t> order(e);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t x) { return c[a] > c[x]; });
+    std::set<int32_t> want(order.begin(), order.begin() + k), got(ids.begin() + b * k, ids.begin() + (b + 1) * k);
+    ok &= want == got;
+    double sum = 0;
+    for (uint32_t t = 0; t < k; ++t) sum += s[order[t]];
+    for (uint32_t t = 0; t < k; ++t) {
+      const int32_t id = ids[b * k + t];
+      if (id < 0 || uint32_t(id) >= e) {
+        ok = false;
+        continue;
+      }
+      const double w = s[id] / (sum + 1e-20) * 2.5;
+      worst = std::max(worst, std::abs(w - wts[b * k + t]) / w);
+    }
+  }
+  ok &= worst < 1e-5;
+  char detail[128];
+  std::snprintf(detail, sizeof detail, "E %u top-%u groups %u/%u: max rel weight error %.2e", e, k, topk_group, groups,
+                worst);
+  report("router (DeepSeek-V3 selection and weights)", ok, detail);
+  CHECK(cudaFree(d_l));
+  CHECK(cudaFree(d_b));
+  CHECK(cudaFree(d_ids));
+  CHECK(cudaFree(d_w));
+}
+
+// ---------------------------------------------------------------------------
+// Expert slots: slot s holds the s-th smallest distinct expert of the batch.
+constexpr int kSB = 8;
+__device__ const int32_t* g_slot_ids;
+__device__ int32_t* g_slot_out;  // [n + 1] slot experts, then [n] slots of each id
+__device__ uint32_t g_slot_n;
+__global__ void slots_kernel() {
+  const uint32_t n = g_slot_n;
+  for (uint32_t i = threadIdx.x; i <= n; i += mkc::kConsumerThreads) {
+    g_slot_out[i] = mkc::slot_expert<kSB>(g_slot_ids, n, i);
+  }
+  for (uint32_t i = threadIdx.x; i < n; i += mkc::kConsumerThreads) {
+    g_slot_out[n + 1 + i] = int32_t(mkc::slot_of(g_slot_ids, n, g_slot_ids[i]));
+  }
+}
+
+static void test_slots(std::mt19937& rng) {
+  const uint32_t n = kSB * 8;
+  std::uniform_int_distribution<int32_t> pick(0, 40);
+  std::vector<int32_t> ids(n);
+  for (auto& x : ids) x = pick(rng);  // repeats across tokens, as at batch 8
+  int32_t* d_ids = upload(ids);
+  int32_t* d_out = upload(std::vector<int32_t>(2 * n + 1, -7));
+  CHECK(cudaMemcpyToSymbol(g_slot_ids, &d_ids, sizeof d_ids));
+  CHECK(cudaMemcpyToSymbol(g_slot_out, &d_out, sizeof d_out));
+  CHECK(cudaMemcpyToSymbol(g_slot_n, &n, sizeof n));
+  launch(slots_kernel, "slots");
+  const auto out = download(d_out, 2 * n + 1);
+  std::set<int32_t> distinct(ids.begin(), ids.end());
+  std::vector<int32_t> sorted(distinct.begin(), distinct.end());
+  bool ok = true;
+  for (uint32_t s = 0; s <= n; ++s) ok &= out[s] == (s < sorted.size() ? sorted[s] : -1);
+  for (uint32_t i = 0; i < n; ++i) {
+    ok &= out[n + 1 + i] == int32_t(std::lower_bound(sorted.begin(), sorted.end(), ids[i]) - sorted.begin());
+  }
+  char detail[96];
+  std::snprintf(detail, sizeof detail, "%u choices, %zu distinct experts", n, sorted.size());
+  report("expert slots (slot_expert, slot_of)", ok, detail);
+  CHECK(cudaFree(d_ids));
+  CHECK(cudaFree(d_out));
+}
+
+// ---------------------------------------------------------------------------
+// RoPE epilogue on a staging tile.
+constexpr int kPB = 2;
+__device__ float* g_tile;
+__device__ const float* g_inv;
+__device__ const int32_t* g_pos;
+__device__ mkc::Span g_span;
+__device__ uint32_t g_n, g_head_dim, g_rot;
+__device__ bool g_interleaved;
+__global__ void rope_kernel() {
+  mkc::ep_rope<kPB>(g_tile, g_n, g_span, g_head_dim, g_rot, g_interleaved, g_inv, 1.25f, g_pos);
+}
+
+static void test_rope(std::mt19937& rng, bool interleaved) {
+  const uint32_t head_dim = 24, rot = 8, heads = 3, n = head_dim * heads + 16;  // 16 columns of another value first
+  const mkc::Span span{16, head_dim, head_dim * heads};                         // heads 1..3 of a longer value
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> tile(kPB * n), inv(rot / 2);
+  for (auto& x : tile) x = nd(rng);
+  for (uint32_t i = 0; i < rot / 2; ++i) inv[i] = float(std::pow(10000.0, -2.0 * i / rot));
+  const std::vector<int32_t> pos{5, 1234};
+  float* d_tile = upload(tile);
+  float* d_inv = upload(inv);
+  int32_t* d_pos = upload(pos);
+  CHECK(cudaMemcpyToSymbol(g_tile, &d_tile, sizeof d_tile));
+  CHECK(cudaMemcpyToSymbol(g_inv, &d_inv, sizeof d_inv));
+  CHECK(cudaMemcpyToSymbol(g_pos, &d_pos, sizeof d_pos));
+  CHECK(cudaMemcpyToSymbol(g_span, &span, sizeof span));
+  CHECK(cudaMemcpyToSymbol(g_n, &n, sizeof n));
+  CHECK(cudaMemcpyToSymbol(g_head_dim, &head_dim, sizeof head_dim));
+  CHECK(cudaMemcpyToSymbol(g_rot, &rot, sizeof rot));
+  CHECK(cudaMemcpyToSymbol(g_interleaved, &interleaved, sizeof interleaved));
+  launch(rope_kernel, "rope");
+  const auto got = download(d_tile, kPB * n);
+  std::vector<double> want(tile.begin(), tile.end());
+  for (int b = 0; b < kPB; ++b) {
+    for (uint32_t h = 0; h < heads; ++h) {
+      for (uint32_t p = 0; p < rot / 2; ++p) {
+        const uint32_t base = b * n + span.c0 + h * head_dim + head_dim - rot;
+        const uint32_t ia = interleaved ? base + 2 * p : base + p, ib = interleaved ? ia + 1 : ia + rot / 2;
+        const double a = double(float(pos[b]) * inv[p]);
+        const double c = std::cos(a) * 1.25, s = std::sin(a) * 1.25;
+        want[ia] = tile[ia] * c - tile[ib] * s;
+        want[ib] = tile[ib] * c + tile[ia] * s;
+      }
+    }
+  }
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::abs(want[i] - got[i]));
+  char detail[96];
+  std::snprintf(detail, sizeof detail, "%s, positions 5 and 1234: max abs error %.2e", interleaved ? "interleaved" : "neox",
+                worst);
+  report("RoPE epilogue", worst < 1e-4, detail);
+  CHECK(cudaFree(d_tile));
+  CHECK(cudaFree(d_inv));
+  CHECK(cudaFree(d_pos));
+}
+
+// ---------------------------------------------------------------------------
+// MLA: every (head group, split) task, then every combine task, one CTA each
+// in turn; the result against attention computed the unabsorbed way.
+constexpr int kMB = 2;
+__device__ mkc::MlaShape g_mla;
+__device__ const float* g_q;
+__device__ const float* g_ckv;
+__device__ const __nv_bfloat16* g_norm;
+__device__ const float* g_kpe;
+__device__ const __nv_bfloat16* g_wkvb;
+__device__ __nv_bfloat16* g_cache;
+__device__ const int32_t* g_mpos;
+__device__ float* g_part;
+__device__ float* g_out;
+__device__ uint32_t g_hg, g_split;
+__global__ void mla_split_kernel() {
+  mkc::mla_split<kMB>(g_mla, g_hg, g_split, g_q, g_ckv, g_norm, 1e-6f, g_kpe, g_wkvb, g_cache, g_mpos, g_part);
+}
+__global__ void mla_combine_kernel() { mkc::mla_combine<kMB>(g_mla, g_hg, g_part, g_wkvb, g_out); }
+
+static void test_mla(std::mt19937& rng) {
+  const uint32_t heads = 6, hpt = 2, groups = 3, splits = 4, ctx = 64, c = 32, nope = 16, rope = 8, v = 16;
+  const mkc::MlaShape s{heads, hpt, groups, splits, ctx, c, nope, rope, v, 0.2f};
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const std::vector<int32_t> pos{20, 63};  // the current row in split 1 and in the last split
+  std::vector<float> q(kMB * heads * (nope + rope)), ckv(kMB * c), kpe(kMB * rope);
+  std::vector<__nv_bfloat16> norm(c), wkvb(heads * (nope + v) * c), cache(kMB * ctx * (c + rope));
+  for (auto& x : q) x = nd(rng);
+  for (auto& x : ckv) x = nd(rng);
+  for (auto& x : kpe) x = nd(rng);
+  for (auto& x : norm) x = __float2bfloat16(1.f + 0.1f * nd(rng));
+  for (auto& x : wkvb) x = __float2bfloat16(nd(rng) / std::sqrt(float(c)));
+  for (auto& x : cache) x = __float2bfloat16(nd(rng));
+  float* d_q = upload(q);
+  float* d_ckv = upload(ckv);
+  float* d_kpe = upload(kpe);
+  __nv_bfloat16* d_norm = upload(norm);
+  __nv_bfloat16* d_w = upload(wkvb);
+  __nv_bfloat16* d_cache = upload(cache);
+  int32_t* d_pos = upload(pos);
+  float* d_part = upload(std::vector<float>(kMB * heads * splits * (c + 2), NAN));
+  float* d_out = upload(std::vector<float>(kMB * heads * v, NAN));
+  CHECK(cudaMemcpyToSymbol(g_mla, &s, sizeof s));
+  CHECK(cudaMemcpyToSymbol(g_q, &d_q, sizeof d_q));
+  CHECK(cudaMemcpyToSymbol(g_ckv, &d_ckv, sizeof d_ckv));
+  CHECK(cudaMemcpyToSymbol(g_norm, &d_norm, sizeof d_norm));
+  CHECK(cudaMemcpyToSymbol(g_kpe, &d_kpe, sizeof d_kpe));
+  CHECK(cudaMemcpyToSymbol(g_wkvb, &d_w, sizeof d_w));
+  CHECK(cudaMemcpyToSymbol(g_cache, &d_cache, sizeof d_cache));
+  CHECK(cudaMemcpyToSymbol(g_mpos, &d_pos, sizeof d_pos));
+  CHECK(cudaMemcpyToSymbol(g_part, &d_part, sizeof d_part));
+  CHECK(cudaMemcpyToSymbol(g_out, &d_out, sizeof d_out));
+  for (uint32_t hg = 0; hg < groups; ++hg) {
+    for (uint32_t sp = 0; sp < splits; ++sp) {
+      CHECK(cudaMemcpyToSymbol(g_hg, &hg, sizeof hg));
+      CHECK(cudaMemcpyToSymbol(g_split, &sp, sizeof sp));
+      launch(mla_split_kernel, "mla_split");
+    }
+  }
+  for (uint32_t hg = 0; hg < groups; ++hg) {
+    CHECK(cudaMemcpyToSymbol(g_hg, &hg, sizeof hg));
+    launch(mla_combine_kernel, "mla_combine");
+  }
+  const auto out = download(d_out, kMB * heads * v);
+  const auto new_cache = download(d_cache, kMB * ctx * (c + rope));
+  // Reference: the new row appended (RMSNorm of the latent, then bf16 as the cache stores it),
+  // keys and values expanded per head, softmax attention in double.
+  double worst = 0, norm_ref = 0, cache_err = 0;
+  for (int b = 0; b < kMB; ++b) {
+    std::vector<double> row(c + rope);
+    double ss = 0;
+    for (uint32_t j = 0; j < c; ++j) ss += double(ckv[b * c + j]) * ckv[b * c + j];
+    const double r = 1 / std::sqrt(ss / c + 1e-6);
+    for (uint32_t j = 0; j < c; ++j) row[j] = bf16_round(float(ckv[b * c + j] * r * __bfloat162float(norm[j])));
+    for (uint32_t j = 0; j < rope; ++j) row[c + j] = bf16_round(kpe[b * rope + j]);
+    for (uint32_t j = 0; j < c + rope; ++j) {
+      // Relative: the kernel's float rsqrt may round the stored bf16 value one ulp (2^-8) away.
+      const double got = __bfloat162float(new_cache[(b * ctx + pos[b]) * (c + rope) + j]);
+      cache_err = std::max(cache_err, std::abs(row[j] - got) / std::max(1.0, std::abs(row[j])));
+    }
+    auto kv = [&](uint32_t p, uint32_t j) {
+      return p == uint32_t(pos[b]) ? row[j] : double(__bfloat162float(cache[(b * ctx + p) * (c + rope) + j]));
+    };
+    for (uint32_t h = 0; h < heads; ++h) {
+      const float* qh = &q[(b * heads + h) * (nope + rope)];
+      std::vector<double> score(pos[b] + 1);
+      for (int p = 0; p <= pos[b]; ++p) {
+        double acc = 0;
+        for (uint32_t n = 0; n < nope; ++n) {  // k_nope = W_UK c_kv
+          double kn = 0;
+          for (uint32_t j = 0; j < c; ++j) kn += __bfloat162float(wkvb[(h * (nope + v) + n) * c + j]) * kv(p, j);
+          acc += qh[n] * kn;
+        }
+        for (uint32_t r2 = 0; r2 < rope; ++r2) acc += qh[nope + r2] * kv(p, c + r2);
+        score[p] = acc * 0.2;
+      }
+      const double m = *std::max_element(score.begin(), score.end());
+      double l = 0;
+      for (auto& x : score) l += (x = std::exp(x - m));
+      for (uint32_t j = 0; j < v; ++j) {
+        double o = 0;
+        for (int p = 0; p <= pos[b]; ++p) {
+          double val = 0;
+          for (uint32_t cc = 0; cc < c; ++cc) val += __bfloat162float(wkvb[(h * (nope + v) + nope + j) * c + cc]) * kv(p, cc);
+          o += score[p] / l * val;
+        }
+        worst = std::max(worst, std::abs(o - out[(b * heads + h) * v + j]));
+        norm_ref = std::max(norm_ref, std::abs(o));
+      }
+    }
+  }
+  char detail[128];
+  std::snprintf(detail, sizeof detail, "max abs error %.2e (outputs up to %.2f), appended row rel error %.2e", worst, norm_ref,
+                cache_err);
+  report("MLA split + combine (absorbed vs expanded)", worst < 1e-3 * std::max(1.0, norm_ref) && cache_err < 1.6e-2,
+         detail);
+  for (void* p : {(void*)d_q, (void*)d_ckv, (void*)d_kpe, (void*)d_norm, (void*)d_w, (void*)d_cache, (void*)d_pos,
+                  (void*)d_part, (void*)d_out})
+    CHECK(cudaFree(p));
+}
+
+int main() {
+  std::mt19937 rng(std::random_device{}());
+  test_router(rng, 64, 8, 1, 1);
+  test_router(rng, 64, 6, 8, 3);
+  test_slots(rng);
+  test_rope(rng, true);
+  test_rope(rng, false);
+  test_mla(rng);
+  std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");
+  return failures == 0 ? 0 : 1;
+}
