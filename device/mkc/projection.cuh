@@ -11,7 +11,6 @@
 #include <cuda_bf16.h>
 
 #include <cute/arch/copy_sm90_tma.hpp>
-#include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
 namespace mkc {
@@ -94,30 +93,47 @@ __device__ inline void ring_init(Ring& ring) {
   cutlass::arch::fence_barrier_init();
 }
 
-// Loader side: streams the task's pages; `it` is the ring position shared
-// across instructions.
-__device__ inline void projection_load(const ProjectionTask& t, uint32_t& it) {
+// Projection rows: a task's weight rows, rows [r0, r1) of w0 and, for a
+// gate/up pair, the same rows of w1 after them (tile columns [n, 2n)).
+struct Rows {
+  const __nv_bfloat16* w0;
+  const __nv_bfloat16* w1;
+  uint32_t r0, r1, k;
+  __device__ uint32_t cols() const { return (r1 - r0) * (w1 != nullptr ? 2 : 1); }
+  __device__ const __nv_bfloat16* row(uint32_t j) const {
+    const uint32_t n = r1 - r0;
+    return j < n ? w0 + size_t(r0 + j) * k : w1 + size_t(r0 + j - n) * k;
+  }
+};
+
+// Loader: streams the task's rows into the page ring (kPageRows rows of up to
+// kPageK weights per page).
+__device__ inline void rows_load(const Rows& r, uint32_t& it) {
   const int lane = threadIdx.x % 32;
-  // The weight rows of this task as a CuTe tensor: (row, k).
-  auto W = cute::make_tensor(cute::make_gmem_ptr(t.w + size_t(t.row0) * t.k),
-                             cute::make_layout(cute::make_shape(t.rows, t.k), cute::make_stride(t.k, 1u)));
-  for (uint32_t r0 = 0; r0 < t.rows; r0 += kPageRows) {
-    const uint32_t nr = min(uint32_t(kPageRows), t.rows - r0);
-    for (uint32_t k0 = 0; k0 < t.k; k0 += kPageK, ++it) {
-      const uint32_t nk = min(uint32_t(kPageK), t.k - k0);
+  const uint32_t cols = r.cols();
+  for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
+    const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
+    for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK, ++it) {
+      const uint32_t nk = min(uint32_t(kPageK), r.k - k0);
       const int slot = it % kPages;
       const uint32_t phase = (it / kPages) & 1;
       if (lane == 0) {
         Barrier::wait(&ring_ptr()->empty[slot], phase ^ 1);
         Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * nk * 2);
-        for (uint32_t r = 0; r < nr; ++r) {
-          cute::SM90_BULK_COPY_G2S::copy(&W(r0 + r, k0), &ring_ptr()->full[slot],
-                                         &ring_ptr()->page[slot][r * kPageK], int32_t(nk * 2));
+        for (uint32_t j = 0; j < nr; ++j) {
+          cute::SM90_BULK_COPY_G2S::copy(r.row(j0 + j) + k0, &ring_ptr()->full[slot], &ring_ptr()->page[slot][j * kPageK],
+                                         int32_t(nk * 2));
         }
       }
       __syncwarp();
     }
   }
+}
+
+// Loader side of a ProjectionTask: its rows through the same loader; `it`
+// is the ring position shared across instructions.
+__device__ inline void projection_load(const ProjectionTask& t, uint32_t& it) {
+  rows_load(Rows{t.w, nullptr, t.row0, t.row0 + t.rows, t.k}, it);
 }
 
 // The RMS prologue's per-token scale, computed by the consumer warps together.

@@ -17,37 +17,15 @@
 #include <set>
 #include <vector>
 
+#include "check.cuh"
 #include "mkc/megakernel.cuh"
 
-#define CHECK(call)                                                                          \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                          \
-    }                                                                                        \
-  } while (0)
 
 static int failures = 0;
 
 static void report(const char* name, bool ok, const char* detail) {
   std::printf("%-44s %s  %s\n", name, ok ? "ok  " : "FAIL", detail);
   if (!ok) ++failures;
-}
-
-template <class T>
-static T* upload(const std::vector<T>& v) {
-  T* d = nullptr;
-  CHECK(cudaMalloc(&d, v.size() * sizeof(T)));
-  CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
-
-template <class T>
-static std::vector<T> download(const T* d, size_t n) {
-  std::vector<T> v(n);
-  CHECK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return v;
 }
 
 static float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }

@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "check.cuh"
 #include "mkc/megakernel.cuh"
 
 // The skeleton's tasks: every instruction is a projection, its task an index
@@ -25,22 +26,6 @@ struct Projections {
   }
 };
 
-#define CHECK(call)                                                                          \
-  do {                                                                                       \
-    cudaError_t err_ = (call);                                                               \
-    if (err_ != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-      std::exit(2);                                                                          \
-    }                                                                                        \
-  } while (0)
-
-template <class T>
-T* upload(const std::vector<T>& v) {
-  T* d = nullptr;
-  CHECK(cudaMalloc(&d, v.size() * sizeof(T)));
-  CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
 
 static float bf(float x) { return __bfloat162float(__float2bfloat16(x)); }
 

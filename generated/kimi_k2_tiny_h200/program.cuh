@@ -16,6 +16,13 @@ namespace mkc::generated::kimi_k2_tiny_h200 {
 inline constexpr int kBatch = 1;
 inline constexpr uint64_t kContext = 4096;
 inline constexpr uint64_t kArenaBytes = 18944;
+// The plan's buffers in the arena (a value lives at its buffer + an offset).
+inline constexpr uint64_t kBuffer0 = 0;  // 256 bytes
+inline constexpr uint64_t kBuffer1 = 256;  // 288 bytes
+inline constexpr uint64_t kBuffer2 = 768;  // 384 bytes
+inline constexpr uint64_t kBuffer3 = 1280;  // 8704 bytes
+inline constexpr uint64_t kBuffer4 = 9984;  // 256 bytes
+inline constexpr uint64_t kBuffer5 = 10240;  // 8704 bytes
 // fp32 staging floats per SM for projection epilogues.
 inline constexpr uint64_t kStagingFloats = 256;
 
@@ -351,7 +358,7 @@ __device__ inline float* staging(const Memory& m) { return m.staging + size_t(bl
 // Stage 0: token rows of fused operation 0, embed(h)
 //   embedding h (144:7)
 __device__ inline void stage_0(const TaskArgs&, const Memory& m) {
-  embedding<kBatch>(static_cast<const __nv_bfloat16*>(m.w[0]), m.tokens, 64, reinterpret_cast<float*>(m.arena + 0));
+  embedding<kBatch>(static_cast<const __nv_bfloat16*>(m.w[0]), m.tokens, 64, reinterpret_cast<float*>(m.arena + kBuffer0 + 0));
 }
 __device__ const float rope_23[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 
@@ -374,22 +381,22 @@ __device__ inline void stage_1(const TaskArgs& t, const Memory& m, uint32_t& it,
   const Rows r = stage_1_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 0), static_cast<const __nv_bfloat16*>(m.w[3]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer0 + 0), static_cast<const __nv_bfloat16*>(m.w[3]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm layer.0/decoder_layer/rms_norm (125:18)
   // linear layer.0/decoder_layer/mla/linear (65:25)
   const Span s1 = linear_span(t, 11);
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 32);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), 32);
   // linear layer.0/decoder_layer/mla/linear#3 (79:22)
   const Span s2 = linear_span(t, 20);
   // split layer.0/decoder_layer/mla/c_kv (79:16)
   const Span s3 = sub_span(s2, 0, 32);
   const Span s4 = sub_span(s2, 32, 8);
-  ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + 384), 32);
+  ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + kBuffer1 + 128), 32);
   // rope layer.0/decoder_layer/mla/k_pe (81:10)
   ep_rope<kBatch>(st, n, s4, 8, 8, true, rope_23, 1e0f, m.pos);
   consumer_sync();
-  ep_store<kBatch>(st, n, s4, reinterpret_cast<float*>(m.arena + 512), 8);
+  ep_store<kBatch>(st, n, s4, reinterpret_cast<float*>(m.arena + kBuffer1 + 256), 8);
 }
 __device__ const float rope_19[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 
@@ -409,7 +416,7 @@ __device__ inline void stage_2(const TaskArgs& t, const Memory& m, uint32_t& it,
   const Rows r = stage_2_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 256), static_cast<const __nv_bfloat16*>(m.w[6]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const __nv_bfloat16*>(m.w[6]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm layer.0/decoder_layer/mla/rms_norm (65:16)
   // linear layer.0/decoder_layer/mla/q (65:9)
@@ -417,7 +424,7 @@ __device__ inline void stage_2(const TaskArgs& t, const Memory& m, uint32_t& it,
   // rope layer.0/decoder_layer/mla/q#2 (76:7)
   ep_rope<kBatch>(st, n, s1, 24, 8, true, rope_19, 1e0f, m.pos);
   consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 768), 96);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), 96);
 }
 
 __device__ constexpr MlaShape mla_24{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415e-1f};
@@ -426,14 +433,14 @@ __device__ constexpr MlaShape mla_24{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415
 //   rms_norm layer.0/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.0/decoder_layer/mla/o (84:7)
 __device__ inline void stage_3(const TaskArgs& t, const Memory& m) {
-  mla_split<kBatch>(mla_24, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + 768), reinterpret_cast<float*>(m.arena + 384), static_cast<const __nv_bfloat16*>(m.w[9]), 1e-6f, reinterpret_cast<float*>(m.arena + 512), static_cast<const __nv_bfloat16*>(m.w[10]), static_cast<__nv_bfloat16*>(m.state[0]), m.pos, reinterpret_cast<float*>(m.arena + 1280));
+  mla_split<kBatch>(mla_24, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 128), static_cast<const __nv_bfloat16*>(m.w[9]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer1 + 256), static_cast<const __nv_bfloat16*>(m.w[10]), static_cast<__nv_bfloat16*>(m.state[0]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer3 + 0));
 }
 
 // Stage 4: split merge and value up-projection of fused operation 3, layer.0/decoder_layer/mla/mla(o)
 //   rms_norm layer.0/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.0/decoder_layer/mla/o (84:7)
 __device__ inline void stage_4(const TaskArgs& t, const Memory& m) {
-  mla_combine<kBatch>(mla_24, t.a[0], reinterpret_cast<float*>(m.arena + 1280), static_cast<const __nv_bfloat16*>(m.w[10]), reinterpret_cast<float*>(m.arena + 9984));
+  mla_combine<kBatch>(mla_24, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer3 + 0), static_cast<const __nv_bfloat16*>(m.w[10]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0));
 }
 
 // Stage 5: output rows of fused operation 4, layer.0/decoder_layer/mla/proj(out)
@@ -451,14 +458,14 @@ __device__ inline void stage_5(const TaskArgs& t, const Memory& m, uint32_t& it,
   const Rows r = stage_5_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 9984), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0), nullptr, 1e-6f, it, warp, st);
   consumer_sync();
   // linear layer.0/decoder_layer/mla/out (85:9)
   const Span s1 = linear_span(t, 25);
   // add layer.0/decoder_layer/h (125:7)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 0), 64);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer0 + 0), 64);
   consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 64);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), 64);
 }
 
 // Stage 6: output rows of fused operation 5, layer.0/decoder_layer/dense_mlp/proj(w_gate,w_up)
@@ -479,7 +486,7 @@ __device__ inline void stage_6(const TaskArgs& t, const Memory& m, uint32_t& it,
   const Rows r = stage_6_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 256), static_cast<const __nv_bfloat16*>(m.w[4]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const __nv_bfloat16*>(m.w[4]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm layer.0/decoder_layer/x (126:7)
   // linear layer.0/decoder_layer/dense_mlp/linear (94:19)
@@ -489,7 +496,7 @@ __device__ inline void stage_6(const TaskArgs& t, const Memory& m, uint32_t& it,
   // act_and_mul layer.0/decoder_layer/dense_mlp/h (94:7)
   ep_silu_and_mul<kBatch>(st, n, s1);
   consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 1280), 128);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), 128);
 }
 
 // Stage 7: output rows of fused operation 6, layer.0/decoder_layer/dense_mlp/proj(out)
@@ -507,14 +514,14 @@ __device__ inline void stage_7(const TaskArgs& t, const Memory& m, uint32_t& it,
   const Rows r = stage_7_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 1280), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), nullptr, 1e-6f, it, warp, st);
   consumer_sync();
   // linear layer.0/decoder_layer/dense_mlp/out (95:9)
   const Span s1 = linear_span(t, 34);
   // add layer.0/decoder_layer/h#2 (131:9)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 64);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), 64);
   consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 0), 64);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer0 + 0), 64);
 }
 __device__ const float rope_54[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 
@@ -537,22 +544,22 @@ __device__ inline void stage_8(const TaskArgs& t, const Memory& m, uint32_t& it,
   const Rows r = stage_8_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 0), static_cast<const __nv_bfloat16*>(m.w[15]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer0 + 0), static_cast<const __nv_bfloat16*>(m.w[15]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm layer.1/decoder_layer/rms_norm (125:18)
   // linear layer.1/decoder_layer/mla/linear (65:25)
   const Span s1 = linear_span(t, 42);
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 768), 32);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), 32);
   // linear layer.1/decoder_layer/mla/linear#3 (79:22)
   const Span s2 = linear_span(t, 51);
   // split layer.1/decoder_layer/mla/c_kv (79:16)
   const Span s3 = sub_span(s2, 0, 32);
   const Span s4 = sub_span(s2, 32, 8);
-  ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + 896), 32);
+  ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + kBuffer2 + 128), 32);
   // rope layer.1/decoder_layer/mla/k_pe (81:10)
   ep_rope<kBatch>(st, n, s4, 8, 8, true, rope_54, 1e0f, m.pos);
   consumer_sync();
-  ep_store<kBatch>(st, n, s4, reinterpret_cast<float*>(m.arena + 1024), 8);
+  ep_store<kBatch>(st, n, s4, reinterpret_cast<float*>(m.arena + kBuffer2 + 256), 8);
 }
 __device__ const float rope_50[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 
@@ -572,7 +579,7 @@ __device__ inline void stage_9(const TaskArgs& t, const Memory& m, uint32_t& it,
   const Rows r = stage_9_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 768), static_cast<const __nv_bfloat16*>(m.w[18]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), static_cast<const __nv_bfloat16*>(m.w[18]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm layer.1/decoder_layer/mla/rms_norm (65:16)
   // linear layer.1/decoder_layer/mla/q (65:9)
@@ -580,7 +587,7 @@ __device__ inline void stage_9(const TaskArgs& t, const Memory& m, uint32_t& it,
   // rope layer.1/decoder_layer/mla/q#2 (76:7)
   ep_rope<kBatch>(st, n, s1, 24, 8, true, rope_50, 1e0f, m.pos);
   consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 1280), 96);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), 96);
 }
 
 __device__ constexpr MlaShape mla_55{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415e-1f};
@@ -589,14 +596,14 @@ __device__ constexpr MlaShape mla_55{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415
 //   rms_norm layer.1/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.1/decoder_layer/mla/o (84:7)
 __device__ inline void stage_10(const TaskArgs& t, const Memory& m) {
-  mla_split<kBatch>(mla_55, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + 1280), reinterpret_cast<float*>(m.arena + 896), static_cast<const __nv_bfloat16*>(m.w[21]), 1e-6f, reinterpret_cast<float*>(m.arena + 1024), static_cast<const __nv_bfloat16*>(m.w[22]), static_cast<__nv_bfloat16*>(m.state[1]), m.pos, reinterpret_cast<float*>(m.arena + 10240));
+  mla_split<kBatch>(mla_55, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 128), static_cast<const __nv_bfloat16*>(m.w[21]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer2 + 256), static_cast<const __nv_bfloat16*>(m.w[22]), static_cast<__nv_bfloat16*>(m.state[1]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer5 + 0));
 }
 
 // Stage 11: split merge and value up-projection of fused operation 9, layer.1/decoder_layer/mla/mla(o)
 //   rms_norm layer.1/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.1/decoder_layer/mla/o (84:7)
 __device__ inline void stage_11(const TaskArgs& t, const Memory& m) {
-  mla_combine<kBatch>(mla_55, t.a[0], reinterpret_cast<float*>(m.arena + 10240), static_cast<const __nv_bfloat16*>(m.w[22]), reinterpret_cast<float*>(m.arena + 9984));
+  mla_combine<kBatch>(mla_55, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer5 + 0), static_cast<const __nv_bfloat16*>(m.w[22]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0));
 }
 
 // Stage 12: output rows of fused operation 10, layer.1/decoder_layer/mla/proj(out)
@@ -614,14 +621,14 @@ __device__ inline void stage_12(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_12_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 9984), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0), nullptr, 1e-6f, it, warp, st);
   consumer_sync();
   // linear layer.1/decoder_layer/mla/out (85:9)
   const Span s1 = linear_span(t, 56);
   // add layer.1/decoder_layer/h (125:7)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 0), 64);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer0 + 0), 64);
   consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 64);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), 64);
 }
 
 // Stage 13: output rows of fused operation 11, layer.1/decoder_layer/moe_mlp/proj(router_w,s_gate,s_up)
@@ -644,12 +651,12 @@ __device__ inline void stage_13(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_13_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 256), static_cast<const __nv_bfloat16*>(m.w[16]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const __nv_bfloat16*>(m.w[16]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm layer.1/decoder_layer/x (126:7)
   // linear layer.1/decoder_layer/moe_mlp/linear (107:25)
   const Span s1 = linear_span(t, 64);
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 768), 8);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), 8);
   // linear layer.1/decoder_layer/moe_mlp/linear#2 (115:33)
   const Span s2 = linear_span(t, 70);
   // linear layer.1/decoder_layer/moe_mlp/linear#3 (115:52)
@@ -657,13 +664,13 @@ __device__ inline void stage_13(const TaskArgs& t, const Memory& m, uint32_t& it
   // act_and_mul layer.1/decoder_layer/moe_mlp/act_and_mul (115:21)
   ep_silu_and_mul<kBatch>(st, n, s2);
   consumer_sync();
-  ep_store<kBatch>(st, n, s2, reinterpret_cast<float*>(m.arena + 800), 32);
+  ep_store<kBatch>(st, n, s2, reinterpret_cast<float*>(m.arena + kBuffer2 + 32), 32);
 }
 
 // Stage 14: scores and top-k of fused operation 12, layer.1/decoder_layer/moe_mlp/router(ids)
 //   router layer.1/decoder_layer/moe_mlp/ids (107:18)
 __device__ inline void stage_14(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + 768), static_cast<const float*>(m.w[25]), reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 16));
+  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), static_cast<const float*>(m.w[25]), reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer0 + 16));
 }
 
 __device__ constexpr MoeShape moe_66{8, 2, 32, 64, 2, 26, 34, 42};
@@ -672,40 +679,40 @@ __device__ constexpr MoeShape moe_66{8, 2, 32, 64, 2, 26, 34, 42};
 //   moe layer.1/decoder_layer/moe_mlp/routed (109:12)
 //   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
 __device__ inline Rows stage_15_rows(const TaskArgs& t, const Memory& m) {
-  return expert_rows<kBatch>(moe_66, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + 0), false);
+  return expert_rows<kBatch>(moe_66, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), false);
 }
 __device__ inline void stage_15(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
   const Rows r = stage_15_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 256), static_cast<const __nv_bfloat16*>(m.w[16]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const __nv_bfloat16*>(m.w[16]), 1e-6f, it, warp, st);
   consumer_sync();
   const Span s = Span{0, r.r0, r.r1 - r.r0};
   ep_silu_and_mul<kBatch>(st, n, s);
   consumer_sync();
-  ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + 9984) + size_t(t.a[0]) * kBatch * 32, 32);
+  ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + kBuffer4 + 0) + size_t(t.a[0]) * kBatch * 32, 32);
 }
 
 // Stage 16: one expert slot's down rows of fused operation 13, layer.1/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.1/decoder_layer/moe_mlp/routed (109:12)
 //   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
 __device__ inline Rows stage_16_rows(const TaskArgs& t, const Memory& m) {
-  return expert_rows<kBatch>(moe_66, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + 0), true);
+  return expert_rows<kBatch>(moe_66, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), true);
 }
 __device__ inline void stage_16(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
   const Rows r = stage_16_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 9984) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
   consumer_sync();
-  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + 1280) + size_t(t.a[0]) * kBatch * 64, 64);
+  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + kBuffer3 + 0) + size_t(t.a[0]) * kBatch * 64, 64);
 }
 
 // Stage 17: weighted sum of the slots of fused operation 13, layer.1/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.1/decoder_layer/moe_mlp/routed (109:12)
 //   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
 __device__ inline void stage_17(const TaskArgs& t, const Memory& m) {
-  expert_combine<kBatch>(moe_66, t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 16), reinterpret_cast<float*>(m.arena + 1280), reinterpret_cast<float*>(m.arena + 10240));
+  expert_combine<kBatch>(moe_66, t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer0 + 16), reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer5 + 0));
 }
 
 // Stage 18: output rows of fused operation 14, layer.1/decoder_layer/moe_mlp/proj(shared)
@@ -724,17 +731,17 @@ __device__ inline void stage_18(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_18_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 800), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer2 + 32), nullptr, 1e-6f, it, warp, st);
   consumer_sync();
   // linear layer.1/decoder_layer/moe_mlp/shared (115:14)
   const Span s1 = linear_span(t, 73);
   // add layer.1/decoder_layer/moe_mlp/routed#2 (116:14)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 10240), 64);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer5 + 0), 64);
   consumer_sync();
   // add layer.1/decoder_layer/h#2 (129:9)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 64);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), 64);
   consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 9984), 64);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer4 + 0), 64);
 }
 __device__ const float rope_94[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 
@@ -757,22 +764,22 @@ __device__ inline void stage_19(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_19_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 9984), static_cast<const __nv_bfloat16*>(m.w[53]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0), static_cast<const __nv_bfloat16*>(m.w[53]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm layer.2/decoder_layer/rms_norm (125:18)
   // linear layer.2/decoder_layer/mla/linear (65:25)
   const Span s1 = linear_span(t, 82);
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 1280), 32);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), 32);
   // linear layer.2/decoder_layer/mla/linear#3 (79:22)
   const Span s2 = linear_span(t, 91);
   // split layer.2/decoder_layer/mla/c_kv (79:16)
   const Span s3 = sub_span(s2, 0, 32);
   const Span s4 = sub_span(s2, 32, 8);
-  ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + 1408), 32);
+  ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + kBuffer3 + 128), 32);
   // rope layer.2/decoder_layer/mla/k_pe (81:10)
   ep_rope<kBatch>(st, n, s4, 8, 8, true, rope_94, 1e0f, m.pos);
   consumer_sync();
-  ep_store<kBatch>(st, n, s4, reinterpret_cast<float*>(m.arena + 1536), 8);
+  ep_store<kBatch>(st, n, s4, reinterpret_cast<float*>(m.arena + kBuffer3 + 256), 8);
 }
 __device__ const float rope_90[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 
@@ -792,7 +799,7 @@ __device__ inline void stage_20(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_20_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 1280), static_cast<const __nv_bfloat16*>(m.w[56]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), static_cast<const __nv_bfloat16*>(m.w[56]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm layer.2/decoder_layer/mla/rms_norm (65:16)
   // linear layer.2/decoder_layer/mla/q (65:9)
@@ -800,7 +807,7 @@ __device__ inline void stage_20(const TaskArgs& t, const Memory& m, uint32_t& it
   // rope layer.2/decoder_layer/mla/q#2 (76:7)
   ep_rope<kBatch>(st, n, s1, 24, 8, true, rope_90, 1e0f, m.pos);
   consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 768), 96);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), 96);
 }
 
 __device__ constexpr MlaShape mla_95{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415e-1f};
@@ -809,14 +816,14 @@ __device__ constexpr MlaShape mla_95{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415
 //   rms_norm layer.2/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.2/decoder_layer/mla/o (84:7)
 __device__ inline void stage_21(const TaskArgs& t, const Memory& m) {
-  mla_split<kBatch>(mla_95, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + 768), reinterpret_cast<float*>(m.arena + 1408), static_cast<const __nv_bfloat16*>(m.w[59]), 1e-6f, reinterpret_cast<float*>(m.arena + 1536), static_cast<const __nv_bfloat16*>(m.w[60]), static_cast<__nv_bfloat16*>(m.state[2]), m.pos, reinterpret_cast<float*>(m.arena + 10240));
+  mla_split<kBatch>(mla_95, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer3 + 128), static_cast<const __nv_bfloat16*>(m.w[59]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer3 + 256), static_cast<const __nv_bfloat16*>(m.w[60]), static_cast<__nv_bfloat16*>(m.state[2]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer5 + 0));
 }
 
 // Stage 22: split merge and value up-projection of fused operation 17, layer.2/decoder_layer/mla/mla(o)
 //   rms_norm layer.2/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.2/decoder_layer/mla/o (84:7)
 __device__ inline void stage_22(const TaskArgs& t, const Memory& m) {
-  mla_combine<kBatch>(mla_95, t.a[0], reinterpret_cast<float*>(m.arena + 10240), static_cast<const __nv_bfloat16*>(m.w[60]), reinterpret_cast<float*>(m.arena + 0));
+  mla_combine<kBatch>(mla_95, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer5 + 0), static_cast<const __nv_bfloat16*>(m.w[60]), reinterpret_cast<float*>(m.arena + kBuffer0 + 0));
 }
 
 // Stage 23: output rows of fused operation 18, layer.2/decoder_layer/mla/proj(out)
@@ -834,14 +841,14 @@ __device__ inline void stage_23(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_23_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 0), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer0 + 0), nullptr, 1e-6f, it, warp, st);
   consumer_sync();
   // linear layer.2/decoder_layer/mla/out (85:9)
   const Span s1 = linear_span(t, 96);
   // add layer.2/decoder_layer/h (125:7)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 9984), 64);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer4 + 0), 64);
   consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 64);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), 64);
 }
 
 // Stage 24: output rows of fused operation 19, layer.2/decoder_layer/moe_mlp/proj(router_w,s_gate,s_up)
@@ -864,12 +871,12 @@ __device__ inline void stage_24(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_24_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 256), static_cast<const __nv_bfloat16*>(m.w[54]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const __nv_bfloat16*>(m.w[54]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm layer.2/decoder_layer/x (126:7)
   // linear layer.2/decoder_layer/moe_mlp/linear (107:25)
   const Span s1 = linear_span(t, 104);
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 768), 8);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), 8);
   // linear layer.2/decoder_layer/moe_mlp/linear#2 (115:33)
   const Span s2 = linear_span(t, 110);
   // linear layer.2/decoder_layer/moe_mlp/linear#3 (115:52)
@@ -877,13 +884,13 @@ __device__ inline void stage_24(const TaskArgs& t, const Memory& m, uint32_t& it
   // act_and_mul layer.2/decoder_layer/moe_mlp/act_and_mul (115:21)
   ep_silu_and_mul<kBatch>(st, n, s2);
   consumer_sync();
-  ep_store<kBatch>(st, n, s2, reinterpret_cast<float*>(m.arena + 800), 32);
+  ep_store<kBatch>(st, n, s2, reinterpret_cast<float*>(m.arena + kBuffer2 + 32), 32);
 }
 
 // Stage 25: scores and top-k of fused operation 20, layer.2/decoder_layer/moe_mlp/router(ids)
 //   router layer.2/decoder_layer/moe_mlp/ids (107:18)
 __device__ inline void stage_25(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + 768), static_cast<const float*>(m.w[63]), reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 16));
+  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), static_cast<const float*>(m.w[63]), reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer0 + 16));
 }
 
 __device__ constexpr MoeShape moe_106{8, 2, 32, 64, 2, 64, 72, 80};
@@ -892,40 +899,40 @@ __device__ constexpr MoeShape moe_106{8, 2, 32, 64, 2, 64, 72, 80};
 //   moe layer.2/decoder_layer/moe_mlp/routed (109:12)
 //   rms_norm layer.2/decoder_layer/x#recompute1 (126:7)
 __device__ inline Rows stage_26_rows(const TaskArgs& t, const Memory& m) {
-  return expert_rows<kBatch>(moe_106, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + 0), false);
+  return expert_rows<kBatch>(moe_106, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), false);
 }
 __device__ inline void stage_26(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
   const Rows r = stage_26_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 256), static_cast<const __nv_bfloat16*>(m.w[54]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const __nv_bfloat16*>(m.w[54]), 1e-6f, it, warp, st);
   consumer_sync();
   const Span s = Span{0, r.r0, r.r1 - r.r0};
   ep_silu_and_mul<kBatch>(st, n, s);
   consumer_sync();
-  ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + 9984) + size_t(t.a[0]) * kBatch * 32, 32);
+  ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + kBuffer4 + 0) + size_t(t.a[0]) * kBatch * 32, 32);
 }
 
 // Stage 27: one expert slot's down rows of fused operation 21, layer.2/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.2/decoder_layer/moe_mlp/routed (109:12)
 //   rms_norm layer.2/decoder_layer/x#recompute1 (126:7)
 __device__ inline Rows stage_27_rows(const TaskArgs& t, const Memory& m) {
-  return expert_rows<kBatch>(moe_106, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + 0), true);
+  return expert_rows<kBatch>(moe_106, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), true);
 }
 __device__ inline void stage_27(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
   const Rows r = stage_27_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 9984) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
   consumer_sync();
-  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + 1280) + size_t(t.a[0]) * kBatch * 64, 64);
+  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + kBuffer3 + 0) + size_t(t.a[0]) * kBatch * 64, 64);
 }
 
 // Stage 28: weighted sum of the slots of fused operation 21, layer.2/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.2/decoder_layer/moe_mlp/routed (109:12)
 //   rms_norm layer.2/decoder_layer/x#recompute1 (126:7)
 __device__ inline void stage_28(const TaskArgs& t, const Memory& m) {
-  expert_combine<kBatch>(moe_106, t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + 0), reinterpret_cast<float*>(m.arena + 16), reinterpret_cast<float*>(m.arena + 1280), reinterpret_cast<float*>(m.arena + 10240));
+  expert_combine<kBatch>(moe_106, t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer0 + 16), reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer5 + 0));
 }
 
 // Stage 29: output rows of fused operation 22, layer.2/decoder_layer/moe_mlp/proj(shared)
@@ -944,17 +951,17 @@ __device__ inline void stage_29(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_29_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 800), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer2 + 32), nullptr, 1e-6f, it, warp, st);
   consumer_sync();
   // linear layer.2/decoder_layer/moe_mlp/shared (115:14)
   const Span s1 = linear_span(t, 113);
   // add layer.2/decoder_layer/moe_mlp/routed#2 (116:14)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 10240), 64);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer5 + 0), 64);
   consumer_sync();
   // add layer.2/decoder_layer/h#2 (129:9)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 256), 64);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), 64);
   consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + 9984), 64);
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + kBuffer4 + 0), 64);
 }
 
 // Stage 30: output rows of fused operation 23, lm_head(logits)
@@ -973,14 +980,14 @@ __device__ inline void stage_30(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_30_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + 9984), static_cast<const __nv_bfloat16*>(m.w[1]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0), static_cast<const __nv_bfloat16*>(m.w[1]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm rms_norm (148:20)
   // lm_head logits (148:12)
   const Span s1 = linear_span(t, 117);
   ep_store<kBatch>(st, n, s1, static_cast<float*>(m.out[1]), 512);
   // argmax next_token (149:16)
-  ep_tile_max<kBatch>(st, n, s1, reinterpret_cast<float2*>(m.arena + 0), t.index, 2);
+  ep_tile_max<kBatch>(st, n, s1, reinterpret_cast<float2*>(m.arena + kBuffer0 + 0), t.index, 2);
 }
 
 // Stage 31: argmax over the row tiles of fused operation 23, lm_head(logits)
@@ -988,7 +995,7 @@ __device__ inline void stage_30(const TaskArgs& t, const Memory& m, uint32_t& it
 //   lm_head logits (148:12)
 //   argmax next_token (149:16)
 __device__ inline void stage_31(const TaskArgs&, const Memory& m) {
-  argmax_tiles<kBatch>(reinterpret_cast<float2*>(m.arena + 0), 2, static_cast<int32_t*>(m.out[0]));
+  argmax_tiles<kBatch>(reinterpret_cast<float2*>(m.arena + kBuffer0 + 0), 2, static_cast<int32_t*>(m.out[0]));
 }
 
 // The megakernel's task policy (device/mkc/megakernel.cuh).

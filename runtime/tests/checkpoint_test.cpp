@@ -11,23 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "expect.h"
 #include "mkc/checkpoint.h"
 
 namespace fs = std::filesystem;
 
-static int passed = 0, failed = 0;
-
-#define EXPECT(cond, ...)                                      \
-  do {                                                         \
-    if (cond) {                                                \
-      ++passed;                                                \
-    } else {                                                   \
-      ++failed;                                                \
-      std::printf("FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      std::printf(__VA_ARGS__);                                \
-      std::printf("\n");                                       \
-    }                                                          \
-  } while (0)
 
 struct Specs {
   std::vector<std::string> keys, dtypes;
@@ -209,6 +197,5 @@ int main(int argc, char** argv) {
     mkc_checkpoint_close(c);
   }
   fs::remove_all(tmp);
-  std::printf("%d passed, %d failed\n", passed, failed);
-  return failed ? 1 : 0;
+  return report();
 }

@@ -13,23 +13,11 @@
 #include <string>
 #include <vector>
 
+#include "expect.h"
 #include "mkc/model.h"
 
 namespace fs = std::filesystem;
 
-static int passed = 0, failed = 0;
-
-#define EXPECT(cond, ...)                                           \
-  do {                                                              \
-    if (cond) {                                                     \
-      ++passed;                                                     \
-    } else {                                                        \
-      ++failed;                                                     \
-      std::printf("FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      std::printf(__VA_ARGS__);                                     \
-      std::printf("\n");                                            \
-    }                                                               \
-  } while (0)
 
 static std::string lower(std::string s) {
   for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
@@ -103,6 +91,5 @@ int main(int argc, char** argv) {
   } else {
     EXPECT(lower(err).find("cuda") != std::string::npos && std::strstr(err, "tensor") == nullptr, "%s", err);
   }
-  std::printf("%d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  return report();
 }

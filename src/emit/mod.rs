@@ -97,52 +97,30 @@ pub fn emit(
         sms_lists.push(SmList { index: s, instructions: t.instructions[a..b].to_vec() });
     }
     let ns = namespace(name);
-    let version = env!("CARGO_PKG_VERSION");
+    // What every file's header says produced it.
+    let provenance = minijinja::context! {
+        version => env!("CARGO_PKG_VERSION"), graph => from.graph, config => from.config,
+        target => plan.target, namespace => ns,
+    };
     let tables_h = render(
         &env,
         "plan_tables.h",
         minijinja::context! {
-            version, graph => from.graph, config => from.config, target => plan.target,
-            batch => plan.options.batch, context => plan.options.context, namespace => ns,
+            batch => plan.options.batch, context => plan.options.context,
             sms => plan.schedule.sms.len(), expected => t.expected, sms_lists, sm_begin => t.sm_begin,
-            waits => t.waits,
+            waits => t.waits, ..provenance.clone()
         },
     )?;
     let weights: Vec<WeightRow> = requirements(v)
         .into_iter()
         .map(|r| WeightRow { key: r.key, dtype: r.dtype, shape: r.shape, node: r.node })
         .collect();
-    let weights_h = render(
-        &env,
-        "weights.h",
-        minijinja::context! { version, graph => from.graph, config => from.config, namespace => ns, weights },
-    )?;
+    let weights_h = render(&env, "weights.h", minijinja::context! { weights, ..provenance.clone() })?;
     let mut files = vec![("plan_tables.h".into(), tables_h), ("weights.h".into(), weights_h)];
     if tables_only {
         return Ok(Artifact { name: name.to_string(), files });
     }
     let p = program::program(&plan.graph, plan, source)?;
-    let out_of = |dtype: &str, elements: u64| p.outputs.iter().position(|o| o.1 == dtype && (elements == 0 || o.2 > 1));
-    let (Some(next_token_output), Some(logits_output)) = (out_of("int32_t", 0), out_of("float", 1)) else {
-        return Err(Error::new(
-            ErrorKind::Invalid,
-            "codegen: the graph must output the next token (i32) and the logits (f32 [vocab])".to_string(),
-        ));
-    };
-    let vocab = p.outputs[logits_output].2;
-    let tasks: Vec<(usize, usize, [u32; 4])> = {
-        let mut index = vec![0usize; plan.tiling.stages.len()];
-        p.tasks
-            .iter()
-            .map(|(stage, args)| {
-                let i = index[*stage];
-                index[*stage] += 1;
-                (*stage, i, *args)
-            })
-            .collect()
-    };
-    let outputs: Vec<(String, &str, u64)> =
-        p.outputs.iter().map(|(n, t, e)| (n.clone(), *t, e * if *t == "__nv_bfloat16" { 2 } else { 4 })).collect();
     let stage_names: Vec<String> = plan
         .tiling
         .stages
@@ -157,26 +135,16 @@ pub fn emit(
         &env,
         "program.cuh",
         minijinja::context! {
-            version, graph => from.graph, config => from.config, target => plan.target,
-            batch => plan.options.batch, context => plan.options.context, namespace => ns,
-            arena_bytes => p.arena_bytes, staging_floats => p.staging_floats, states => p.states,
-            outputs, next_token_output, logits_output, vocab, tasks, code => p.code,
-            load_cases => p.load_cases, run_cases => p.run_cases, load_waits => p.load_waits, stage_names,
+            batch => plan.options.batch, context => plan.options.context,
+            arena_bytes => p.arena_bytes, buffers => p.buffers, staging_floats => p.staging_floats, states => p.states,
+            outputs => p.outputs, next_token_output => p.next_token_output, logits_output => p.logits_output,
+            vocab => p.vocab, tasks => p.tasks, code => p.code, load_cases => p.load_cases,
+            run_cases => p.run_cases, load_waits => p.load_waits, stage_names, ..provenance.clone()
         },
     )?;
-    let model_cu = render(
-        &env,
-        "model.cu",
-        minijinja::context! { version, graph => from.graph, config => from.config, target => plan.target, namespace => ns },
-    )?;
-    let arch = match plan.target.as_str() {
-        "h200" | "h100" => "90a",
-        "b200" => "100a",
-        "gb300" | "b300" => "103a",
-        _ => "90a",
-    };
-    let cmake =
-        render(&env, "CMakeLists.txt", minijinja::context! { version, target => plan.target, namespace => ns, arch })?;
+    let model_cu = render(&env, "model.cu", provenance.clone())?;
+    let arch = plan.arch.trim_start_matches("sm_");
+    let cmake = render(&env, "CMakeLists.txt", minijinja::context! { arch, ..provenance })?;
     files.push(("program.cuh".into(), program_h));
     files.push(("model.cu".into(), model_cu));
     files.push(("CMakeLists.txt".into(), cmake));

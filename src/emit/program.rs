@@ -68,10 +68,16 @@ pub struct Program {
     pub staging_floats: u64,
     /// Per-sequence states: (name, bytes per sequence).
     pub states: Vec<(String, u64)>,
-    /// Graph outputs: (name, C++ type, elements per sequence).
+    /// Graph outputs: (name, C++ type, bytes per sequence).
     pub outputs: Vec<(String, &'static str, u64)>,
-    /// Per plan task: (stage, args).
-    pub tasks: Vec<(usize, [u32; 4])>,
+    /// Which output is the next token (i32) and which the logits (f32 [vocab]).
+    pub next_token_output: usize,
+    /// See `next_token_output`.
+    pub logits_output: usize,
+    /// Logits per sequence.
+    pub vocab: u64,
+    /// Per plan task: (stage, index in its stage, args).
+    pub tasks: Vec<(usize, usize, [u32; 4])>,
     /// Device code: constants and one function per stage.
     pub code: String,
     /// `case` lines of the loader's dispatch.
@@ -190,8 +196,10 @@ impl<'a> Gen<'a> {
         }
     }
 
-    /// Reserves `bytes` in the region `stage` writes; returns the arena offset.
-    fn reserve(&mut self, stage: usize, bytes: u64) -> Result<u64> {
+    /// Reserves `bytes` in the region `stage` writes; returns the address as
+    /// C++ (`m.arena + kBuffer<b> + offset`: buffer offsets are known once
+    /// every region is sized, and the header defines them).
+    fn reserve(&mut self, stage: usize, bytes: u64) -> Result<String> {
         let Some(r) = self.plan.tiling.regions.iter().find(|r| r.writer == stage) else {
             return Err(Error::new(
                 ErrorKind::Invalid,
@@ -201,7 +209,7 @@ impl<'a> Gen<'a> {
         let at = self.region_bytes[r.id];
         self.region_bytes[r.id] = align(at + bytes, 16);
         self.layout.push(ArenaSlot { region: r.id, buffer: r.buffer, offset: at, bytes, writer: stage });
-        Ok((r.buffer as u64) << 40 | at)
+        Ok(format!("m.arena + kBuffer{} + {at}", r.buffer))
     }
 
     /// Gives every value of `op` read elsewhere a slot in `stage`'s region
@@ -226,7 +234,7 @@ impl<'a> Gen<'a> {
                     let dtype = if ty.dtype == DType::Bf16 { ACTIVATIONS } else { ty.dtype };
                     let kept = TensorType::new(dtype, ty.shape.clone());
                     let at = self.reserve(stage, kept.bytes() * self.batch)?;
-                    let ptr = format!("reinterpret_cast<{}*>(m.arena + @ARENA({at}))", ctype(dtype));
+                    let ptr = format!("reinterpret_cast<{}*>({at})", ctype(dtype));
                     self.slots.insert(v, Slot { ptr, ty: kept });
                 }
             }
@@ -496,7 +504,7 @@ impl<'a> Gen<'a> {
                         .ok_or_else(|| unsupported(op, "argmax of a value it does not compute"))?;
                     let tiles = tasks.len();
                     let at = self.reserve(rows_stage, self.batch * tiles as u64 * 8)?;
-                    let ptr = format!("reinterpret_cast<float2*>(m.arena + @ARENA({at}))");
+                    let ptr = format!("reinterpret_cast<float2*>({at})");
                     let _ = writeln!(body, "  ep_tile_max<kBatch>(st, n, {src}, {ptr}, t.index, {tiles});");
                     lm_tiles = Some((ptr, tiles, out));
                     continue;
@@ -579,7 +587,7 @@ impl<'a> Gen<'a> {
         self.check_reads(split, &[ops[0], raw, ops[2]])?;
         let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
         let at = self.reserve(split, partial_bytes)?;
-        let partials = format!("reinterpret_cast<float*>(m.arena + @ARENA({at}))");
+        let partials = format!("reinterpret_cast<float*>({at})");
         let _ = writeln!(
             self.code,
             "\n__device__ constexpr MlaShape mla_{}{{{heads}, {hpt}, {groups}, {splits}, {ctx}, {c}, {nope}, {rope}, {v_dim}, {}}};",
@@ -680,8 +688,8 @@ impl<'a> Gen<'a> {
             "\n__device__ constexpr MoeShape moe_{}{{{e}, {k}, {i}, {d}, {slots}, {bg}, {bu}, {bd}}};",
             n.index()
         );
-        let act = format!("reinterpret_cast<float*>(m.arena + @ARENA({act_at}))");
-        let dn = format!("reinterpret_cast<float*>(m.arena + @ARENA({down_at}))");
+        let act = format!("reinterpret_cast<float*>({act_at})");
+        let dn = format!("reinterpret_cast<float*>({down_at})");
         let i_ = n.index();
         // Expert rows stream through the page ring like a projection's; the
         // loader finds the slot's expert in the router's ids.
@@ -802,14 +810,24 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
             states.push((g.node(id).name.clone(), s.bytes(plan.options.context)));
         }
     }
-    let outputs = g
+    let outputs: Vec<(String, &'static str, u64)> = g
         .outputs
         .iter()
         .map(|(name, v)| {
             let ty = g.value_type(*v);
-            (name.clone(), ctype(ty.dtype), ty.elements())
+            (name.clone(), ctype(ty.dtype), ty.bytes())
         })
         .collect();
+    let output_of = |want: &dyn Fn(&TensorType) -> bool| g.outputs.iter().position(|(_, v)| want(g.value_type(*v)));
+    let next_token = output_of(&|t| t.dtype == DType::I32 && t.elements() == 1);
+    let logits = output_of(&|t| t.dtype == DType::F32 && t.shape.len() == 1);
+    let (Some(next_token_output), Some(logits_output)) = (next_token, logits) else {
+        return Err(Error::new(
+            ErrorKind::Invalid,
+            "codegen: the graph must output the next token (i32) and the logits (f32 [vocab])".to_string(),
+        ));
+    };
+    let vocab = g.value_type(g.outputs[logits_output].1).elements();
     let mut gen = Gen {
         g,
         plan,
@@ -841,18 +859,16 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         gen.buffer_offset.push(at);
         at = align(at + s, 256);
     }
-    // Resolve @ARENA(buffer << 40 | offset) into arena offsets.
-    let mut code = String::new();
-    let mut rest = gen.code.as_str();
-    while let Some(p) = rest.find("@ARENA(") {
-        code.push_str(&rest[..p]);
-        let end = rest[p..].find(')').expect("A(...) closes") + p;
-        let packed: u64 = rest[p + 7..end].parse().expect("A(...) holds a number");
-        code.push_str(&(gen.buffer_offset[(packed >> 40) as usize] + (packed & ((1 << 40) - 1))).to_string());
-        rest = &rest[end + 1..];
-    }
-    code.push_str(rest);
-    let tasks = plan.tiling.tasks.iter().map(|t| (t.stage, t.args)).collect();
+    let mut in_stage = vec![0usize; plan.tiling.stages.len()];
+    let tasks = plan
+        .tiling
+        .tasks
+        .iter()
+        .map(|t| {
+            in_stage[t.stage] += 1;
+            (t.stage, in_stage[t.stage] - 1, t.args)
+        })
+        .collect();
     let layout =
         gen.layout.iter().map(|s| ArenaSlot { offset: gen.buffer_offset[s.buffer] + s.offset, ..*s }).collect();
     let buffers = gen.buffer_offset.iter().copied().zip(sizes.iter().copied()).collect();
@@ -863,8 +879,11 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         staging_floats: align(gen.staging.max(1), 32),
         states,
         outputs,
+        next_token_output,
+        logits_output,
+        vocab,
         tasks,
-        code,
+        code: gen.code,
         load_cases: gen.load_cases,
         run_cases: gen.run_cases,
         load_waits: gen.load_waits,

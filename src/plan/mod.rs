@@ -70,6 +70,9 @@ pub struct Plan {
     pub model: String,
     /// The target's name.
     pub target: String,
+    /// The target's architecture (`sm_90a`, ...), as nvcc names it.
+    #[serde(skip)]
+    pub arch: String,
     /// What it was planned for.
     pub options: Options,
     /// The fused operations.
@@ -100,6 +103,7 @@ pub fn plan(graph: &Validated, target: &Target, options: Options) -> Result<Plan
     Ok(Plan {
         model: graph.graph().model.clone(),
         target: target.name.clone(),
+        arch: target.arch.clone(),
         options,
         fusion,
         tiling,
