@@ -364,6 +364,27 @@ def step_bytes(d, w, ids_per_layer, batch, pos):
     return total
 
 
+def print_trace_summary(path):
+    """Per stage of one profiled step: instructions, summed and longest
+    instruction time, and the stage's span (first start to last end)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    stages = {}
+    for e in events:
+        s = stages.setdefault(e["name"], {"n": 0, "busy": 0.0, "max": 0.0, "start": 1e30, "end": 0.0})
+        s["n"] += 1
+        s["busy"] += e["dur"]
+        s["max"] = max(s["max"], e["dur"])
+        s["start"] = min(s["start"], e["ts"])
+        s["end"] = max(s["end"], e["ts"] + e["dur"])
+    total = max(s["end"] for s in stages.values())
+    print(f"profile {os.path.basename(path)}: step span {total:.1f} us")
+    print(f"  {'stage':40} {'n':>5} {'start us':>9} {'end us':>9} {'span us':>8} {'max us':>8} {'busy us':>9}")
+    for name, s in sorted(stages.items(), key=lambda kv: kv[1]["start"]):
+        print(f"  {name[:40]:40} {s['n']:>5} {s['start']:>9.1f} {s['end']:>9.1f} {s['end'] - s['start']:>8.1f} "
+              f"{s['max']:>8.1f} {s['busy']:>9.1f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
@@ -372,6 +393,7 @@ def main():
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
+    ap.add_argument("--trace", help="folder: one profiled step per library as Chrome trace JSON, and a per-stage table")
     args = ap.parse_args()
     with open(args.config) as f:
         config = json.load(f)
@@ -398,6 +420,12 @@ def main():
         model.load_state(state)  # time at the same position
         ours_ms = model.time_steps(tokens.cpu().numpy(), warmup=10, n=100)
         ours_ms2 = model.time_steps(tokens.cpu().numpy(), warmup=5, n=100)
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            path = os.path.join(args.trace, os.path.basename(lib).replace(".so", ".trace.json"))
+            model.load_state(state)
+            model.profile_step(tokens.cpu().numpy(), path)
+            print_trace_summary(path)
         model.close()
         peer = Peer(d, w, merged, b, args.ctx, caches, args.pos)
         peer.tokens.copy_(tokens)

@@ -40,6 +40,8 @@ class Model:
                                              ctypes.c_size_t]
         lib.mkc_model_load_state.argtypes = lib.mkc_model_save_state.argtypes
         lib.mkc_model_close.argtypes = [ctypes.c_void_p]
+        lib.mkc_model_profile_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
+                                               ctypes.c_char_p, ctypes.c_size_t]
         lib.mkc_model_time_steps.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                              ctypes.POINTER(ctypes.c_float), ctypes.c_char_p, ctypes.c_size_t]
         self._err = ctypes.create_string_buffer(1 << 16)
@@ -73,6 +75,15 @@ class Model:
                                           len(self._err)) != 0:
             raise MkcError(self._err.value.decode())
         return ms.value
+
+    def profile_step(self, tokens, trace_path):
+        """One step with per-instruction timestamps written to trace_path (Chrome trace JSON); returns next tokens."""
+        t = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(self.batch))
+        nxt = np.zeros(self.batch, dtype=np.int32)
+        if self._lib.mkc_model_profile_step(self._m, t.ctypes.data, nxt.ctypes.data, str(trace_path).encode(),
+                                            self._err, len(self._err)) != 0:
+            raise MkcError(self._err.value.decode())
+        return nxt
 
     def reset(self):
         self._lib.mkc_model_reset(self._m)

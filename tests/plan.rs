@@ -380,7 +380,8 @@ fn k2_program_covers_every_stage() {
         for s in &p.tiling.stages {
             let case = format!("case {}: stage_{}(", s.id, s.id);
             assert!(run.contains(&case), "{config}: stage {} ({:?}) has no device code", s.id, s.kind);
-            let streams = matches!(s.kind, plan::tile::TaskKind::ProjectionRows | plan::tile::TaskKind::LmHeadRows);
+            use plan::tile::TaskKind as K;
+            let streams = matches!(s.kind, K::ProjectionRows | K::LmHeadRows | K::ExpertUp | K::ExpertDown);
             let load_case = format!("case {}: rows_load(", s.id);
             assert_eq!(load.contains(&load_case), streams, "{config}: stage {} loader case", s.id);
         }

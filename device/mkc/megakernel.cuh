@@ -5,11 +5,14 @@
 // and one producer warpgroup (warp 8 loader, 9 controller, 10 storer, 11 spare):
 //   controller: for each instruction of this SM's list, waits on its counters
 //               (acquire), then releases the consumers (named barrier 1);
-//   loader:     streams every instruction's weights into the page ring, never
-//               waiting on counters (weights do not depend on activations);
+//   loader:     streams every instruction's weights into the page ring,
+//               running ahead of the controller; it waits on counters only
+//               for weights chosen by activations (routed experts);
 //   consumers:  run the instruction's math between the two barriers;
 //   storer:     once the consumers are done (named barrier 2, their stores
 //               fenced), bumps the instruction's counter (release).
+// With a profile buffer, the controller stamps each instruction's start (its
+// waits done) and the storer its end, in %globaltimer nanoseconds.
 // A debug build bounds every counter wait: on timeout the controller writes
 // a HangReport (SM, instruction, counter, expected, seen) to host-mapped
 // memory and traps, so the host can print the report instead of hanging.
@@ -35,7 +38,14 @@ struct Schedule {
   const Wait* waits;
   uint32_t* counters;
   HangReport* report;               // host-mapped
+  uint64_t* profile;                // [instructions, 2] start/end ns (%globaltimer), or null
 };
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 // What the tasks compute is a policy: `Tasks::load(task, params, it)` streams
 // a task's weights (loader warp), `Tasks::run(task, params, it, warp)` runs
@@ -58,7 +68,16 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Schedule p, typename T
 
   if (warp == kLoaderWarp) {
     for (uint32_t i = begin; i < end; ++i) {
-      Tasks::load(p.instructions[i].task, params, it);
+      const Instruction ins = p.instructions[i];
+      // Routed-expert weights depend on the router's output: the loader
+      // waits for the router's stage before streaming them (not for the
+      // instruction's own waits, which assume the SM's earlier waits done).
+      const Wait lw = Tasks::load_wait(ins.task, params);
+      if (lw.target != 0) {
+        if (threadIdx.x % 32 == 0 && !wait_counter<kDebug>(p.counters, lw, step, i, p.report)) __trap();
+        __syncwarp();
+      }
+      Tasks::load(ins.task, params, it);
     }
   } else if (warp == kControllerWarp) {
     for (uint32_t i = begin; i < end; ++i) {
@@ -69,6 +88,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Schedule p, typename T
           ok = wait_counter<kDebug>(p.counters, p.waits[ins.first_wait + w], step, i, p.report);
         }
         if (!ok) __trap();  // the HangReport is in host memory
+        if (p.profile != nullptr) p.profile[2 * i] = global_ns();
       }
       __syncwarp();
       named_barrier(1, kBarrierThreads);  // consumers may start
@@ -76,7 +96,10 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Schedule p, typename T
   } else if (warp == kStorerWarp) {
     for (uint32_t i = begin; i < end; ++i) {
       named_barrier(2, kBarrierThreads);  // consumers are done, their stores fenced
-      if (threadIdx.x % 32 == 0) add_release(p.counters + p.instructions[i].signal, 1);
+      if (threadIdx.x % 32 == 0) {
+        if (p.profile != nullptr) p.profile[2 * i + 1] = global_ns();
+        add_release(p.counters + p.instructions[i].signal, 1);
+      }
       __syncwarp();
     }
   } else if (warp < kConsumerWarps) {

@@ -12,6 +12,7 @@
 
 #include <cuda_bf16.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "projection.cuh"
@@ -331,6 +332,9 @@ __device__ void argmax_tiles(const float2* tm, uint32_t tiles, int32_t* next) {
 // (rope)], the cache row p = [c_kv (c) | k_pe (rope)], kv_b_proj rows per head
 // [W_UK (nope rows) | W_UV (v_dim rows)] of width c. Score_p = scale (q_nope
 // W_UK . c_kv_p + q_pe . k_pe_p); out = W_UV sum_p softmax_p c_kv_p.
+// Heads per MLA task the split keeps in registers (the codegen checks).
+constexpr uint32_t kMaxMlaHeads = 8;
+
 struct MlaShape {
   uint32_t heads, hpt, groups, splits;
   uint32_t ctx, c, nope, rope, v_dim;
@@ -400,22 +404,43 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
       qpe[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + s.nope + r]);
     }
     consumer_sync();
-    // Scores: a warp per position, all heads of the group.
+    // Scores: a warp per position, all heads of the group; each lane reads
+    // 16-byte chunks of the cache row once and uses them for every head.
     for (uint32_t p = p0 + warp; p < hi; p += kConsumerWarps) {
       const __nv_bfloat16* crow = cache + (size_t(b) * s.ctx + p) * row;
-      for (uint32_t h = 0; h < nh; ++h) {
-        float acc = 0.f;
-        for (uint32_t j = lane; j < row; j += 32) {
-          const float kv = p == p_now ? cur[j] : bf(crow[j]);
-          acc = fmaf(j < s.c ? qlat[h * s.c + j] : qpe[h * s.rope + j - s.c], kv, acc);
+      float acc[kMaxMlaHeads] = {};
+      for (uint32_t j = lane * 8; j < row; j += 256) {
+        float kv[8];
+        if (p == p_now) {
+#pragma unroll
+          for (int u = 0; u < 8; ++u) kv[u] = cur[j + u];
+        } else {
+          const uint4 raw = *reinterpret_cast<const uint4*>(crow + j);
+          const __nv_bfloat162* r2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const float2 f = __bfloat1622float2(r2[u]);
+            kv[2 * u] = f.x, kv[2 * u + 1] = f.y;
+          }
         }
-        acc = warp_sum(acc);
-        if (lane == 0) sc[h * chunk + p - p0] = acc * s.scale;
+#pragma unroll
+        for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
+          if (h >= nh) break;
+          const float* qv = j < s.c ? qlat + h * s.c + j : qpe + h * s.rope + (j - s.c);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) acc[h] = fmaf(qv[u], kv[u], acc[h]);
+        }
+      }
+#pragma unroll
+      for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
+        if (h >= nh) break;
+        const float v = warp_sum(acc[h]);
+        if (lane == 0) sc[h * chunk + p - p0] = v * s.scale;
       }
     }
     consumer_sync();
     // Softmax statistics per head (a warp per head), probabilities in place.
-    __shared__ float stat[2 * 16];
+    __shared__ float stat[2 * kMaxMlaHeads];
     for (uint32_t h = warp; h < nh; h += kConsumerWarps) {
       float m = -INFINITY;
       for (uint32_t p = p0 + lane; p < hi; p += 32) m = fmaxf(m, sc[h * chunk + p - p0]);
@@ -430,18 +455,32 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
       if (lane == 0) stat[2 * h] = m, stat[2 * h + 1] = l;
     }
     consumer_sync();
-    for (uint32_t i = threadIdx.x; i < nh * s.c; i += kConsumerThreads) {
-      const uint32_t h = i / s.c, cc = i % s.c;
-      float acc = 0.f;
+    // Weighted sums: a thread per pair of latent columns, all heads, each
+    // cache element read once.
+    for (uint32_t pair = threadIdx.x; pair < s.c / 2; pair += kConsumerThreads) {
+      const uint32_t cc = 2 * pair;
+      float acc[kMaxMlaHeads][2] = {};
       for (uint32_t p = p0; p < hi; ++p) {
-        const float kv = p == p_now ? cur[cc] : bf(cache[(size_t(b) * s.ctx + p) * row + cc]);
-        acc = fmaf(sc[h * chunk + p - p0], kv, acc);
+        const float2 kv = p == p_now ? make_float2(cur[cc], cur[cc + 1])
+                                     : load_pair(cache + (size_t(b) * s.ctx + p) * row + cc);
+#pragma unroll
+        for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
+          if (h >= nh) break;
+          const float w = sc[h * chunk + p - p0];
+          acc[h][0] = fmaf(w, kv.x, acc[h][0]);
+          acc[h][1] = fmaf(w, kv.y, acc[h][1]);
+        }
       }
-      float* part = partials + ((size_t(b) * s.heads + h0 + h) * s.splits + split) * (2 + s.c);
-      part[2 + cc] = acc;
-      if (cc == 0) {
-        part[0] = hi > p0 ? stat[2 * h] : -INFINITY;
-        part[1] = hi > p0 ? stat[2 * h + 1] : 0.f;
+#pragma unroll
+      for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
+        if (h >= nh) break;
+        float* part = partials + ((size_t(b) * s.heads + h0 + h) * s.splits + split) * (2 + s.c);
+        part[2 + cc] = acc[h][0];
+        part[3 + cc] = acc[h][1];
+        if (cc == 0) {
+          part[0] = hi > p0 ? stat[2 * h] : -INFINITY;
+          part[1] = hi > p0 ? stat[2 * h + 1] : 0.f;
+        }
       }
     }
     consumer_sync();
@@ -550,36 +589,50 @@ struct MoeShape {
   uint32_t gate_base, up_base, down_base;  // weight index of expert 0's tensors
 };
 
+// The slot-th smallest distinct value of ids[0..n), or -1: distinct values
+// are visited in increasing order (O(n (slot + 1))).
 template <int B>
 __device__ int slot_expert(const int32_t* ids, uint32_t n, uint32_t slot) {
-  for (uint32_t i = 0; i < n; ++i) {
-    bool first = true;
-    uint32_t below = 0;
-    for (uint32_t j = 0; j < n; ++j) {
-      first &= !(j < i && ids[j] == ids[i]);
-      bool first_j = true;
-      for (uint32_t u = 0; u < j; ++u) first_j &= ids[u] != ids[j];
-      below += first_j && ids[j] < ids[i];
-    }
-    if (first && below == slot) return ids[i];
+  int prev = -1;
+  for (uint32_t s = 0; s <= slot; ++s) {
+    int next = INT_MAX;
+    for (uint32_t j = 0; j < n; ++j)
+      if (ids[j] > prev && ids[j] < next) next = ids[j];
+    if (next == INT_MAX) return -1;
+    prev = next;
   }
-  return -1;
+  return prev;
 }
 
+// The number of distinct values of ids[0..n) below e: e's slot.
 __device__ inline uint32_t slot_of(const int32_t* ids, uint32_t n, int32_t e) {
-  uint32_t below = 0;
-  for (uint32_t j = 0; j < n; ++j) {
-    bool first_j = true;
-    for (uint32_t u = 0; u < j; ++u) first_j &= ids[u] != ids[j];
-    below += first_j && ids[j] < e;
+  int prev = -1;
+  for (uint32_t s = 0;; ++s) {
+    int next = INT_MAX;
+    for (uint32_t j = 0; j < n; ++j)
+      if (ids[j] > prev && ids[j] < next) next = ids[j];
+    if (next >= e) return s;
+    prev = next;
   }
-  return below;
 }
 
 __device__ inline bool uses(const int32_t* ids, uint32_t k, int b, int e) {
   for (uint32_t j = 0; j < k; ++j)
     if (ids[b * k + j] == e) return true;
   return false;
+}
+
+// The weight rows of an expert task: rows [r0, r1) of the slot's expert's
+// w0 (gate, paired with up) or down matrix; no rows for an empty slot.
+// Loader and consumers compute the same rows from the router's ids.
+template <int B>
+__device__ inline Rows expert_rows(const MoeShape& s, uint32_t slot, uint32_t r0, uint32_t r1, void* const* w,
+                                   const int32_t* ids, bool down) {
+  const int e = slot_expert<B>(ids, B * s.top_k, slot);
+  if (e < 0) return Rows{nullptr, nullptr, 0, 0, down ? s.inter : s.hidden};
+  if (down) return Rows{static_cast<const __nv_bfloat16*>(w[s.down_base + e]), nullptr, r0, r1, s.inter};
+  return Rows{static_cast<const __nv_bfloat16*>(w[s.gate_base + e]), static_cast<const __nv_bfloat16*>(w[s.up_base + e]),
+              r0, r1, s.hidden};
 }
 
 // act[slot, b, r] = silu(gate_e[r] . x_b) * (up_e[r] . x_b) for rows [r0, r1).

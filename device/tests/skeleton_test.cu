@@ -19,6 +19,7 @@
 // into a table of ProjectionTask.
 struct Projections {
   using Params = const mkc::ProjectionTask*;
+  static __device__ mkc::Wait load_wait(uint32_t, Params) { return mkc::Wait{0, 0}; }
   static __device__ void load(uint32_t task, Params p, uint32_t& it) { mkc::projection_load(p[task], it); }
   static __device__ void run(uint32_t task, Params p, uint32_t& it, int warp) {
     mkc::projection_compute(p[task], it, warp);
@@ -131,7 +132,7 @@ int main(int argc, char** argv) {
   uint32_t* counters = nullptr;
   CHECK(cudaMalloc(&counters, 2 * sizeof(uint32_t)));
   CHECK(cudaMemset(counters, 0, 2 * sizeof(uint32_t)));
-  mkc::Schedule prog{upload(plan.instructions), upload(plan.sm_begin), upload(plan.waits), counters, d_report};
+  mkc::Schedule prog{upload(plan.instructions), upload(plan.sm_begin), upload(plan.waits), counters, d_report, nullptr};
   const mkc::ProjectionTask* d_tasks = upload(plan.tasks);
   CHECK(cudaFuncSetAttribute(mkc::megakernel<Projections, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
   CHECK(cudaFuncSetAttribute(mkc::megakernel<Projections, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
@@ -177,7 +178,7 @@ int main(int argc, char** argv) {
   // A plan whose stage-1 waits ask for one bump more than stage 0 gives: the
   // debug build must report the hang (and trap) instead of spinning forever.
   Plan bad = make_plan(sms, 6, t0, t1, s0, s1, t0 + 1);
-  mkc::Schedule badprog{upload(bad.instructions), upload(bad.sm_begin), upload(bad.waits), counters, d_report};
+  mkc::Schedule badprog{upload(bad.instructions), upload(bad.sm_begin), upload(bad.waits), counters, d_report, nullptr};
   mkc::megakernel<Projections, true><<<sms, mkc::kThreads, mkc::kSmemBytes>>>(badprog, upload(bad.tasks), 4);
   const cudaError_t launch = cudaDeviceSynchronize();
   const bool reported = launch != cudaSuccess && report->valid && report->counter == 0 &&

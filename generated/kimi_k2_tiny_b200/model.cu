@@ -37,6 +37,8 @@ struct Program {
   static constexpr const mkc::Wait* waits = g::waits;
   static constexpr const uint64_t* state_bytes = g::state_bytes;
   static constexpr const uint64_t* output_bytes = g::output_bytes;
+  static constexpr const uint16_t* task_stage = g::task_stage;
+  static constexpr const char* const* stage_names = g::stage_names;
 };
 
 void copy_message(const std::string& msg, char* dst, size_t len) {
@@ -91,6 +93,17 @@ int mkc_model_time_steps(mkc_model* m, const int32_t* tokens, int warmup, int n,
                          size_t err_len) {
   try {
     *ms_per_step = m->engine.time_steps(tokens, warmup, n);
+    return 0;
+  } catch (const mkc::Failure& f) {
+    copy_message(f.message, err, err_len);
+    return -1;
+  }
+}
+
+int mkc_model_profile_step(mkc_model* m, const int32_t* tokens, int32_t* next, const char* trace_path, char* err,
+                           size_t err_len) {
+  try {
+    m->engine.profile_step(tokens, next, trace_path);
     return 0;
   } catch (const mkc::Failure& f) {
     copy_message(f.message, err, err_len);

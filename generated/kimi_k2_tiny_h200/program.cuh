@@ -304,6 +304,55 @@ __device__ const TaskArgs task_args[kTasks] = {
     { 31, 0, { 0, 0, 0, 0 } },
 };
 
+// For the host: each task's stage, and each stage's name (profile traces).
+inline constexpr uint16_t task_stage[kTasks] = {
+    0, 1, 1, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3,
+    3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3,
+    3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 4, 4, 4, 4,
+    5, 6, 7, 8, 8, 9, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10,
+    10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10,
+    10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11,
+    11, 11, 12, 13, 13, 14, 15, 15, 15, 15, 16, 16, 16, 16, 16, 16, 16, 16, 17, 18, 19, 19, 20, 21,
+    21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21,
+    21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21,
+    21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 21, 22, 22, 22, 22, 23, 24, 24, 25, 26,
+    26, 26, 26, 27, 27, 27, 27, 27, 27, 27, 27, 28, 29, 30, 30, 31,
+};
+inline constexpr const char* stage_names[32] = {
+    "embedding embed(h)",
+    "projection_rows layer.0/decoder_layer/mla/proj(w_qa,w_kva)",
+    "projection_rows layer.0/decoder_layer/mla/proj(q)",
+    "mla_split layer.0/decoder_layer/mla/mla(o)",
+    "mla_combine layer.0/decoder_layer/mla/mla(o)",
+    "projection_rows layer.0/decoder_layer/mla/proj(out)",
+    "projection_rows layer.0/decoder_layer/dense_mlp/proj(w_gate,w_up)",
+    "projection_rows layer.0/decoder_layer/dense_mlp/proj(out)",
+    "projection_rows layer.1/decoder_layer/mla/proj(w_qa,w_kva)",
+    "projection_rows layer.1/decoder_layer/mla/proj(q)",
+    "mla_split layer.1/decoder_layer/mla/mla(o)",
+    "mla_combine layer.1/decoder_layer/mla/mla(o)",
+    "projection_rows layer.1/decoder_layer/mla/proj(out)",
+    "projection_rows layer.1/decoder_layer/moe_mlp/proj(router_w,s_gate,s_up)",
+    "router layer.1/decoder_layer/moe_mlp/router(ids)",
+    "expert_up layer.1/decoder_layer/moe_mlp/moe(routed)",
+    "expert_down layer.1/decoder_layer/moe_mlp/moe(routed)",
+    "expert_combine layer.1/decoder_layer/moe_mlp/moe(routed)",
+    "projection_rows layer.1/decoder_layer/moe_mlp/proj(shared)",
+    "projection_rows layer.2/decoder_layer/mla/proj(w_qa,w_kva)",
+    "projection_rows layer.2/decoder_layer/mla/proj(q)",
+    "mla_split layer.2/decoder_layer/mla/mla(o)",
+    "mla_combine layer.2/decoder_layer/mla/mla(o)",
+    "projection_rows layer.2/decoder_layer/mla/proj(out)",
+    "projection_rows layer.2/decoder_layer/moe_mlp/proj(router_w,s_gate,s_up)",
+    "router layer.2/decoder_layer/moe_mlp/router(ids)",
+    "expert_up layer.2/decoder_layer/moe_mlp/moe(routed)",
+    "expert_down layer.2/decoder_layer/moe_mlp/moe(routed)",
+    "expert_combine layer.2/decoder_layer/moe_mlp/moe(routed)",
+    "projection_rows layer.2/decoder_layer/moe_mlp/proj(shared)",
+    "lm_head_rows lm_head(logits)",
+    "argmax lm_head(logits)",
+};
+
 __device__ inline float* staging(const Memory& m) { return m.staging + size_t(blockIdx.x) * kStagingFloats; }
 
 // Stage 0: token rows of fused operation 0, embed(h)
@@ -629,15 +678,34 @@ __device__ constexpr MoeShape moe_66{8, 2, 32, 64, 2, 26, 34, 42};
 // Stage 15: one expert slot's gate/up rows of fused operation 13, layer.1/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.1/decoder_layer/moe_mlp/routed (109:12)
 //   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
-__device__ inline void stage_15(const TaskArgs& t, const Memory& m) {
-  expert_up<kBatch>(moe_66, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const __nv_bfloat16*>(m.w[16]), 1e-6f, reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer4 + 0));
+__device__ inline Rows stage_15_rows(const TaskArgs& t, const Memory& m) {
+  return expert_rows<kBatch>(moe_66, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), false);
+}
+__device__ inline void stage_15(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
+  const Rows r = stage_15_rows(t, m);
+  float* st = staging(m);
+  const uint32_t n = r.cols();
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const __nv_bfloat16*>(m.w[16]), 1e-6f, it, warp, st);
+  consumer_sync();
+  const Span s = Span{0, r.r0, r.r1 - r.r0};
+  ep_silu_and_mul<kBatch>(st, n, s);
+  consumer_sync();
+  ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + kBuffer4 + 0) + size_t(t.a[0]) * kBatch * 32, 32);
 }
 
 // Stage 16: one expert slot's down rows of fused operation 13, layer.1/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.1/decoder_layer/moe_mlp/routed (109:12)
 //   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
-__device__ inline void stage_16(const TaskArgs& t, const Memory& m) {
-  expert_down<kBatch>(moe_66, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), reinterpret_cast<float*>(m.arena + kBuffer3 + 0));
+__device__ inline Rows stage_16_rows(const TaskArgs& t, const Memory& m) {
+  return expert_rows<kBatch>(moe_66, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), true);
+}
+__device__ inline void stage_16(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
+  const Rows r = stage_16_rows(t, m);
+  float* st = staging(m);
+  const uint32_t n = r.cols();
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
+  consumer_sync();
+  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + kBuffer3 + 0) + size_t(t.a[0]) * kBatch * 64, 64);
 }
 
 // Stage 17: weighted sum of the slots of fused operation 13, layer.1/decoder_layer/moe_mlp/moe(routed)
@@ -830,15 +898,34 @@ __device__ constexpr MoeShape moe_106{8, 2, 32, 64, 2, 64, 72, 80};
 // Stage 26: one expert slot's gate/up rows of fused operation 21, layer.2/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.2/decoder_layer/moe_mlp/routed (109:12)
 //   rms_norm layer.2/decoder_layer/x#recompute1 (126:7)
-__device__ inline void stage_26(const TaskArgs& t, const Memory& m) {
-  expert_up<kBatch>(moe_106, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const __nv_bfloat16*>(m.w[54]), 1e-6f, reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer4 + 0));
+__device__ inline Rows stage_26_rows(const TaskArgs& t, const Memory& m) {
+  return expert_rows<kBatch>(moe_106, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), false);
+}
+__device__ inline void stage_26(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
+  const Rows r = stage_26_rows(t, m);
+  float* st = staging(m);
+  const uint32_t n = r.cols();
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const __nv_bfloat16*>(m.w[54]), 1e-6f, it, warp, st);
+  consumer_sync();
+  const Span s = Span{0, r.r0, r.r1 - r.r0};
+  ep_silu_and_mul<kBatch>(st, n, s);
+  consumer_sync();
+  ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + kBuffer4 + 0) + size_t(t.a[0]) * kBatch * 32, 32);
 }
 
 // Stage 27: one expert slot's down rows of fused operation 21, layer.2/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.2/decoder_layer/moe_mlp/routed (109:12)
 //   rms_norm layer.2/decoder_layer/x#recompute1 (126:7)
-__device__ inline void stage_27(const TaskArgs& t, const Memory& m) {
-  expert_down<kBatch>(moe_106, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), reinterpret_cast<float*>(m.arena + kBuffer3 + 0));
+__device__ inline Rows stage_27_rows(const TaskArgs& t, const Memory& m) {
+  return expert_rows<kBatch>(moe_106, t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), true);
+}
+__device__ inline void stage_27(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
+  const Rows r = stage_27_rows(t, m);
+  float* st = staging(m);
+  const uint32_t n = r.cols();
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
+  consumer_sync();
+  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + kBuffer3 + 0) + size_t(t.a[0]) * kBatch * 64, 64);
 }
 
 // Stage 28: weighted sum of the slots of fused operation 21, layer.2/decoder_layer/moe_mlp/moe(routed)
@@ -915,6 +1002,19 @@ __device__ inline void stage_31(const TaskArgs&, const Memory& m) {
 struct Step {
   using Params = Memory;
 
+  // What the loader must wait for before streaming a task's weights, if they
+  // are chosen by activations (routed experts: the router's whole stage);
+  // {0, 0} for none.
+  static __device__ Wait load_wait(uint32_t task, const Memory&) {
+    switch (task_args[task].stage) {
+      case 15: return Wait{ 14, 1 };
+      case 16: return Wait{ 14, 1 };
+      case 26: return Wait{ 25, 1 };
+      case 27: return Wait{ 25, 1 };
+      default: return Wait{0, 0};
+    }
+  }
+
   // Loader warp: streams a task's weights into the page ring.
   static __device__ void load(uint32_t task, const Memory& m, uint32_t& it) {
     const TaskArgs& t = task_args[task];
@@ -928,11 +1028,15 @@ struct Step {
       case 9: rows_load(stage_9_rows(t, m), it); break;
       case 12: rows_load(stage_12_rows(t, m), it); break;
       case 13: rows_load(stage_13_rows(t, m), it); break;
+      case 15: rows_load(stage_15_rows(t, m), it); break;
+      case 16: rows_load(stage_16_rows(t, m), it); break;
       case 18: rows_load(stage_18_rows(t, m), it); break;
       case 19: rows_load(stage_19_rows(t, m), it); break;
       case 20: rows_load(stage_20_rows(t, m), it); break;
       case 23: rows_load(stage_23_rows(t, m), it); break;
       case 24: rows_load(stage_24_rows(t, m), it); break;
+      case 26: rows_load(stage_26_rows(t, m), it); break;
+      case 27: rows_load(stage_27_rows(t, m), it); break;
       case 29: rows_load(stage_29_rows(t, m), it); break;
       case 30: rows_load(stage_30_rows(t, m), it); break;
       default: break;  // reads its weights itself
@@ -960,8 +1064,8 @@ struct Step {
       case 12: stage_12(t, m, it, warp); break;
       case 13: stage_13(t, m, it, warp); break;
       case 14: stage_14(t, m); break;
-      case 15: stage_15(t, m); break;
-      case 16: stage_16(t, m); break;
+      case 15: stage_15(t, m, it, warp); break;
+      case 16: stage_16(t, m, it, warp); break;
       case 17: stage_17(t, m); break;
       case 18: stage_18(t, m, it, warp); break;
       case 19: stage_19(t, m, it, warp); break;
@@ -971,8 +1075,8 @@ struct Step {
       case 23: stage_23(t, m, it, warp); break;
       case 24: stage_24(t, m, it, warp); break;
       case 25: stage_25(t, m); break;
-      case 26: stage_26(t, m); break;
-      case 27: stage_27(t, m); break;
+      case 26: stage_26(t, m, it, warp); break;
+      case 27: stage_27(t, m, it, warp); break;
       case 28: stage_28(t, m); break;
       case 29: stage_29(t, m, it, warp); break;
       case 30: stage_30(t, m, it, warp); break;

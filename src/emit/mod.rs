@@ -121,6 +121,16 @@ pub fn emit(
         return Ok(Artifact { name: name.to_string(), files });
     }
     let p = program::program(&plan.graph, plan, source)?;
+    let stage_names: Vec<String> = plan
+        .tiling
+        .stages
+        .iter()
+        .map(|s| {
+            let kind =
+                serde_json::to_value(s.kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+            format!("{} {}", kind, plan.fusion.ops[s.op].name).replace(['"', '\\'], "_")
+        })
+        .collect();
     let program_h = render(
         &env,
         "program.cuh",
@@ -128,8 +138,8 @@ pub fn emit(
             batch => plan.options.batch, context => plan.options.context,
             arena_bytes => p.arena_bytes, buffers => p.buffers, staging_floats => p.staging_floats, states => p.states,
             outputs => p.outputs, next_token_output => p.next_token_output, logits_output => p.logits_output,
-            vocab => p.vocab, tasks => p.tasks, code => p.code,
-            load_cases => p.load_cases, run_cases => p.run_cases, ..provenance.clone()
+            vocab => p.vocab, tasks => p.tasks, code => p.code, load_cases => p.load_cases,
+            run_cases => p.run_cases, load_waits => p.load_waits, stage_names, ..provenance.clone()
         },
     )?;
     let model_cu = render(&env, "model.cu", provenance.clone())?;

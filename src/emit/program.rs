@@ -84,6 +84,9 @@ pub struct Program {
     pub load_cases: Vec<String>,
     /// `case` lines of the consumers' dispatch.
     pub run_cases: Vec<String>,
+    /// Stages whose weights the loader may stream only after a wait
+    /// (routed experts: the router's counter): (stage, counter, bumps per step).
+    pub load_waits: Vec<(usize, u32, u32)>,
 }
 
 fn unsupported(op: &FusedOp, what: &str) -> Error {
@@ -139,6 +142,7 @@ struct Gen<'a> {
     code: String,
     load_cases: Vec<String>,
     run_cases: Vec<String>,
+    load_waits: Vec<(usize, u32, u32)>,
 }
 
 fn nid(i: usize) -> NodeId {
@@ -577,8 +581,8 @@ impl<'a> Gen<'a> {
         let (groups, hpt, splits) = mla_split_shape(heads, ctx, sms);
         let chunk = ctx.div_ceil(splits);
         let scratch = 4 * (hpt * c + hpt * chunk + hpt * rope as u64 + c + rope as u64 + 64);
-        if scratch > SCRATCH_BYTES || !c.is_multiple_of(8) {
-            return Err(unsupported(op, &format!("MLA scratch of {scratch} bytes (at most {SCRATCH_BYTES}) and a latent width that is a multiple of 8")));
+        if scratch > SCRATCH_BYTES || !c.is_multiple_of(8) || rope % 8 != 0 || hpt > 8 {
+            return Err(unsupported(op, &format!("MLA scratch of {scratch} bytes (at most {SCRATCH_BYTES}) a latent width and RoPE width that are multiples of 8, at most 8 heads per task")));
         }
         self.check_reads(split, &[ops[0], raw, ops[2]])?;
         let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
@@ -687,28 +691,59 @@ impl<'a> Gen<'a> {
         let act = format!("reinterpret_cast<float*>({act_at})");
         let dn = format!("reinterpret_cast<float*>({down_at})");
         let i_ = n.index();
+        // Expert rows stream through the page ring like a projection's; the
+        // loader finds the slot's expert in the router's ids.
+        for (stage, is_down) in [(up, false), (down, true)] {
+            for t in &self.plan.tiling.stages[stage].tasks {
+                let a = self.plan.tiling.tasks[*t].args;
+                let cols = u64::from(a[2] - a[1]) * if is_down { 1 } else { 2 };
+                self.staging = self.staging.max(cols * self.batch);
+            }
+        }
         self.header(up, op, "one expert slot's gate/up rows");
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{up}(const TaskArgs& t, const Memory& m) {{\n  \
-             expert_up<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {x}, {norm}, {}, {ids}, {act});\n}}",
+            "__device__ inline Rows stage_{up}_rows(const TaskArgs& t, const Memory& m) {{\n  \
+             return expert_rows<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, false);\n}}\n\
+             __device__ inline void stage_{up}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
+             const Rows r = stage_{up}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+             rows_compute<kBatch>(r, {x}, {norm}, {}, it, warp, st);\n  consumer_sync();\n  \
+             const Span s = Span{{0, r.r0, r.r1 - r.r0}};\n  ep_silu_and_mul<kBatch>(st, n, s);\n  consumer_sync();\n  \
+             ep_store<kBatch>(st, n, s, {act} + size_t(t.a[0]) * kBatch * {i}, {i});\n}}",
             float(eps)
         );
         self.header(down, op, "one expert slot's down rows");
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{down}(const TaskArgs& t, const Memory& m) {{\n  \
-             expert_down<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, {act}, {dn});\n}}"
+            "__device__ inline Rows stage_{down}_rows(const TaskArgs& t, const Memory& m) {{\n  \
+             return expert_rows<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, true);\n}}\n\
+             __device__ inline void stage_{down}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
+             const Rows r = stage_{down}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+             rows_compute<kBatch>(r, {act} + size_t(t.a[0]) * kBatch * {i}, nullptr, 1e-6f, it, warp, st);\n  \
+             consumer_sync();\n  \
+             ep_store<kBatch>(st, n, Span{{0, r.r0, r.r1 - r.r0}}, {dn} + size_t(t.a[0]) * kBatch * {d}, {d});\n}}"
         );
+        // The loader runs ahead of the controller, so it cannot rely on the
+        // instruction's (minimal) waits: it waits for the router's whole
+        // stage before reading the ids.
+        let router = self.writer.get(&ops[1]).copied().ok_or_else(|| unsupported(op, "ids from a router stage"))?;
+        let counter =
+            self.plan.schedule.counters.iter().find(|c| c.stage == router).expect("every stage has a counter");
+        self.load_waits.push((up, counter.id as u32, counter.expected));
+        self.load_waits.push((down, counter.id as u32, counter.expected));
+        for s in [up, down] {
+            self.load_cases.push(format!("case {s}: rows_load(stage_{s}_rows(t, m), it); break;"));
+        }
         self.header(combine, op, "weighted sum of the slots");
         let _ = writeln!(
             self.code,
             "__device__ inline void stage_{combine}(const TaskArgs& t, const Memory& m) {{\n  \
              expert_combine<kBatch>(moe_{i_}, t.a[0], t.a[1], {ids}, {wts}, {dn}, {out});\n}}"
         );
-        for s in [up, down, combine] {
-            self.run_cases.push(format!("case {s}: stage_{s}(t, m); break;"));
+        for s in [up, down] {
+            self.run_cases.push(format!("case {s}: stage_{s}(t, m, it, warp); break;"));
         }
+        self.run_cases.push(format!("case {combine}: stage_{combine}(t, m); break;"));
         Ok(())
     }
 }
@@ -809,6 +844,7 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         code: String::new(),
         load_cases: vec![],
         run_cases: vec![],
+        load_waits: vec![],
     };
     for op in &plan.fusion.ops {
         gen.fused(op)?;
@@ -850,5 +886,6 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         code: gen.code,
         load_cases: gen.load_cases,
         run_cases: gen.run_cases,
+        load_waits: gen.load_waits,
     })
 }

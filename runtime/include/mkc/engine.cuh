@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -139,6 +140,43 @@ class Engine {
   }
 
   int32_t position(int b) const { return pos_[b]; }
+
+  // One step with per-instruction timestamps, written to `path` as Chrome
+  // trace JSON (chrome://tracing, Perfetto): a row per SM, an event per
+  // instruction named by its stage.
+  void profile_step(const int32_t* tokens, int32_t* next, const char* path) {
+    uint64_t* d = device_alloc<uint64_t>(sizeof(uint64_t) * 2 * P::kTasks);
+    MKC_CUDA(cudaMemset(d, 0, sizeof(uint64_t) * 2 * P::kTasks));
+    schedule_.profile = d;
+    try {
+      step(tokens, next, nullptr, false);
+    } catch (...) {
+      schedule_.profile = nullptr;
+      throw;
+    }
+    schedule_.profile = nullptr;
+    std::vector<uint64_t> t(2 * P::kTasks);
+    MKC_CUDA(cudaMemcpy(t.data(), d, sizeof(uint64_t) * t.size(), cudaMemcpyDeviceToHost));
+    uint64_t t0 = UINT64_MAX;
+    for (uint32_t i = 0; i < P::kTasks; ++i) t0 = std::min(t0, t[2 * i]);
+    FILE* f = std::fopen(path, "w");
+    if (f == nullptr) throw Failure{std::string("cannot write the trace ") + path};
+    std::fprintf(f, "{\"traceEvents\": [\n");
+    bool first = true;
+    for (uint32_t sm = 0; sm < P::kSms; ++sm) {
+      for (uint32_t i = P::sm_begin[sm]; i < P::sm_begin[sm + 1]; ++i) {
+        const uint32_t task = P::instructions[i].task;
+        const double ts = double(t[2 * i] - t0) / 1e3, dur = double(t[2 * i + 1] - t[2 * i]) / 1e3;
+        std::fprintf(f, "%s{\"name\": \"%s\", \"ph\": \"X\", \"ts\": %.3f, \"dur\": %.3f, \"pid\": 0, \"tid\": %u, "
+                     "\"args\": {\"task\": %u, \"instruction\": %u}}",
+                     first ? "" : ",\n", P::stage_names[P::task_stage[task]], ts, dur, sm, task, i);
+        first = false;
+      }
+    }
+    std::fprintf(f, "\n], \"displayTimeUnit\": \"ns\"}\n");
+    const bool ok = std::fclose(f) == 0;
+    if (!ok) throw Failure{std::string("cannot write the trace ") + path};
+  }
 
   // Benchmark: `n` steps back to back at the current positions (each step
   // rewrites the same cache row; positions do not advance), timed with CUDA

@@ -43,6 +43,11 @@ int mkc_model_step(mkc_model* m, const int32_t* tokens, int32_t* next, float* lo
 int mkc_model_time_steps(mkc_model* m, const int32_t* tokens, int warmup, int n, float* ms_per_step, char* err,
                          size_t err_len);
 
+/* One step (as mkc_model_step, no logits) with per-instruction timestamps,
+ * written to trace_path as Chrome trace JSON: a row per SM. */
+int mkc_model_profile_step(mkc_model* m, const int32_t* tokens, int32_t* next, const char* trace_path, char* err,
+                           size_t err_len);
+
 /* Every sequence back to position 0. */
 void mkc_model_reset(mkc_model* m);
 
