@@ -59,7 +59,7 @@ struct HangReport {
 
 // Spins (with backoff) a debug build allows a wait before reporting a hang:
 // about a second.
-constexpr uint64_t kDebugMaxSpins = 1u << 20;
+constexpr uint64_t kDebugMaxSpins = 1u << 23;
 
 __device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
   uint32_t v;
@@ -77,7 +77,7 @@ template <bool kDebug>
 __device__ bool wait_counter(const uint32_t* counters, Wait w, uint32_t step, uint32_t instruction,
                              HangReport* report) {
   const uint32_t goal = step * w.target;
-  uint32_t backoff = 32;
+  uint32_t backoff = 16;  // ns; short: a stage's latency adds to every step
   uint64_t spins = 0;
   while (true) {
     const uint32_t seen = load_acquire(counters + w.counter);
@@ -94,7 +94,7 @@ __device__ bool wait_counter(const uint32_t* counters, Wait w, uint32_t step, ui
       return false;
     }
     __nanosleep(backoff);
-    if (backoff < 1024) backoff *= 2;
+    if (backoff < 128) backoff *= 2;
   }
 }
 

@@ -129,24 +129,6 @@ __device__ inline float warp_dot(const __nv_bfloat16* w, const float* x, uint32_
   return warp_sum(acc);
 }
 
-// sum_e w[e] x[e] g[e] (x fp32, w and g bf16), one warp.
-__device__ inline float warp_dot_scaled(const __nv_bfloat16* w, const float* x, const __nv_bfloat16* g, uint32_t n) {
-  const int lane = threadIdx.x % 32;
-  float acc = 0.f;
-  for (uint32_t e = lane * 8; e < n; e += 256) {
-    const uint4 wv = *reinterpret_cast<const uint4*>(w + e);
-    const uint4 gv = *reinterpret_cast<const uint4*>(g + e);
-    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
-    const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gv);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 a = __bfloat1622float2(w2[j]), c = __bfloat1622float2(g2[j]);
-      acc = fmaf(a.x * c.x, x[e + 2 * j], fmaf(a.y * c.y, x[e + 2 * j + 1], acc));
-    }
-  }
-  return warp_sum(acc);
-}
-
 // ---------------------------------------------------------------------------
 // Embedding: out[b] = table[tokens[b]].
 template <int B, class T>
@@ -160,13 +142,31 @@ __device__ void embedding(const __nv_bfloat16* table, const int32_t* tokens, uin
 // ---------------------------------------------------------------------------
 // Projection rows: `Rows` and the loader's `rows_load` are in projection.cuh.
 
-// Consumers: st[b * cols + j] = sum_e row(j)[e] x'[b, e], with x' = x or
-// RMSNorm(x) * norm when `norm` is given (the prologue, recomputed per task).
+// Four consecutive activations x[b, e..e+3] as fp32 (e a multiple of 4).
+__device__ __forceinline__ float4 load_four(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load_four(const __nv_bfloat16* p) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
+// Rows of y = x' W^T into the staging tile st [B, cols] (fp32), the weights
+// streamed by rows_load through the page ring. A page holds kPageRows rows of
+// up to kPageK weights; warp w takes columns [128 w, 128 w + 128) of every
+// row of the page, four per lane, so each activation a lane loads serves all
+// rows of the page. After a row block's last page the lanes' partial sums are
+// reduced over the warp (shuffles), then over the warps (shared memory, in a
+// fixed order: the result does not depend on timing).
+// x' = x, or RMSNorm(x) * norm when `norm` is given (the prologue; the scale
+// per token is computed here from x).
 template <int B, class T>
 __device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* norm, float eps,
                              uint32_t& it, int warp, float* st) {
+  static_assert(kPageK == kConsumerWarps * 128, "a warp covers 128 columns of a page");
   const int lane = threadIdx.x % 32;
   __shared__ float scale[B];
+  __shared__ float part[2][kConsumerWarps][kPageRows * B];  // per row block parity
   if (norm != nullptr) {
     for (int b = 0; b < B; ++b) {
       float ss = 0.f;
@@ -180,34 +180,55 @@ __device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* nor
     consumer_sync();
   }
   const uint32_t cols = r.cols();
-  for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
-    float acc[B] = {};
+  const uint32_t e = uint32_t(warp) * 128 + uint32_t(lane) * 4;  // this lane's columns within a page
+  for (uint32_t j0 = 0, block = 0; j0 < cols; j0 += kPageRows, ++block) {
+    const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
+    float acc[kPageRows][B] = {};
     for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK, ++it) {
       const uint32_t nk = min(uint32_t(kPageK), r.k - k0);
       const int slot = it % kPages;
       Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
-      if (j0 + warp < cols) {
-        const __nv_bfloat162* wrow = reinterpret_cast<const __nv_bfloat162*>(&ring_ptr()->page[slot][warp * kPageK]);
-        for (uint32_t e = 2 * lane; e < nk; e += 64) {
-          const float2 w2 = __bfloat1622float2(wrow[e / 2]);
-          float2 g = make_float2(1.f, 1.f);
-          if (norm != nullptr) g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&norm[k0 + e]));
+      if (e < nk) {
+        float4 xv[B];
+        float4 g = make_float4(1.f, 1.f, 1.f, 1.f);
+        if (norm != nullptr) g = load_four(norm + k0 + e);
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+          xv[b] = load_four(x + size_t(b) * r.k + k0 + e);
+          if (norm != nullptr) {
+            const float sb = scale[b];
+            xv[b] = make_float4(xv[b].x * sb * g.x, xv[b].y * sb * g.y, xv[b].z * sb * g.z, xv[b].w * sb * g.w);
+          }
+        }
+        const __nv_bfloat16* page = ring_ptr()->page[slot];
+#pragma unroll
+        for (int j = 0; j < kPageRows; ++j) {
+          if (uint32_t(j) >= nr) break;
+          const float4 w = load_four(page + j * kPageK + e);
 #pragma unroll
           for (int b = 0; b < B; ++b) {
-            float2 x2 = load_pair(&x[size_t(b) * r.k + k0 + e]);
-            if (norm != nullptr) x2 = make_float2(x2.x * scale[b] * g.x, x2.y * scale[b] * g.y);
-            acc[b] = fmaf(w2.x, x2.x, fmaf(w2.y, x2.y, acc[b]));
+            acc[j][b] = fmaf(w.x, xv[b].x, fmaf(w.y, xv[b].y, fmaf(w.z, xv[b].z, fmaf(w.w, xv[b].w, acc[j][b]))));
           }
         }
       }
       release_page(&ring_ptr()->empty[slot]);
     }
-    if (j0 + warp < cols) {
+    float* mine = part[block & 1][warp];
+#pragma unroll
+    for (int j = 0; j < kPageRows; ++j) {
 #pragma unroll
       for (int b = 0; b < B; ++b) {
-        const float v = warp_sum(acc[b]);
-        if (lane == 0) st[size_t(b) * cols + j0 + warp] = v;
+        const float v = warp_sum(acc[j][b]);
+        if (lane == 0) mine[j * B + b] = v;
       }
+    }
+    consumer_sync();
+    for (uint32_t i = threadIdx.x; i < nr * B; i += kConsumerThreads) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kConsumerWarps; ++w) v += part[block & 1][w][i];
+      const uint32_t j = i / B, b = i % B;
+      st[size_t(b) * cols + j0 + j] = v;
     }
   }
 }
@@ -390,14 +411,36 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
         if (hg == 0) dst[j] = stored;
       }
     }
-    // q absorbed into the latent space.
-    for (uint32_t i = threadIdx.x; i < nh * s.c; i += kConsumerThreads) {
-      const uint32_t h = i / s.c, cc = i % s.c;
-      const T* qh = q + size_t(b) * s.heads * qk + size_t(h0 + h) * qk;
-      const __nv_bfloat16* w = wkvb + size_t(h0 + h) * (s.nope + s.v_dim) * s.c + cc;
-      float acc = 0.f;
-      for (uint32_t n = 0; n < s.nope; ++n) acc = fmaf(to_float(qh[n]), bf(w[size_t(n) * s.c]), acc);
-      qlat[h * s.c + cc] = acc;
+    // q absorbed into the latent space: qlat[h] = q_nope[h] W_UK[h], W_UK[h]
+    // the first nope rows of head h's block of kv_b [heads (nope + v), c].
+    // q_nope is staged in shared memory (in the score area, not yet in use);
+    // a thread takes eight latent columns of a head and reads W_UK in
+    // 16-byte chunks, four rows in flight.
+    float* qn = sc;  // [hpt, nope]
+    for (uint32_t i = threadIdx.x; i < nh * s.nope; i += kConsumerThreads) {
+      const uint32_t h = i / s.nope, n = i % s.nope;
+      qn[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + n]);
+    }
+    consumer_sync();
+    for (uint32_t u = threadIdx.x; u < nh * (s.c / 8); u += kConsumerThreads) {
+      const uint32_t h = u / (s.c / 8), c8 = (u % (s.c / 8)) * 8;
+      const __nv_bfloat16* w = wkvb + size_t(h0 + h) * (s.nope + s.v_dim) * s.c + c8;
+      const float* qh = qn + h * s.nope;
+      float acc[8] = {};
+#pragma unroll 4
+      for (uint32_t n = 0; n < s.nope; ++n) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(w + size_t(n) * s.c);
+        const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        const float qv = qh[n];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(w2[j]);
+          acc[2 * j] = fmaf(qv, f.x, acc[2 * j]);
+          acc[2 * j + 1] = fmaf(qv, f.y, acc[2 * j + 1]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) qlat[h * s.c + c8 + j] = acc[j];
     }
     for (uint32_t i = threadIdx.x; i < nh * s.rope; i += kConsumerThreads) {
       const uint32_t h = i / s.rope, r = i % s.rope;
@@ -487,17 +530,33 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
   }
 }
 
-// One head group: merges the splits by log-sum-exp and applies W_UV.
-template <int B, class T>
-__device__ void mla_combine(const MlaShape& s, uint32_t hg, const float* partials, const __nv_bfloat16* wkvb, T* out) {
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+// The W_UV rows of head h: the last v_dim rows of its block of kv_b
+// [heads (nope + v), c].
+__device__ inline Rows mla_value_rows(const MlaShape& s, const __nv_bfloat16* wkvb, uint32_t h) {
+  const uint32_t r0 = h * (s.nope + s.v_dim) + s.nope;
+  return Rows{wkvb, nullptr, r0, r0 + s.v_dim, s.c};
+}
+
+// Loader side of a combine task: W_UV of each head of the group, in order.
+__device__ inline void mla_combine_load(const MlaShape& s, uint32_t hg, const __nv_bfloat16* wkvb, uint32_t& it) {
   const uint32_t h0 = hg * s.hpt, nh = min(s.hpt, s.heads - h0);
-  float* olat = reinterpret_cast<float*>(scratch_ptr());  // [hpt, c]
-  for (int b = 0; b < B; ++b) {
-    for (uint32_t i = threadIdx.x; i < nh * s.c; i += kConsumerThreads) {
-      const uint32_t h = i / s.c, cc = i % s.c;
-      const float* part = partials + (size_t(b) * s.heads + h0 + h) * s.splits * (2 + s.c);
+  for (uint32_t h = h0; h < h0 + nh; ++h) rows_load(mla_value_rows(s, wkvb, h), it);
+}
+
+// One head group, a head at a time: merges the splits by log-sum-exp into
+// the latent output olat [B, c] (scratch), then applies W_UV, its rows
+// streamed through the page ring (rows_compute; staging [B, v_dim] in scratch
+// after olat).
+template <int B, class T>
+__device__ void mla_combine(const MlaShape& s, uint32_t hg, const float* partials, const __nv_bfloat16* wkvb, T* out,
+                            uint32_t& it, int warp) {
+  const uint32_t h0 = hg * s.hpt, nh = min(s.hpt, s.heads - h0);
+  float* olat = reinterpret_cast<float*>(scratch_ptr());  // [B, c]
+  float* st = olat + B * s.c;                             // [B, v_dim]
+  for (uint32_t h = h0; h < h0 + nh; ++h) {
+    for (uint32_t i = threadIdx.x; i < B * s.c; i += kConsumerThreads) {
+      const uint32_t b = i / s.c, cc = i % s.c;
+      const float* part = partials + (size_t(b) * s.heads + h) * s.splits * (2 + s.c);
       float m = -INFINITY;
       for (uint32_t k = 0; k < s.splits; ++k) m = fmaxf(m, part[k * (2 + s.c)]);
       float l = 0.f, acc = 0.f;
@@ -511,11 +570,11 @@ __device__ void mla_combine(const MlaShape& s, uint32_t hg, const float* partial
       olat[i] = acc / l;
     }
     consumer_sync();
-    for (uint32_t i = warp; i < nh * s.v_dim; i += kConsumerWarps) {
-      const uint32_t h = i / s.v_dim, j = i % s.v_dim;
-      const __nv_bfloat16* w = wkvb + (size_t(h0 + h) * (s.nope + s.v_dim) + s.nope + j) * s.c;
-      const float v = warp_dot(w, olat + h * s.c, s.c);
-      if (lane == 0) out[size_t(b) * s.heads * s.v_dim + (h0 + h) * s.v_dim + j] = from_float<T>(v);
+    rows_compute<B>(mla_value_rows(s, wkvb, h), olat, nullptr, 0.f, it, warp, st);
+    consumer_sync();
+    for (uint32_t i = threadIdx.x; i < B * s.v_dim; i += kConsumerThreads) {
+      const uint32_t b = i / s.v_dim, j = i % s.v_dim;
+      out[size_t(b) * s.heads * s.v_dim + h * s.v_dim + j] = from_float<T>(st[i]);
     }
     consumer_sync();
   }
@@ -532,52 +591,88 @@ struct RouterShape {
   float scale;
 };
 
+// All consumer threads take part: scores and choices are staged in shared
+// memory (scratch), groups are ranked by one warp, and the top-k is k rounds
+// of a warp arg-max (ties to the lower expert id, as a sequential scan).
 template <int B>
 __device__ void router(const RouterShape& r, const float* logits, const float* bias, int32_t* ids, float* wts) {
-  if (threadIdx.x >= B) return;
-  const int b = threadIdx.x;
-  const float* lg = logits + size_t(b) * r.experts;
-  auto score = [&](uint32_t e) { return 1.f / (1.f + expf(-lg[e])); };
-  auto choice = [&](uint32_t e) { return score(e) + (bias != nullptr ? bias[e] : 0.f); };
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* score = reinterpret_cast<float*>(scratch_ptr());  // [experts]
+  float* choice = score + r.experts;                        // [experts], then what is left to pick
+  __shared__ float group_score[64];
   const uint32_t per = r.experts / r.n_group;
-  uint64_t kept = ~0ull;  // groups kept (n_group <= 64, checked at codegen)
-  if (r.n_group > 1) {
-    kept = 0;
-    float gs[64];
-    for (uint32_t g = 0; g < r.n_group; ++g) {
-      float a = -INFINITY, c = -INFINITY;
-      for (uint32_t e = g * per; e < (g + 1) * per; ++e) {
-        const float v = choice(e);
-        if (v > a) c = a, a = v;
-        else if (v > c) c = v;
+  for (int b = 0; b < B; ++b) {
+    const float* lg = logits + size_t(b) * r.experts;
+    for (uint32_t e = threadIdx.x; e < r.experts; e += kConsumerThreads) {
+      const float s = 1.f / (1.f + expf(-lg[e]));
+      score[e] = s;
+      choice[e] = s + (bias != nullptr ? bias[e] : 0.f);
+    }
+    consumer_sync();
+    if (warp == 0) {
+      // Groups kept (n_group <= 64, checked at codegen): a lane per group
+      // sums its two best choices; lane 0 keeps the best topk_group groups.
+      uint64_t k = ~0ull;
+      if (r.n_group > 1) {
+        for (uint32_t g = lane; g < r.n_group; g += 32) {
+          float a = -INFINITY, c = -INFINITY;
+          for (uint32_t e = g * per; e < (g + 1) * per; ++e) {
+            const float v = choice[e];
+            if (v > a) c = a, a = v;
+            else if (v > c) c = v;
+          }
+          group_score[g] = a + (per > 1 ? c : 0.f);
+        }
+        __syncwarp();
+        k = 0;
+        for (uint32_t t = 0; t < r.topk_group; ++t) {
+          int best = -1;
+          for (uint32_t g = 0; g < r.n_group; ++g)
+            if (!(k >> g & 1) && (best < 0 || group_score[g] > group_score[best])) best = int(g);
+          k |= 1ull << best;
+        }
+        // Experts of dropped groups compete with choice 0.
+        for (uint32_t e = lane; e < r.experts; e += 32)
+          if (!(k >> (e / per) & 1)) choice[e] = 0.f;
+        __syncwarp();
       }
-      gs[g] = a + (per > 1 ? c : 0.f);
+      int32_t* my_ids = ids + size_t(b) * r.top_k;
+      float* my_w = wts + size_t(b) * r.top_k;
+      float sum = 0.f;
+      for (uint32_t t = 0; t < r.top_k; ++t) {
+        float bv = -INFINITY;
+        int be = INT_MAX;
+        for (uint32_t e = lane; e < r.experts; e += 32) {
+          const float v = choice[e];
+          if (v > bv || (v == bv && int(e) < be)) bv = v, be = int(e);
+        }
+        for (int off = 16; off > 0; off /= 2) {
+          const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+          const int oe = __shfl_xor_sync(0xffffffffu, be, off);
+          if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
+        }
+        // Every lane holds the same winner; a picked expert leaves the race.
+        const float w = score[be];
+        sum += w;
+        if (lane == 0) {
+          my_ids[t] = be;
+          my_w[t] = w;
+        }
+        __syncwarp();
+        if (lane == 0) choice[be] = -INFINITY;
+        __syncwarp();
+      }
+      if (lane < int(r.top_k)) {
+        const float w = my_w[lane];
+        my_w[lane] = (r.renormalize ? w / (sum + 1e-20f) : w) * r.scale;
+      }
+      for (uint32_t t = 32 + lane; t < r.top_k; t += 32) {
+        const float w = my_w[t];
+        my_w[t] = (r.renormalize ? w / (sum + 1e-20f) : w) * r.scale;
+      }
     }
-    for (uint32_t t = 0; t < r.topk_group; ++t) {
-      int best = -1;
-      for (uint32_t g = 0; g < r.n_group; ++g)
-        if (!(kept >> g & 1) && (best < 0 || gs[g] > gs[best])) best = int(g);
-      kept |= 1ull << best;
-    }
+    consumer_sync();
   }
-  int32_t* my_ids = ids + size_t(b) * r.top_k;
-  float* my_w = wts + size_t(b) * r.top_k;
-  float sum = 0.f;
-  for (uint32_t t = 0; t < r.top_k; ++t) {
-    int best = -1;
-    float bv = -INFINITY;
-    for (uint32_t e = 0; e < r.experts; ++e) {
-      bool taken = false;
-      for (uint32_t u = 0; u < t; ++u) taken |= my_ids[u] == int32_t(e);
-      if (taken) continue;
-      const float v = (kept >> (e / per) & 1) ? choice(e) : 0.f;
-      if (best < 0 || v > bv) best = int(e), bv = v;
-    }
-    my_ids[t] = best;
-    my_w[t] = score(best);
-    sum += my_w[t];
-  }
-  for (uint32_t t = 0; t < r.top_k; ++t) my_w[t] = (r.renormalize ? my_w[t] / (sum + 1e-20f) : my_w[t]) * r.scale;
 }
 
 // ---------------------------------------------------------------------------
@@ -616,12 +711,6 @@ __device__ inline uint32_t slot_of(const int32_t* ids, uint32_t n, int32_t e) {
   }
 }
 
-__device__ inline bool uses(const int32_t* ids, uint32_t k, int b, int e) {
-  for (uint32_t j = 0; j < k; ++j)
-    if (ids[b * k + j] == e) return true;
-  return false;
-}
-
 // The weight rows of an expert task: rows [r0, r1) of the slot's expert's
 // w0 (gate, paired with up) or down matrix; no rows for an empty slot.
 // Loader and consumers compute the same rows from the router's ids.
@@ -633,61 +722,6 @@ __device__ inline Rows expert_rows(const MoeShape& s, uint32_t slot, uint32_t r0
   if (down) return Rows{static_cast<const __nv_bfloat16*>(w[s.down_base + e]), nullptr, r0, r1, s.inter};
   return Rows{static_cast<const __nv_bfloat16*>(w[s.gate_base + e]), static_cast<const __nv_bfloat16*>(w[s.up_base + e]),
               r0, r1, s.hidden};
-}
-
-// act[slot, b, r] = silu(gate_e[r] . x_b) * (up_e[r] . x_b) for rows [r0, r1).
-// x' = x, or RMSNorm(x) * norm when `norm` is given (the prologue).
-template <int B, class T>
-__device__ void expert_up(const MoeShape& s, uint32_t slot, uint32_t r0, uint32_t r1, void* const* w, const T* x,
-                          const __nv_bfloat16* norm, float eps, const int32_t* ids, float* act) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int e = slot_expert<B>(ids, B * s.top_k, slot);
-  if (e < 0) return;
-  __shared__ float scale[B];
-  for (int b = 0; b < B; ++b) {
-    if (norm == nullptr) break;
-    float ss = 0.f;
-    for (uint32_t j = threadIdx.x; j < s.hidden; j += kConsumerThreads) {
-      const float v = to_float(x[size_t(b) * s.hidden + j]);
-      ss = fmaf(v, v, ss);
-    }
-    ss = block_sum(ss);
-    if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(s.hidden) + eps);
-  }
-  consumer_sync();
-  const auto* gate = static_cast<const __nv_bfloat16*>(w[s.gate_base + e]);
-  const auto* up = static_cast<const __nv_bfloat16*>(w[s.up_base + e]);
-  for (uint32_t r = r0 + warp; r < r1; r += kConsumerWarps) {
-    for (int b = 0; b < B; ++b) {
-      if (!uses(ids, s.top_k, b, e)) continue;
-      float g, u;
-      if (norm == nullptr) {
-        g = warp_dot(gate + size_t(r) * s.hidden, x + size_t(b) * s.hidden, s.hidden);
-        u = warp_dot(up + size_t(r) * s.hidden, x + size_t(b) * s.hidden, s.hidden);
-      } else {
-        g = warp_dot_scaled(gate + size_t(r) * s.hidden, x + size_t(b) * s.hidden, norm, s.hidden) * scale[b];
-        u = warp_dot_scaled(up + size_t(r) * s.hidden, x + size_t(b) * s.hidden, norm, s.hidden) * scale[b];
-      }
-      if (lane == 0) act[(size_t(slot) * B + b) * s.inter + r] = g / (1.f + expf(-g)) * u;
-    }
-  }
-}
-
-// out[slot, b, r] = down_e[r] . act[slot, b] for rows [r0, r1).
-template <int B>
-__device__ void expert_down(const MoeShape& s, uint32_t slot, uint32_t r0, uint32_t r1, void* const* w,
-                            const int32_t* ids, const float* act, float* out) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int e = slot_expert<B>(ids, B * s.top_k, slot);
-  if (e < 0) return;
-  const auto* down = static_cast<const __nv_bfloat16*>(w[s.down_base + e]);
-  for (uint32_t r = r0 + warp; r < r1; r += kConsumerWarps) {
-    for (int b = 0; b < B; ++b) {
-      if (!uses(ids, s.top_k, b, e)) continue;
-      const float v = warp_dot(down + size_t(r) * s.inter, act + (size_t(slot) * B + b) * s.inter, s.inter);
-      if (lane == 0) out[(size_t(slot) * B + b) * s.hidden + r] = v;
-    }
-  }
 }
 
 // routed[b, d] = sum_j weight[b, j] out[slot(ids[b, j]), b, d], for column

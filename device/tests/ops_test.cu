@@ -1,5 +1,7 @@
 // GPU tests of the device library's functions one by one (device/mkc/ops.cuh)
-// against CPU references in double precision, on fresh random inputs: the
+// against CPU references in double precision, on fresh random inputs:
+// projection rows through the page ring (loader warp and consumers, with and
+// without the RMS prologue, gate/up pairs, ragged row blocks and pages), the
 // router (with and without groups), expert slot assignment, the RoPE
 // epilogue, and MLA split + combine over several KV splits with the current
 // position inside one of them. Each kernel runs the 256 consumer threads of
@@ -40,6 +42,93 @@ static void launch(K kernel, const char* name) {
     std::fprintf(stderr, "%s: %s\n", name, cudaGetErrorString(e));
     std::exit(2);
   }
+}
+
+// ---------------------------------------------------------------------------
+// Projection rows: the loader warp (warp 8) streams the rows through the ring,
+// the consumers (warps 0-7) compute them, as in the megakernel.
+struct RowsCase {
+  mkc::Rows rows;
+  const float* x;
+  const __nv_bfloat16* norm;
+  float* out;  // [B, cols]
+  uint32_t repeat;  // run the task this many times back to back (ring wrap-around)
+};
+__device__ RowsCase g_rows;
+
+template <int B>
+__global__ void rows_kernel() {
+  mkc::Ring& ring = *mkc::ring_ptr();
+  if (threadIdx.x == 0) mkc::ring_init(ring);
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  uint32_t it = 0;
+  const RowsCase c = g_rows;
+  for (uint32_t rep = 0; rep < c.repeat; ++rep) {
+    if (warp == mkc::kConsumerWarps) {
+      mkc::rows_load(c.rows, it);
+    } else {
+      mkc::rows_compute<B>(c.rows, c.x, c.norm, 1e-6f, it, warp, c.out);
+      mkc::consumer_sync();
+    }
+  }
+}
+
+template <int B>
+static void test_rows(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1, uint32_t k, bool pair,
+                      bool norm) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto bf_vec = [&](size_t n, float sd, float mean) {
+    std::vector<__nv_bfloat16> v(n);
+    for (auto& x : v) x = __float2bfloat16(mean + sd * nd(rng));
+    return v;
+  };
+  const auto w0 = bf_vec(size_t(n_rows) * k, 0.05f, 0.f), w1 = bf_vec(size_t(n_rows) * k, 0.05f, 0.f);
+  const auto g = bf_vec(k, 0.1f, 1.f);
+  std::vector<float> x(size_t(B) * k);
+  for (auto& v : x) v = nd(rng);
+  const uint32_t n = r1 - r0, cols = n * (pair ? 2 : 1);
+  auto* d_w0 = upload(w0);
+  auto* d_w1 = upload(w1);
+  auto* d_g = upload(g);
+  float* d_x = upload(x);
+  float* d_out = upload(std::vector<float>(size_t(B) * cols, NAN));
+  const RowsCase c{mkc::Rows{d_w0, pair ? d_w1 : nullptr, r0, r1, k}, d_x, norm ? d_g : nullptr, d_out, 3};
+  CHECK(cudaMemcpyToSymbol(g_rows, &c, sizeof c));
+  CHECK(cudaFuncSetAttribute(rows_kernel<B>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
+  rows_kernel<B><<<1, mkc::kConsumerThreads + 32, mkc::kSmemBytes>>>();
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  const auto out = download(d_out, size_t(B) * cols);
+  double worst = 0;
+  bool finite = true;
+  for (int b = 0; b < B; ++b) {
+    double scale = 1;
+    if (norm) {
+      double ss = 0;
+      for (uint32_t e = 0; e < k; ++e) ss += double(x[b * k + e]) * x[b * k + e];
+      scale = 1 / std::sqrt(ss / k + 1e-6);
+    }
+    for (uint32_t j = 0; j < cols; ++j) {
+      const auto& w = j < n ? w0 : w1;
+      const size_t row = r0 + (j < n ? j : j - n);
+      double ref = 0, mag = 0;
+      for (uint32_t e = 0; e < k; ++e) {
+        const double xe = double(x[b * k + e]) * (norm ? scale * double(__bfloat162float(g[e])) : 1.0);
+        const double t = double(__bfloat162float(w[row * k + e])) * xe;
+        ref += t;
+        mag += std::abs(t);
+      }
+      const float got = out[size_t(b) * cols + j];
+      finite &= std::isfinite(got);
+      worst = std::max(worst, std::abs(got - ref) / (mag + 1e-30));
+    }
+  }
+  char detail[160];
+  std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s: max error / sum|terms| %.2e", B, r0, r1,
+                n_rows, k, pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "", worst);
+  report("projection rows through the page ring", finite && worst < 1e-5, detail);
+  for (void* p : {(void*)d_w0, (void*)d_w1, (void*)d_g, (void*)d_x, (void*)d_out}) CHECK(cudaFree(p));
 }
 
 // ---------------------------------------------------------------------------
@@ -236,7 +325,18 @@ __device__ uint32_t g_hg, g_split;
 __global__ void mla_split_kernel() {
   mkc::mla_split<kMB>(g_mla, g_hg, g_split, g_q, g_ckv, g_norm, 1e-6f, g_kpe, g_wkvb, g_cache, g_mpos, g_part);
 }
-__global__ void mla_combine_kernel() { mkc::mla_combine<kMB>(g_mla, g_hg, g_part, g_wkvb, g_out); }
+// The combine streams W_UV through the page ring: warp 8 loads, 0-7 compute.
+__global__ void mla_combine_kernel() {
+  if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
+  __syncthreads();
+  uint32_t it = 0;
+  const int warp = threadIdx.x / 32;
+  if (warp == mkc::kConsumerWarps) {
+    mkc::mla_combine_load(g_mla, g_hg, g_wkvb, it);
+  } else {
+    mkc::mla_combine<kMB>(g_mla, g_hg, g_part, g_wkvb, g_out, it, warp);
+  }
+}
 
 static void test_mla(std::mt19937& rng) {
   const uint32_t heads = 6, hpt = 2, groups = 3, splits = 4, ctx = 64, c = 32, nope = 16, rope = 8, v = 16;
@@ -279,7 +379,11 @@ static void test_mla(std::mt19937& rng) {
   }
   for (uint32_t hg = 0; hg < groups; ++hg) {
     CHECK(cudaMemcpyToSymbol(g_hg, &hg, sizeof hg));
-    launch(mla_combine_kernel, "mla_combine");
+    CHECK(cudaFuncSetAttribute(mla_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(mkc::kSmemBytes)));
+    mla_combine_kernel<<<1, mkc::kConsumerThreads + 32, mkc::kSmemBytes>>>();
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
   }
   const auto out = download(d_out, kMB * heads * v);
   const auto new_cache = download(d_cache, kMB * ctx * (c + rope));
@@ -341,8 +445,14 @@ static void test_mla(std::mt19937& rng) {
 
 int main() {
   std::mt19937 rng(std::random_device{}());
+  test_rows<1>(rng, 40, 3, 37, 7168, false, true);  // ragged row blocks, 7 pages per row
+  test_rows<1>(rng, 64, 0, 64, 1536, true, false);  // gate/up pair, a half page
+  test_rows<4>(rng, 20, 5, 19, 64, false, true);     // tiny k: part of one warp's columns
+  test_rows<8>(rng, 24, 0, 24, 2048, true, true);
   test_router(rng, 64, 8, 1, 1);
   test_router(rng, 64, 6, 8, 3);
+  test_router(rng, 384, 8, 8, 4);  // Kimi K2
+  test_router(rng, 896, 16, 1, 1); // Kimi K3
   test_slots(rng);
   test_rope(rng, true);
   test_rope(rng, false);

@@ -436,11 +436,14 @@ __device__ inline void stage_3(const TaskArgs& t, const Memory& m) {
   mla_split<kBatch>(mla_24, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 128), static_cast<const __nv_bfloat16*>(m.w[9]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer1 + 256), static_cast<const __nv_bfloat16*>(m.w[10]), static_cast<__nv_bfloat16*>(m.state[0]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer3 + 0));
 }
 
-// Stage 4: split merge and value up-projection of fused operation 3, layer.0/decoder_layer/mla/mla(o)
+// Stage 4: split merge and value up-projection (W_UV through the page ring) of fused operation 3, layer.0/decoder_layer/mla/mla(o)
 //   rms_norm layer.0/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.0/decoder_layer/mla/o (84:7)
-__device__ inline void stage_4(const TaskArgs& t, const Memory& m) {
-  mla_combine<kBatch>(mla_24, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer3 + 0), static_cast<const __nv_bfloat16*>(m.w[10]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0));
+__device__ inline void stage_4_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
+  mla_combine_load(mla_24, t.a[0], static_cast<const __nv_bfloat16*>(m.w[10]), it);
+}
+__device__ inline void stage_4(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
+  mla_combine<kBatch>(mla_24, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer3 + 0), static_cast<const __nv_bfloat16*>(m.w[10]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
 }
 
 // Stage 5: output rows of fused operation 4, layer.0/decoder_layer/mla/proj(out)
@@ -599,11 +602,14 @@ __device__ inline void stage_10(const TaskArgs& t, const Memory& m) {
   mla_split<kBatch>(mla_55, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 128), static_cast<const __nv_bfloat16*>(m.w[21]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer2 + 256), static_cast<const __nv_bfloat16*>(m.w[22]), static_cast<__nv_bfloat16*>(m.state[1]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer5 + 0));
 }
 
-// Stage 11: split merge and value up-projection of fused operation 9, layer.1/decoder_layer/mla/mla(o)
+// Stage 11: split merge and value up-projection (W_UV through the page ring) of fused operation 9, layer.1/decoder_layer/mla/mla(o)
 //   rms_norm layer.1/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.1/decoder_layer/mla/o (84:7)
-__device__ inline void stage_11(const TaskArgs& t, const Memory& m) {
-  mla_combine<kBatch>(mla_55, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer5 + 0), static_cast<const __nv_bfloat16*>(m.w[22]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0));
+__device__ inline void stage_11_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
+  mla_combine_load(mla_55, t.a[0], static_cast<const __nv_bfloat16*>(m.w[22]), it);
+}
+__device__ inline void stage_11(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
+  mla_combine<kBatch>(mla_55, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer5 + 0), static_cast<const __nv_bfloat16*>(m.w[22]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
 }
 
 // Stage 12: output rows of fused operation 10, layer.1/decoder_layer/mla/proj(out)
@@ -819,11 +825,14 @@ __device__ inline void stage_21(const TaskArgs& t, const Memory& m) {
   mla_split<kBatch>(mla_95, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer3 + 128), static_cast<const __nv_bfloat16*>(m.w[59]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer3 + 256), static_cast<const __nv_bfloat16*>(m.w[60]), static_cast<__nv_bfloat16*>(m.state[2]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer5 + 0));
 }
 
-// Stage 22: split merge and value up-projection of fused operation 17, layer.2/decoder_layer/mla/mla(o)
+// Stage 22: split merge and value up-projection (W_UV through the page ring) of fused operation 17, layer.2/decoder_layer/mla/mla(o)
 //   rms_norm layer.2/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.2/decoder_layer/mla/o (84:7)
-__device__ inline void stage_22(const TaskArgs& t, const Memory& m) {
-  mla_combine<kBatch>(mla_95, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer5 + 0), static_cast<const __nv_bfloat16*>(m.w[60]), reinterpret_cast<float*>(m.arena + kBuffer0 + 0));
+__device__ inline void stage_22_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
+  mla_combine_load(mla_95, t.a[0], static_cast<const __nv_bfloat16*>(m.w[60]), it);
+}
+__device__ inline void stage_22(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
+  mla_combine<kBatch>(mla_95, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer5 + 0), static_cast<const __nv_bfloat16*>(m.w[60]), reinterpret_cast<float*>(m.arena + kBuffer0 + 0), it, warp);
 }
 
 // Stage 23: output rows of fused operation 18, layer.2/decoder_layer/mla/proj(out)
@@ -1021,11 +1030,13 @@ struct Step {
     switch (t.stage) {
       case 1: rows_load(stage_1_rows(t, m), it); break;
       case 2: rows_load(stage_2_rows(t, m), it); break;
+      case 4: stage_4_load(t, m, it); break;
       case 5: rows_load(stage_5_rows(t, m), it); break;
       case 6: rows_load(stage_6_rows(t, m), it); break;
       case 7: rows_load(stage_7_rows(t, m), it); break;
       case 8: rows_load(stage_8_rows(t, m), it); break;
       case 9: rows_load(stage_9_rows(t, m), it); break;
+      case 11: stage_11_load(t, m, it); break;
       case 12: rows_load(stage_12_rows(t, m), it); break;
       case 13: rows_load(stage_13_rows(t, m), it); break;
       case 15: rows_load(stage_15_rows(t, m), it); break;
@@ -1033,6 +1044,7 @@ struct Step {
       case 18: rows_load(stage_18_rows(t, m), it); break;
       case 19: rows_load(stage_19_rows(t, m), it); break;
       case 20: rows_load(stage_20_rows(t, m), it); break;
+      case 22: stage_22_load(t, m, it); break;
       case 23: rows_load(stage_23_rows(t, m), it); break;
       case 24: rows_load(stage_24_rows(t, m), it); break;
       case 26: rows_load(stage_26_rows(t, m), it); break;
@@ -1053,14 +1065,14 @@ struct Step {
       case 1: stage_1(t, m, it, warp); break;
       case 2: stage_2(t, m, it, warp); break;
       case 3: stage_3(t, m); break;
-      case 4: stage_4(t, m); break;
+      case 4: stage_4(t, m, it, warp); break;
       case 5: stage_5(t, m, it, warp); break;
       case 6: stage_6(t, m, it, warp); break;
       case 7: stage_7(t, m, it, warp); break;
       case 8: stage_8(t, m, it, warp); break;
       case 9: stage_9(t, m, it, warp); break;
       case 10: stage_10(t, m); break;
-      case 11: stage_11(t, m); break;
+      case 11: stage_11(t, m, it, warp); break;
       case 12: stage_12(t, m, it, warp); break;
       case 13: stage_13(t, m, it, warp); break;
       case 14: stage_14(t, m); break;
@@ -1071,7 +1083,7 @@ struct Step {
       case 19: stage_19(t, m, it, warp); break;
       case 20: stage_20(t, m, it, warp); break;
       case 21: stage_21(t, m); break;
-      case 22: stage_22(t, m); break;
+      case 22: stage_22(t, m, it, warp); break;
       case 23: stage_23(t, m, it, warp); break;
       case 24: stage_24(t, m, it, warp); break;
       case 25: stage_25(t, m); break;

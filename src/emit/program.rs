@@ -580,9 +580,16 @@ impl<'a> Gen<'a> {
         let sms = self.plan.schedule.sms.len() as u32;
         let (groups, hpt, splits) = mla_split_shape(heads, ctx, sms);
         let chunk = ctx.div_ceil(splits);
-        let scratch = 4 * (hpt * c + hpt * chunk + hpt * rope as u64 + c + rope as u64 + 64);
-        if scratch > SCRATCH_BYTES || !c.is_multiple_of(8) || rope % 8 != 0 || hpt > 8 {
-            return Err(unsupported(op, &format!("MLA scratch of {scratch} bytes (at most {SCRATCH_BYTES}) a latent width and RoPE width that are multiples of 8, at most 8 heads per task")));
+        // qlat, scores (q_nope staged there first), q_pe, the new row, statistics.
+        let scratch = 4 * (hpt * c + hpt * chunk.max(nope as u64) + hpt * rope as u64 + c + rope as u64 + 64);
+        let combine_scratch = 4 * self.batch * (c + v_dim as u64);
+        if scratch > SCRATCH_BYTES
+            || combine_scratch > SCRATCH_BYTES
+            || !c.is_multiple_of(8)
+            || rope % 8 != 0
+            || hpt > 8
+        {
+            return Err(unsupported(op, &format!("MLA scratch of {scratch} and {combine_scratch} bytes (at most {SCRATCH_BYTES}) a latent width and RoPE width that are multiples of 8, at most 8 heads per task")));
         }
         self.check_reads(split, &[ops[0], raw, ops[2]])?;
         let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
@@ -602,15 +609,18 @@ impl<'a> Gen<'a> {
             float(eps),
             i = n.index()
         );
-        self.header(combine, op, "split merge and value up-projection");
+        self.header(combine, op, "split merge and value up-projection (W_UV through the page ring)");
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{combine}(const TaskArgs& t, const Memory& m) {{\n  \
-             mla_combine<kBatch>(mla_{i}, t.a[0], {partials}, {wkvb}, {out});\n}}",
+            "__device__ inline void stage_{combine}_load(const TaskArgs& t, const Memory& m, uint32_t& it) {{\n  \
+             mla_combine_load(mla_{i}, t.a[0], {wkvb}, it);\n}}\n\
+             __device__ inline void stage_{combine}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
+             mla_combine<kBatch>(mla_{i}, t.a[0], {partials}, {wkvb}, {out}, it, warp);\n}}",
             i = n.index()
         );
         self.run_cases.push(format!("case {split}: stage_{split}(t, m); break;"));
-        self.run_cases.push(format!("case {combine}: stage_{combine}(t, m); break;"));
+        self.load_cases.push(format!("case {combine}: stage_{combine}_load(t, m, it); break;"));
+        self.run_cases.push(format!("case {combine}: stage_{combine}(t, m, it, warp); break;"));
         Ok(())
     }
 
@@ -625,6 +635,17 @@ impl<'a> Gen<'a> {
         }
         let ops = g.operands(n);
         let e = g.value_type(ops[0]).elements();
+        let n_group = attrs.int("n_group");
+        if n_group < 1 || n_group > 64 || e % n_group as u64 != 0 || e * 8 > SCRATCH_BYTES {
+            return Err(unsupported(
+                op,
+                &format!(
+                    "a router over {e} experts in {n_group} groups (the device router takes up to 64 equal groups \
+                     and {} experts)",
+                    SCRATCH_BYTES / 8
+                ),
+            ));
+        }
         let logits = self.value(ops[0], op)?;
         let bias = if ops.len() > 1 { self.weight(ops[1].node, 0)? } else { "nullptr".into() };
         let ids = self.value(ValueRef { node: n, output: 0 }, op)?;
