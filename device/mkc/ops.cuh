@@ -368,27 +368,131 @@ __device__ inline void split_range(const MlaShape& s, uint32_t split, uint32_t& 
   p1 = p0 + base + (split < rem ? 1 : 0);
 }
 
+// The cache rows a split task streams through the page ring for token b:
+// the split's positions before the current one (the current row is written
+// by the step itself and taken from shared memory instead).
+__device__ inline Rows mla_cache_rows(const MlaShape& s, uint32_t split, const __nv_bfloat16* cache, int b,
+                                      uint32_t p_now) {
+  uint32_t p0, p1;
+  split_range(s, split, p0, p1);
+  const uint32_t end = max(p0, min(p1, p_now));
+  return Rows{cache + size_t(b) * s.ctx * (s.c + s.rope), nullptr, p0, end, s.c + s.rope};
+}
+
+// Loader side of a split task: its cache rows, token by token.
+template <int B>
+__device__ void mla_split_load(const MlaShape& s, uint32_t split, const __nv_bfloat16* cache, const int32_t* pos,
+                               uint32_t& it) {
+  for (int b = 0; b < B; ++b) rows_load(mla_cache_rows(s, split, cache, b, uint32_t(pos[b])), it);
+}
+
+// Online-softmax state of a split task's heads, in shared memory.
+struct MlaRunning {
+  float score[2][kMaxMlaHeads][kPageRows];  // by page parity
+  float prob[2][kMaxMlaHeads][kPageRows];
+  float rescale[2][kMaxMlaHeads];
+  float max[kMaxMlaHeads], sum[kMaxMlaHeads];
+};
+
+// Folds n (<= kPageRows) cache rows into the running attention of the nh
+// heads: scores (a warp per row, 16-byte chunks of the row for every head),
+// then the new maximum, probabilities and rescale per head (a thread per
+// head), then the weighted latent sums (a thread per pair of latent columns,
+// acc[h] rescaled once per page). Two consumer barriers; the shared arrays
+// alternate by `parity` so the next page may start before every thread has
+// read this one's probabilities.
+__device__ inline void mla_fold_rows(const MlaShape& s, uint32_t nh, const __nv_bfloat16* rows, uint32_t stride,
+                                     uint32_t n, const float* qlat, const float* qpe, MlaRunning& run, int parity,
+                                     float (&acc)[kMaxMlaHeads][2]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t row = s.c + s.rope;
+  if (uint32_t(warp) < n) {
+    const __nv_bfloat16* r = rows + size_t(warp) * stride;
+    float dot[kMaxMlaHeads] = {};
+    for (uint32_t j = lane * 8; j < row; j += 256) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(r + j);
+      const __nv_bfloat162* r2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+      float kv[8];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float2 f = __bfloat1622float2(r2[u]);
+        kv[2 * u] = f.x, kv[2 * u + 1] = f.y;
+      }
+#pragma unroll
+      for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
+        if (h >= nh) break;
+        const float* qv = j < s.c ? qlat + h * s.c + j : qpe + h * s.rope + (j - s.c);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) dot[h] = fmaf(qv[u], kv[u], dot[h]);
+      }
+    }
+#pragma unroll
+    for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
+      if (h >= nh) break;
+      const float v = warp_sum(dot[h]);
+      if (lane == 0) run.score[parity][h][warp] = v * s.scale;
+    }
+  }
+  consumer_sync();
+  if (threadIdx.x < nh) {
+    const uint32_t h = threadIdx.x;
+    float m = run.max[h];
+    for (uint32_t j = 0; j < n; ++j) m = fmaxf(m, run.score[parity][h][j]);
+    const float rescale = expf(run.max[h] - m);  // 0 on the first rows (max -inf)
+    float l = run.sum[h] * rescale;
+    for (uint32_t j = 0; j < n; ++j) {
+      const float e = expf(run.score[parity][h][j] - m);
+      run.prob[parity][h][j] = e;
+      l += e;
+    }
+    run.max[h] = m;
+    run.sum[h] = l;
+    run.rescale[parity][h] = rescale;
+  }
+  consumer_sync();
+  const uint32_t pair = threadIdx.x;  // c <= 2 * kConsumerThreads (checked at codegen)
+  if (pair < s.c / 2) {
+#pragma unroll
+    for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
+      if (h >= nh) break;
+      acc[h][0] *= run.rescale[parity][h];
+      acc[h][1] *= run.rescale[parity][h];
+    }
+    for (uint32_t j = 0; j < n; ++j) {
+      const float2 kv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(rows + size_t(j) * stride + 2 * pair));
+#pragma unroll
+      for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
+        if (h >= nh) break;
+        const float p = run.prob[parity][h][j];
+        acc[h][0] = fmaf(p, kv.x, acc[h][0]);
+        acc[h][1] = fmaf(p, kv.y, acc[h][1]);
+      }
+    }
+  }
+}
+
 // One (head group, KV split) task: partials [B, heads, splits, 2 + c] of
-// (max, sum of exp, sum of exp * c_kv). The split holding the current
+// (max, sum of exp, sum of exp * c_kv), by online softmax over the split's
+// cache rows, which the loader streams through the page ring
+// (mla_split_load), then the current row. The split holding the current
 // position appends the new row to the cache (head group 0 writes it; the
-// others use their own copy).
+// others use their own copy in shared memory).
 template <int B, class T>
 __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const T* q, const T* ckv_raw,
-                          const __nv_bfloat16* norm, float eps, const T* kpe,
-                          const __nv_bfloat16* wkvb, __nv_bfloat16* cache, const int32_t* pos, float* partials) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+                          const __nv_bfloat16* norm, float eps, const T* kpe, const __nv_bfloat16* wkvb,
+                          __nv_bfloat16* cache, const int32_t* pos, float* partials, uint32_t& it) {
   const uint32_t h0 = hg * s.hpt, nh = min(s.hpt, s.heads - h0);
   const uint32_t qk = s.nope + s.rope, row = s.c + s.rope;
   uint32_t p0, p1;
   split_range(s, split, p0, p1);
   float* qlat = reinterpret_cast<float*>(scratch_ptr());  // [hpt, c]
   float* qpe = qlat + s.hpt * s.c;                         // [hpt, rope]
-  float* cur = qpe + s.hpt * s.rope;                       // [c + rope]
-  float* sc = cur + row;                                   // [hpt, p1 - p0]
-  const uint32_t chunk = p1 - p0;
+  float* qn = qpe + s.hpt * s.rope;                        // [hpt, nope]
+  __nv_bfloat16* cur = reinterpret_cast<__nv_bfloat16*>(qn + s.hpt * s.nope);  // [c + rope], 16-byte aligned
+  __shared__ MlaRunning run;
+  int parity = 0;
   for (int b = 0; b < B; ++b) {
     const uint32_t p_now = uint32_t(pos[b]);
-    const uint32_t hi = min(p1, p_now + 1);
     const bool has_now = p0 <= p_now && p_now < p1;
     if (has_now) {
       float ss = 0.f;
@@ -407,26 +511,29 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
           v = to_float(kpe[size_t(b) * s.rope + j - s.c]);
         }
         const __nv_bfloat16 stored = __float2bfloat16(v);
-        cur[j] = bf(stored);
+        cur[j] = stored;
         if (hg == 0) dst[j] = stored;
       }
     }
     // q absorbed into the latent space: qlat[h] = q_nope[h] W_UK[h], W_UK[h]
     // the first nope rows of head h's block of kv_b [heads (nope + v), c].
-    // q_nope is staged in shared memory (in the score area, not yet in use);
-    // a thread takes eight latent columns of a head and reads W_UK in
+    // A thread takes eight latent columns of a head and reads W_UK in
     // 16-byte chunks, four rows in flight.
-    float* qn = sc;  // [hpt, nope]
     for (uint32_t i = threadIdx.x; i < nh * s.nope; i += kConsumerThreads) {
       const uint32_t h = i / s.nope, n = i % s.nope;
       qn[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + n]);
     }
+    for (uint32_t i = threadIdx.x; i < nh * s.rope; i += kConsumerThreads) {
+      const uint32_t h = i / s.rope, r = i % s.rope;
+      qpe[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + s.nope + r]);
+    }
+    if (threadIdx.x < kMaxMlaHeads) run.max[threadIdx.x] = -INFINITY, run.sum[threadIdx.x] = 0.f;
     consumer_sync();
     for (uint32_t u = threadIdx.x; u < nh * (s.c / 8); u += kConsumerThreads) {
       const uint32_t h = u / (s.c / 8), c8 = (u % (s.c / 8)) * 8;
       const __nv_bfloat16* w = wkvb + size_t(h0 + h) * (s.nope + s.v_dim) * s.c + c8;
       const float* qh = qn + h * s.nope;
-      float acc[8] = {};
+      float a[8] = {};
 #pragma unroll 4
       for (uint32_t n = 0; n < s.nope; ++n) {
         const uint4 raw = *reinterpret_cast<const uint4*>(w + size_t(n) * s.c);
@@ -435,85 +542,30 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float2 f = __bfloat1622float2(w2[j]);
-          acc[2 * j] = fmaf(qv, f.x, acc[2 * j]);
-          acc[2 * j + 1] = fmaf(qv, f.y, acc[2 * j + 1]);
+          a[2 * j] = fmaf(qv, f.x, a[2 * j]);
+          a[2 * j + 1] = fmaf(qv, f.y, a[2 * j + 1]);
         }
       }
 #pragma unroll
-      for (int j = 0; j < 8; ++j) qlat[h * s.c + c8 + j] = acc[j];
-    }
-    for (uint32_t i = threadIdx.x; i < nh * s.rope; i += kConsumerThreads) {
-      const uint32_t h = i / s.rope, r = i % s.rope;
-      qpe[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + s.nope + r]);
+      for (int j = 0; j < 8; ++j) qlat[h * s.c + c8 + j] = a[j];
     }
     consumer_sync();
-    // Scores: a warp per position, all heads of the group; each lane reads
-    // 16-byte chunks of the cache row once and uses them for every head.
-    for (uint32_t p = p0 + warp; p < hi; p += kConsumerWarps) {
-      const __nv_bfloat16* crow = cache + (size_t(b) * s.ctx + p) * row;
-      float acc[kMaxMlaHeads] = {};
-      for (uint32_t j = lane * 8; j < row; j += 256) {
-        float kv[8];
-        if (p == p_now) {
-#pragma unroll
-          for (int u = 0; u < 8; ++u) kv[u] = cur[j + u];
-        } else {
-          const uint4 raw = *reinterpret_cast<const uint4*>(crow + j);
-          const __nv_bfloat162* r2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const float2 f = __bfloat1622float2(r2[u]);
-            kv[2 * u] = f.x, kv[2 * u + 1] = f.y;
-          }
-        }
-#pragma unroll
-        for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
-          if (h >= nh) break;
-          const float* qv = j < s.c ? qlat + h * s.c + j : qpe + h * s.rope + (j - s.c);
-#pragma unroll
-          for (int u = 0; u < 8; ++u) acc[h] = fmaf(qv[u], kv[u], acc[h]);
-        }
-      }
-#pragma unroll
-      for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
-        if (h >= nh) break;
-        const float v = warp_sum(acc[h]);
-        if (lane == 0) sc[h * chunk + p - p0] = v * s.scale;
-      }
+    float acc[kMaxMlaHeads][2] = {};
+    const Rows cr = mla_cache_rows(s, split, cache, b, p_now);
+    for (uint32_t j0 = cr.r0; j0 < cr.r1; j0 += kPageRows, ++it, parity ^= 1) {
+      const int slot = it % kPages;
+      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      mla_fold_rows(s, nh, ring_ptr()->page[slot], kPageK, min(uint32_t(kPageRows), cr.r1 - j0), qlat, qpe, run,
+                    parity, acc);
+      release_page(&ring_ptr()->empty[slot]);
     }
-    consumer_sync();
-    // Softmax statistics per head (a warp per head), probabilities in place.
-    __shared__ float stat[2 * kMaxMlaHeads];
-    for (uint32_t h = warp; h < nh; h += kConsumerWarps) {
-      float m = -INFINITY;
-      for (uint32_t p = p0 + lane; p < hi; p += 32) m = fmaxf(m, sc[h * chunk + p - p0]);
-      m = warp_max(m);
-      float l = 0.f;
-      for (uint32_t p = p0 + lane; p < hi; p += 32) {
-        const float e = expf(sc[h * chunk + p - p0] - m);
-        sc[h * chunk + p - p0] = e;
-        l += e;
-      }
-      l = warp_sum(l);
-      if (lane == 0) stat[2 * h] = m, stat[2 * h + 1] = l;
+    if (has_now) {
+      mla_fold_rows(s, nh, cur, row, 1, qlat, qpe, run, parity, acc);
+      parity ^= 1;
     }
-    consumer_sync();
-    // Weighted sums: a thread per pair of latent columns, all heads, each
-    // cache element read once.
-    for (uint32_t pair = threadIdx.x; pair < s.c / 2; pair += kConsumerThreads) {
+    const uint32_t pair = threadIdx.x;
+    if (pair < s.c / 2) {
       const uint32_t cc = 2 * pair;
-      float acc[kMaxMlaHeads][2] = {};
-      for (uint32_t p = p0; p < hi; ++p) {
-        const float2 kv = p == p_now ? make_float2(cur[cc], cur[cc + 1])
-                                     : load_pair(cache + (size_t(b) * s.ctx + p) * row + cc);
-#pragma unroll
-        for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
-          if (h >= nh) break;
-          const float w = sc[h * chunk + p - p0];
-          acc[h][0] = fmaf(w, kv.x, acc[h][0]);
-          acc[h][1] = fmaf(w, kv.y, acc[h][1]);
-        }
-      }
 #pragma unroll
       for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
         if (h >= nh) break;
@@ -521,8 +573,8 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
         part[2 + cc] = acc[h][0];
         part[3 + cc] = acc[h][1];
         if (cc == 0) {
-          part[0] = hi > p0 ? stat[2 * h] : -INFINITY;
-          part[1] = hi > p0 ? stat[2 * h + 1] : 0.f;
+          part[0] = run.max[h];
+          part[1] = run.sum[h];
         }
       }
     }

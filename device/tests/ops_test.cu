@@ -44,6 +44,16 @@ static void launch(K kernel, const char* name) {
   }
 }
 
+// One CTA of the consumers and the loader warp (warp 8), the megakernel's
+// shared memory.
+template <class K>
+static void launch_with_loader(K kernel) {
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
+  kernel<<<1, mkc::kConsumerThreads + 32, mkc::kSmemBytes>>>();
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+}
+
 // ---------------------------------------------------------------------------
 // Projection rows: the loader warp (warp 8) streams the rows through the ring,
 // the consumers (warps 0-7) compute them, as in the megakernel.
@@ -95,10 +105,7 @@ static void test_rows(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t 
   float* d_out = upload(std::vector<float>(size_t(B) * cols, NAN));
   const RowsCase c{mkc::Rows{d_w0, pair ? d_w1 : nullptr, r0, r1, k}, d_x, norm ? d_g : nullptr, d_out, 3};
   CHECK(cudaMemcpyToSymbol(g_rows, &c, sizeof c));
-  CHECK(cudaFuncSetAttribute(rows_kernel<B>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
-  rows_kernel<B><<<1, mkc::kConsumerThreads + 32, mkc::kSmemBytes>>>();
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
+  launch_with_loader(rows_kernel<B>);
   const auto out = download(d_out, size_t(B) * cols);
   double worst = 0;
   bool finite = true;
@@ -322,10 +329,18 @@ __device__ const int32_t* g_mpos;
 __device__ float* g_part;
 __device__ float* g_out;
 __device__ uint32_t g_hg, g_split;
+// Split and combine stream the cache rows and W_UV through the page ring, as
+// in the megakernel: warp 8 loads, warps 0-7 compute.
 __global__ void mla_split_kernel() {
-  mkc::mla_split<kMB>(g_mla, g_hg, g_split, g_q, g_ckv, g_norm, 1e-6f, g_kpe, g_wkvb, g_cache, g_mpos, g_part);
+  if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
+  __syncthreads();
+  uint32_t it = 0;
+  if (threadIdx.x / 32 == mkc::kConsumerWarps) {
+    mkc::mla_split_load<kMB>(g_mla, g_split, g_cache, g_mpos, it);
+  } else {
+    mkc::mla_split<kMB>(g_mla, g_hg, g_split, g_q, g_ckv, g_norm, 1e-6f, g_kpe, g_wkvb, g_cache, g_mpos, g_part, it);
+  }
 }
-// The combine streams W_UV through the page ring: warp 8 loads, 0-7 compute.
 __global__ void mla_combine_kernel() {
   if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
   __syncthreads();
@@ -338,11 +353,19 @@ __global__ void mla_combine_kernel() {
   }
 }
 
-static void test_mla(std::mt19937& rng) {
-  const uint32_t heads = 6, hpt = 2, groups = 3, splits = 4, ctx = 64, c = 32, nope = 16, rope = 8, v = 16;
-  const mkc::MlaShape s{heads, hpt, groups, splits, ctx, c, nope, rope, v, 0.2f};
+struct MlaDims {
+  uint32_t heads, hpt, groups, splits, ctx, c, nope, rope, v;
+  int32_t pos[kMB];
+  float scale;
+};
+
+static void test_mla(std::mt19937& rng, const MlaDims& d) {
+  const uint32_t heads = d.heads, hpt = d.hpt, groups = d.groups, splits = d.splits, ctx = d.ctx, c = d.c,
+                 nope = d.nope, rope = d.rope, v = d.v;
+  const float scale = d.scale;
+  const mkc::MlaShape s{heads, hpt, groups, splits, ctx, c, nope, rope, v, scale};
   std::normal_distribution<float> nd(0.f, 1.f);
-  const std::vector<int32_t> pos{20, 63};  // the current row in split 1 and in the last split
+  const std::vector<int32_t> pos(d.pos, d.pos + kMB);
   std::vector<float> q(kMB * heads * (nope + rope)), ckv(kMB * c), kpe(kMB * rope);
   std::vector<__nv_bfloat16> norm(c), wkvb(heads * (nope + v) * c), cache(kMB * ctx * (c + rope));
   for (auto& x : q) x = nd(rng);
@@ -374,16 +397,12 @@ static void test_mla(std::mt19937& rng) {
     for (uint32_t sp = 0; sp < splits; ++sp) {
       CHECK(cudaMemcpyToSymbol(g_hg, &hg, sizeof hg));
       CHECK(cudaMemcpyToSymbol(g_split, &sp, sizeof sp));
-      launch(mla_split_kernel, "mla_split");
+      launch_with_loader(mla_split_kernel);
     }
   }
   for (uint32_t hg = 0; hg < groups; ++hg) {
     CHECK(cudaMemcpyToSymbol(g_hg, &hg, sizeof hg));
-    CHECK(cudaFuncSetAttribute(mla_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               int(mkc::kSmemBytes)));
-    mla_combine_kernel<<<1, mkc::kConsumerThreads + 32, mkc::kSmemBytes>>>();
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
+    launch_with_loader(mla_combine_kernel);
   }
   const auto out = download(d_out, kMB * heads * v);
   const auto new_cache = download(d_cache, kMB * ctx * (c + rope));
@@ -416,7 +435,7 @@ static void test_mla(std::mt19937& rng) {
           acc += qh[n] * kn;
         }
         for (uint32_t r2 = 0; r2 < rope; ++r2) acc += qh[nope + r2] * kv(p, c + r2);
-        score[p] = acc * 0.2;
+        score[p] = acc * scale;
       }
       const double m = *std::max_element(score.begin(), score.end());
       double l = 0;
@@ -433,9 +452,11 @@ static void test_mla(std::mt19937& rng) {
       }
     }
   }
-  char detail[128];
-  std::snprintf(detail, sizeof detail, "max abs error %.2e (outputs up to %.2f), appended row rel error %.2e", worst, norm_ref,
-                cache_err);
+  char detail[192];
+  std::snprintf(detail, sizeof detail,
+                "%u heads (%u per task), c %u, %u splits of %u, pos %d %d: max abs error %.2e (outputs up to %.2f), "
+                "appended row rel error %.2e",
+                heads, hpt, c, splits, ctx, pos[0], pos[1], worst, norm_ref, cache_err);
   report("MLA split + combine (absorbed vs expanded)", worst < 1e-3 * std::max(1.0, norm_ref) && cache_err < 1.6e-2,
          detail);
   for (void* p : {(void*)d_q, (void*)d_ckv, (void*)d_kpe, (void*)d_norm, (void*)d_w, (void*)d_cache, (void*)d_pos,
@@ -456,7 +477,9 @@ int main() {
   test_slots(rng);
   test_rope(rng, true);
   test_rope(rng, false);
-  test_mla(rng);
+  // The current row in split 1 and in the last split; small dims, then K2's per-head dims.
+  test_mla(rng, MlaDims{6, 2, 3, 4, 64, 32, 16, 8, 16, {20, 63}, 0.2f});
+  test_mla(rng, MlaDims{8, 4, 2, 3, 200, 512, 128, 64, 128, {150, 7}, 0.0722f});
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");
   return failures == 0 ? 0 : 1;
 }

@@ -429,11 +429,14 @@ __device__ inline void stage_2(const TaskArgs& t, const Memory& m, uint32_t& it,
 
 __device__ constexpr MlaShape mla_24{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415e-1f};
 
-// Stage 3: attention over one KV split of fused operation 3, layer.0/decoder_layer/mla/mla(o)
+// Stage 3: attention over one KV split (cache rows through the page ring, online softmax) of fused operation 3, layer.0/decoder_layer/mla/mla(o)
 //   rms_norm layer.0/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.0/decoder_layer/mla/o (84:7)
-__device__ inline void stage_3(const TaskArgs& t, const Memory& m) {
-  mla_split<kBatch>(mla_24, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 128), static_cast<const __nv_bfloat16*>(m.w[9]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer1 + 256), static_cast<const __nv_bfloat16*>(m.w[10]), static_cast<__nv_bfloat16*>(m.state[0]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer3 + 0));
+__device__ inline void stage_3_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
+  mla_split_load<kBatch>(mla_24, t.a[1], static_cast<__nv_bfloat16*>(m.state[0]), m.pos, it);
+}
+__device__ inline void stage_3(const TaskArgs& t, const Memory& m, uint32_t& it, int) {
+  mla_split<kBatch>(mla_24, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 128), static_cast<const __nv_bfloat16*>(m.w[9]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer1 + 256), static_cast<const __nv_bfloat16*>(m.w[10]), static_cast<__nv_bfloat16*>(m.state[0]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), it);
 }
 
 // Stage 4: split merge and value up-projection (W_UV through the page ring) of fused operation 3, layer.0/decoder_layer/mla/mla(o)
@@ -595,11 +598,14 @@ __device__ inline void stage_9(const TaskArgs& t, const Memory& m, uint32_t& it,
 
 __device__ constexpr MlaShape mla_55{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415e-1f};
 
-// Stage 10: attention over one KV split of fused operation 9, layer.1/decoder_layer/mla/mla(o)
+// Stage 10: attention over one KV split (cache rows through the page ring, online softmax) of fused operation 9, layer.1/decoder_layer/mla/mla(o)
 //   rms_norm layer.1/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.1/decoder_layer/mla/o (84:7)
-__device__ inline void stage_10(const TaskArgs& t, const Memory& m) {
-  mla_split<kBatch>(mla_55, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 128), static_cast<const __nv_bfloat16*>(m.w[21]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer2 + 256), static_cast<const __nv_bfloat16*>(m.w[22]), static_cast<__nv_bfloat16*>(m.state[1]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer5 + 0));
+__device__ inline void stage_10_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
+  mla_split_load<kBatch>(mla_55, t.a[1], static_cast<__nv_bfloat16*>(m.state[1]), m.pos, it);
+}
+__device__ inline void stage_10(const TaskArgs& t, const Memory& m, uint32_t& it, int) {
+  mla_split<kBatch>(mla_55, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 128), static_cast<const __nv_bfloat16*>(m.w[21]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer2 + 256), static_cast<const __nv_bfloat16*>(m.w[22]), static_cast<__nv_bfloat16*>(m.state[1]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer5 + 0), it);
 }
 
 // Stage 11: split merge and value up-projection (W_UV through the page ring) of fused operation 9, layer.1/decoder_layer/mla/mla(o)
@@ -818,11 +824,14 @@ __device__ inline void stage_20(const TaskArgs& t, const Memory& m, uint32_t& it
 
 __device__ constexpr MlaShape mla_95{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415e-1f};
 
-// Stage 21: attention over one KV split of fused operation 17, layer.2/decoder_layer/mla/mla(o)
+// Stage 21: attention over one KV split (cache rows through the page ring, online softmax) of fused operation 17, layer.2/decoder_layer/mla/mla(o)
 //   rms_norm layer.2/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.2/decoder_layer/mla/o (84:7)
-__device__ inline void stage_21(const TaskArgs& t, const Memory& m) {
-  mla_split<kBatch>(mla_95, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer3 + 128), static_cast<const __nv_bfloat16*>(m.w[59]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer3 + 256), static_cast<const __nv_bfloat16*>(m.w[60]), static_cast<__nv_bfloat16*>(m.state[2]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer5 + 0));
+__device__ inline void stage_21_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
+  mla_split_load<kBatch>(mla_95, t.a[1], static_cast<__nv_bfloat16*>(m.state[2]), m.pos, it);
+}
+__device__ inline void stage_21(const TaskArgs& t, const Memory& m, uint32_t& it, int) {
+  mla_split<kBatch>(mla_95, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer3 + 128), static_cast<const __nv_bfloat16*>(m.w[59]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer3 + 256), static_cast<const __nv_bfloat16*>(m.w[60]), static_cast<__nv_bfloat16*>(m.state[2]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer5 + 0), it);
 }
 
 // Stage 22: split merge and value up-projection (W_UV through the page ring) of fused operation 17, layer.2/decoder_layer/mla/mla(o)
@@ -1030,12 +1039,14 @@ struct Step {
     switch (t.stage) {
       case 1: rows_load(stage_1_rows(t, m), it); break;
       case 2: rows_load(stage_2_rows(t, m), it); break;
+      case 3: stage_3_load(t, m, it); break;
       case 4: stage_4_load(t, m, it); break;
       case 5: rows_load(stage_5_rows(t, m), it); break;
       case 6: rows_load(stage_6_rows(t, m), it); break;
       case 7: rows_load(stage_7_rows(t, m), it); break;
       case 8: rows_load(stage_8_rows(t, m), it); break;
       case 9: rows_load(stage_9_rows(t, m), it); break;
+      case 10: stage_10_load(t, m, it); break;
       case 11: stage_11_load(t, m, it); break;
       case 12: rows_load(stage_12_rows(t, m), it); break;
       case 13: rows_load(stage_13_rows(t, m), it); break;
@@ -1044,6 +1055,7 @@ struct Step {
       case 18: rows_load(stage_18_rows(t, m), it); break;
       case 19: rows_load(stage_19_rows(t, m), it); break;
       case 20: rows_load(stage_20_rows(t, m), it); break;
+      case 21: stage_21_load(t, m, it); break;
       case 22: stage_22_load(t, m, it); break;
       case 23: rows_load(stage_23_rows(t, m), it); break;
       case 24: rows_load(stage_24_rows(t, m), it); break;
@@ -1064,14 +1076,14 @@ struct Step {
       case 0: stage_0(t, m); break;
       case 1: stage_1(t, m, it, warp); break;
       case 2: stage_2(t, m, it, warp); break;
-      case 3: stage_3(t, m); break;
+      case 3: stage_3(t, m, it, warp); break;
       case 4: stage_4(t, m, it, warp); break;
       case 5: stage_5(t, m, it, warp); break;
       case 6: stage_6(t, m, it, warp); break;
       case 7: stage_7(t, m, it, warp); break;
       case 8: stage_8(t, m, it, warp); break;
       case 9: stage_9(t, m, it, warp); break;
-      case 10: stage_10(t, m); break;
+      case 10: stage_10(t, m, it, warp); break;
       case 11: stage_11(t, m, it, warp); break;
       case 12: stage_12(t, m, it, warp); break;
       case 13: stage_13(t, m, it, warp); break;
@@ -1082,7 +1094,7 @@ struct Step {
       case 18: stage_18(t, m, it, warp); break;
       case 19: stage_19(t, m, it, warp); break;
       case 20: stage_20(t, m, it, warp); break;
-      case 21: stage_21(t, m); break;
+      case 21: stage_21(t, m, it, warp); break;
       case 22: stage_22(t, m, it, warp); break;
       case 23: stage_23(t, m, it, warp); break;
       case 24: stage_24(t, m, it, warp); break;

@@ -579,17 +579,18 @@ impl<'a> Gen<'a> {
         let ctx = self.plan.options.context;
         let sms = self.plan.schedule.sms.len() as u32;
         let (groups, hpt, splits) = mla_split_shape(heads, ctx, sms);
-        let chunk = ctx.div_ceil(splits);
-        // qlat, scores (q_nope staged there first), q_pe, the new row, statistics.
-        let scratch = 4 * (hpt * c + hpt * chunk.max(nope as u64) + hpt * rope as u64 + c + rope as u64 + 64);
+        // qlat, q_pe, q_nope (fp32), the new row (bf16).
+        let scratch = 4 * hpt * (c + rope as u64 + nope as u64) + 2 * (c + rope as u64);
         let combine_scratch = 4 * self.batch * (c + v_dim as u64);
         if scratch > SCRATCH_BYTES
             || combine_scratch > SCRATCH_BYTES
             || !c.is_multiple_of(8)
+            || c > 512
             || rope % 8 != 0
+            || nope % 4 != 0
             || hpt > 8
         {
-            return Err(unsupported(op, &format!("MLA scratch of {scratch} and {combine_scratch} bytes (at most {SCRATCH_BYTES}) a latent width and RoPE width that are multiples of 8, at most 8 heads per task")));
+            return Err(unsupported(op, &format!("MLA scratch of {scratch} and {combine_scratch} bytes (at most {SCRATCH_BYTES}) a latent width (at most 512) and RoPE width that are multiples of 8, a no-PE width that is a multiple of 4, at most 8 heads per task")));
         }
         self.check_reads(split, &[ops[0], raw, ops[2]])?;
         let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
@@ -601,11 +602,13 @@ impl<'a> Gen<'a> {
             n.index(),
             float(attrs.float("scale"))
         );
-        self.header(split, op, "attention over one KV split");
+        self.header(split, op, "attention over one KV split (cache rows through the page ring, online softmax)");
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{split}(const TaskArgs& t, const Memory& m) {{\n  \
-             mla_split<kBatch>(mla_{i}, t.a[0], t.a[1], {q}, {ckv}, {norm}, {}, {kpe}, {wkvb}, {cache}, m.pos, {partials});\n}}",
+            "__device__ inline void stage_{split}_load(const TaskArgs& t, const Memory& m, uint32_t& it) {{\n  \
+             mla_split_load<kBatch>(mla_{i}, t.a[1], {cache}, m.pos, it);\n}}\n\
+             __device__ inline void stage_{split}(const TaskArgs& t, const Memory& m, uint32_t& it, int) {{\n  \
+             mla_split<kBatch>(mla_{i}, t.a[0], t.a[1], {q}, {ckv}, {norm}, {}, {kpe}, {wkvb}, {cache}, m.pos, {partials}, it);\n}}",
             float(eps),
             i = n.index()
         );
@@ -618,7 +621,8 @@ impl<'a> Gen<'a> {
              mla_combine<kBatch>(mla_{i}, t.a[0], {partials}, {wkvb}, {out}, it, warp);\n}}",
             i = n.index()
         );
-        self.run_cases.push(format!("case {split}: stage_{split}(t, m); break;"));
+        self.load_cases.push(format!("case {split}: stage_{split}_load(t, m, it); break;"));
+        self.run_cases.push(format!("case {split}: stage_{split}(t, m, it, warp); break;"));
         self.load_cases.push(format!("case {combine}: stage_{combine}_load(t, m, it); break;"));
         self.run_cases.push(format!("case {combine}: stage_{combine}(t, m, it, warp); break;"));
         Ok(())

@@ -26,3 +26,7 @@ tail -n 5 "$out/smoke.log"
 grep -E "^lib|\.so |PASS|FAIL|refused" "$out/correctness.txt" 2>/dev/null
 grep -v "Writing\|Loading" "$out/bench.txt" 2>/dev/null | grep -E "^profile|^  [a-z]|^library|\.so " | grep -vE "layer\.[123]/"
 printf '%s\n' "${summary[@]}"
+# Fewer files come back: the logs in one archive, the traces beside it.
+if [ -d "$out/trace" ]; then mv "$out"/trace/*.json "$out/" && rmdir "$out/trace"; fi
+tar -C "$out" -czf "$out/logs.tgz" --exclude='*.trace.json' --exclude=logs.tgz . 2>/dev/null &&
+  find "$out" -maxdepth 1 -type f ! -name logs.tgz ! -name '*.trace.json' -delete
