@@ -30,7 +30,8 @@ constexpr int kControllerWarp = kConsumerWarps + 1;
 constexpr int kStorerWarp = kConsumerWarps + 2;
 constexpr int kThreads = (kConsumerWarps + 4) * 32;         // 384: the plan's layout
 constexpr int kBarrierThreads = (kConsumerWarps + 1) * 32;  // consumers + controller, or consumers + storer
-constexpr size_t kSmemBytes = sizeof(Ring) + kScratchBytes;  // the page ring, then scratch
+// The page ring, then scratch, then the staged activations.
+constexpr size_t kSmemBytes = sizeof(Ring) + kScratchBytes + kActivationBytes;
 
 // The schedule of one step, as device pointers.
 struct Schedule {

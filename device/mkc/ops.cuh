@@ -20,8 +20,11 @@
 namespace mkc {
 
 constexpr int kConsumerThreads = kConsumerWarps * 32;
-// Shared memory beside the page ring, for attention, experts and routing.
+// Shared memory beside the page ring, for attention, experts and routing
+// (src/plan/specialize.rs, SCRATCH_BYTES), then the projection's staged
+// activations (ACTIVATION_BYTES).
 constexpr int kScratchBytes = 24 << 10;
+constexpr int kActivationBytes = 64 << 10;
 
 // Everything a step reads and writes, as the runtime resolved it.
 struct Memory {
@@ -48,6 +51,7 @@ __device__ inline unsigned char* scratch_ptr() {
   extern __shared__ __align__(128) unsigned char mkc_smem[];
   return mkc_smem + sizeof(Ring);
 }
+__device__ inline float* activation_ptr() { return reinterpret_cast<float*>(scratch_ptr() + kScratchBytes); }
 
 __device__ __forceinline__ float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(float v) { return v; }
@@ -151,34 +155,19 @@ __device__ __forceinline__ float4 load_four(const __nv_bfloat16* p) {
   return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 
-// Rows of y = x' W^T into the staging tile st [B, cols] (fp32), the weights
-// streamed by rows_load through the page ring. A page holds kPageRows rows of
-// up to kPageK weights; warp w takes columns [128 w, 128 w + 128) of every
-// row of the page, four per lane, so each activation a lane loads serves all
-// rows of the page. After a row block's last page the lanes' partial sums are
-// reduced over the warp (shuffles), then over the warps (shared memory, in a
-// fixed order: the result does not depend on timing).
-// x' = x, or RMSNorm(x) * norm when `norm` is given (the prologue; the scale
-// per token is computed here from x).
+// The page loop of rows_compute: rows of y = x' W^T into st [B, cols], x'
+// = x, or x * scale[b] * norm when `norm` is given. A page holds kPageRows
+// rows of up to kPageK weights; warp w takes columns [128 w, 128 w + 128) of
+// every row of the page, four per lane, so each activation a lane loads
+// serves all rows of the page. After a row block's last page the lanes'
+// partial sums are reduced over the warp (shuffles), then over the warps
+// (shared memory, in a fixed order: the result does not depend on timing).
 template <int B, class T>
-__device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* norm, float eps,
-                             uint32_t& it, int warp, float* st) {
+__device__ void rows_pages(const Rows& r, const T* x, const __nv_bfloat16* norm, const float* scale, uint32_t& it,
+                           int warp, float* st) {
   static_assert(kPageK == kConsumerWarps * 128, "a warp covers 128 columns of a page");
   const int lane = threadIdx.x % 32;
-  __shared__ float scale[B];
   __shared__ float part[2][kConsumerWarps][kPageRows * B];  // per row block parity
-  if (norm != nullptr) {
-    for (int b = 0; b < B; ++b) {
-      float ss = 0.f;
-      for (uint32_t e = threadIdx.x; e < r.k; e += kConsumerThreads) {
-        const float v = to_float(x[size_t(b) * r.k + e]);
-        ss = fmaf(v, v, ss);
-      }
-      ss = block_sum(ss);
-      if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(r.k) + eps);
-    }
-    consumer_sync();
-  }
   const uint32_t cols = r.cols();
   const uint32_t e = uint32_t(warp) * 128 + uint32_t(lane) * 4;  // this lane's columns within a page
   for (uint32_t j0 = 0, block = 0; j0 < cols; j0 += kPageRows, ++block) {
@@ -231,6 +220,55 @@ __device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* nor
       st[size_t(b) * cols + j0 + j] = v;
     }
   }
+}
+
+// Rows of y = x' W^T into the staging tile st [B, cols] (fp32), the weights
+// streamed by rows_load through the page ring; x' = x, or RMSNorm(x) * norm
+// when `norm` is given (the prologue; the scale per token computed here from
+// x). When x [B, k] fits in kActivationBytes it is first copied to shared
+// memory as fp32, normed there, so the pages read it from shared memory
+// (otherwise from L2, a round trip per page).
+template <int B, class T>
+__device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* norm, float eps,
+                             uint32_t& it, int warp, float* st) {
+  __shared__ float scale[B];
+  const uint32_t n = uint32_t(B) * r.k;
+  if (size_t(n) * sizeof(float) <= size_t(kActivationBytes)) {
+    float* xs = activation_ptr();
+    for (uint32_t i = threadIdx.x * 4; i < n; i += kConsumerThreads * 4) {
+      *reinterpret_cast<float4*>(xs + i) = load_four(x + i);
+    }
+    if (norm != nullptr) {
+      consumer_sync();
+      for (int b = 0; b < B; ++b) {
+        float ss = 0.f;
+        for (uint32_t e = threadIdx.x; e < r.k; e += kConsumerThreads) ss = fmaf(xs[b * r.k + e], xs[b * r.k + e], ss);
+        ss = block_sum(ss);
+        if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(r.k) + eps);
+      }
+      consumer_sync();
+      for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) {
+        const uint32_t e = i % r.k;
+        xs[i] = xs[i] * scale[i / r.k] * bf(norm[e]);
+      }
+    }
+    consumer_sync();
+    rows_pages<B>(r, static_cast<const float*>(xs), nullptr, scale, it, warp, st);
+    return;
+  }
+  if (norm != nullptr) {
+    for (int b = 0; b < B; ++b) {
+      float ss = 0.f;
+      for (uint32_t e = threadIdx.x; e < r.k; e += kConsumerThreads) {
+        const float v = to_float(x[size_t(b) * r.k + e]);
+        ss = fmaf(v, v, ss);
+      }
+      ss = block_sum(ss);
+      if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(r.k) + eps);
+    }
+    consumer_sync();
+  }
+  rows_pages<B>(r, x, norm, scale, it, warp, st);
 }
 
 // ---------------------------------------------------------------------------
@@ -379,23 +417,42 @@ __device__ inline Rows mla_cache_rows(const MlaShape& s, uint32_t split, const _
   return Rows{cache + size_t(b) * s.ctx * (s.c + s.rope), nullptr, p0, end, s.c + s.rope};
 }
 
-// Loader side of a split task: its cache rows, token by token.
+// Cache rows are contiguous: a page holds as many whole rows as fit (14 of
+// K2's 576-element rows), packed, one bulk copy per page.
+constexpr uint32_t kMaxPackedRows = 16;
+__device__ inline uint32_t packed_rows(uint32_t row) { return min(kMaxPackedRows, uint32_t(kPageBytes) / (2 * row)); }
+
+// Loader side of a split task: its cache rows, token by token, packed pages.
 template <int B>
 __device__ void mla_split_load(const MlaShape& s, uint32_t split, const __nv_bfloat16* cache, const int32_t* pos,
                                uint32_t& it) {
-  for (int b = 0; b < B; ++b) rows_load(mla_cache_rows(s, split, cache, b, uint32_t(pos[b])), it);
+  const int lane = threadIdx.x % 32;
+  const uint32_t per = packed_rows(s.c + s.rope);
+  for (int b = 0; b < B; ++b) {
+    const Rows r = mla_cache_rows(s, split, cache, b, uint32_t(pos[b]));
+    for (uint32_t j0 = r.r0; j0 < r.r1; j0 += per, ++it) {
+      const uint32_t bytes = min(per, r.r1 - j0) * r.k * 2;
+      const int slot = it % kPages;
+      if (lane == 0) {
+        Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+        Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], bytes);
+        cute::SM90_BULK_COPY_G2S::copy(r.row(j0 - r.r0), &ring_ptr()->full[slot], ring_ptr()->page[slot], int32_t(bytes));
+      }
+      __syncwarp();
+    }
+  }
 }
 
 // Online-softmax state of a split task's heads, in shared memory.
 struct MlaRunning {
-  float score[2][kMaxMlaHeads][kPageRows];  // by page parity
-  float prob[2][kMaxMlaHeads][kPageRows];
+  float score[2][kMaxMlaHeads][kMaxPackedRows];  // by page parity
+  float prob[2][kMaxMlaHeads][kMaxPackedRows];
   float rescale[2][kMaxMlaHeads];
   float max[kMaxMlaHeads], sum[kMaxMlaHeads];
 };
 
-// Folds n (<= kPageRows) cache rows into the running attention of the nh
-// heads: scores (a warp per row, 16-byte chunks of the row for every head),
+// Folds n (<= kMaxPackedRows) cache rows into the running attention of the
+// nh heads: scores (a warp per row, 16-byte chunks of the row for every head),
 // then the new maximum, probabilities and rescale per head (a thread per
 // head), then the weighted latent sums (a thread per pair of latent columns,
 // acc[h] rescaled once per page). Two consumer barriers; the shared arrays
@@ -406,8 +463,8 @@ __device__ inline void mla_fold_rows(const MlaShape& s, uint32_t nh, const __nv_
                                      float (&acc)[kMaxMlaHeads][2]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t row = s.c + s.rope;
-  if (uint32_t(warp) < n) {
-    const __nv_bfloat16* r = rows + size_t(warp) * stride;
+  for (uint32_t jr = warp; jr < n; jr += kConsumerWarps) {
+    const __nv_bfloat16* r = rows + size_t(jr) * stride;
     float dot[kMaxMlaHeads] = {};
     for (uint32_t j = lane * 8; j < row; j += 256) {
       const uint4 raw = *reinterpret_cast<const uint4*>(r + j);
@@ -430,7 +487,7 @@ __device__ inline void mla_fold_rows(const MlaShape& s, uint32_t nh, const __nv_
     for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
       if (h >= nh) break;
       const float v = warp_sum(dot[h]);
-      if (lane == 0) run.score[parity][h][warp] = v * s.scale;
+      if (lane == 0) run.score[parity][h][jr] = v * s.scale;
     }
   }
   consumer_sync();
@@ -518,7 +575,7 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
     // q absorbed into the latent space: qlat[h] = q_nope[h] W_UK[h], W_UK[h]
     // the first nope rows of head h's block of kv_b [heads (nope + v), c].
     // A thread takes eight latent columns of a head and reads W_UK in
-    // 16-byte chunks, four rows in flight.
+    // 16-byte chunks, eight rows in flight.
     for (uint32_t i = threadIdx.x; i < nh * s.nope; i += kConsumerThreads) {
       const uint32_t h = i / s.nope, n = i % s.nope;
       qn[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + n]);
@@ -534,7 +591,7 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
       const __nv_bfloat16* w = wkvb + size_t(h0 + h) * (s.nope + s.v_dim) * s.c + c8;
       const float* qh = qn + h * s.nope;
       float a[8] = {};
-#pragma unroll 4
+#pragma unroll 8
       for (uint32_t n = 0; n < s.nope; ++n) {
         const uint4 raw = *reinterpret_cast<const uint4*>(w + size_t(n) * s.c);
         const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -552,11 +609,11 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
     consumer_sync();
     float acc[kMaxMlaHeads][2] = {};
     const Rows cr = mla_cache_rows(s, split, cache, b, p_now);
-    for (uint32_t j0 = cr.r0; j0 < cr.r1; j0 += kPageRows, ++it, parity ^= 1) {
+    const uint32_t per = packed_rows(row);
+    for (uint32_t j0 = cr.r0; j0 < cr.r1; j0 += per, ++it, parity ^= 1) {
       const int slot = it % kPages;
       Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
-      mla_fold_rows(s, nh, ring_ptr()->page[slot], kPageK, min(uint32_t(kPageRows), cr.r1 - j0), qlat, qpe, run,
-                    parity, acc);
+      mla_fold_rows(s, nh, ring_ptr()->page[slot], row, min(per, cr.r1 - j0), qlat, qpe, run, parity, acc);
       release_page(&ring_ptr()->empty[slot]);
     }
     if (has_now) {

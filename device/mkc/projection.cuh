@@ -42,7 +42,8 @@ constexpr int kConsumerWarps = 8;
 constexpr int kPageRows = kConsumerWarps;
 constexpr int kPageK = 1024;
 constexpr int kPageBytes = kPageRows * kPageK * 2;
-constexpr int kPages = 12;
+// 128 KiB in flight per SM (src/plan/specialize.rs, MAX_PAGES).
+constexpr int kPages = 8;
 // Who releases a page: every consumer thread after its own reads (each read
 // then ordered before the loader's next copy by that thread's own arrive,
 // which compute-sanitizer's racecheck follows: 0 hazards), or, with

@@ -18,8 +18,15 @@ use crate::target::Target;
 
 /// Bytes of one shared-memory page of the weight ring.
 pub const PAGE_BYTES: u64 = 16 << 10;
-/// Shared memory kept outside the ring: activation chunks, reductions, barriers.
+/// Shared memory kept outside the ring for attention, routing and reductions.
 pub const SCRATCH_BYTES: u64 = 24 << 10;
+/// Shared memory a projection task copies its input activations into (fp32,
+/// normed by the prologue if it has one) when they fit: every page then reads
+/// them from shared memory instead of L2.
+pub const ACTIVATION_BYTES: u64 = 64 << 10;
+/// At most this many ring pages: 128 KiB in flight per SM covers HBM latency
+/// (132 SMs x 128 KiB is about 4 us of the H200's bandwidth).
+pub const MAX_PAGES: u64 = 8;
 
 /// The CTA layout of the persistent kernel.
 #[derive(Debug, Clone, Serialize)]
@@ -70,7 +77,7 @@ pub fn specialize(tiling: &Tiling, target: &Target, opts: Options) -> Result<War
     let producer_regs = 40;
     let budget = target.regs_per_sm.saturating_sub(producer_warps * 32 * producer_regs);
     let consumer_regs = (budget / (consumer_warpgroups * 128)).min(256) / 8 * 8;
-    let pages = (target.smem_per_block.saturating_sub(SCRATCH_BYTES) / PAGE_BYTES) as u32;
+    let pages = (target.smem_per_block.saturating_sub(SCRATCH_BYTES + ACTIVATION_BYTES) / PAGE_BYTES).min(MAX_PAGES) as u32;
     let layout = Layout {
         producer_warps,
         consumer_warpgroups,
@@ -78,7 +85,7 @@ pub fn specialize(tiling: &Tiling, target: &Target, opts: Options) -> Result<War
         producer_regs,
         consumer_regs,
         pages,
-        smem_bytes: u64::from(pages) * PAGE_BYTES + SCRATCH_BYTES,
+        smem_bytes: u64::from(pages) * PAGE_BYTES + SCRATCH_BYTES + ACTIVATION_BYTES,
     };
     let fail = |msg: String| Err(Error::new(ErrorKind::Invalid, format!("target {}: {msg}", target.name)));
     if threads > target.max_threads_per_block {

@@ -6,8 +6,9 @@
 # (carry target/models and target/device). Logs under $OUT; a table last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out=${OUT:-/tmp/mkc_out}
-mkdir -p "$out"
+final=${OUT:-/tmp/mkc_out}
+out=$(mktemp -d)  # logs; what comes back: logs.tgz, the traces and bench_k2.json in $OUT
+mkdir -p "$final"
 summary=()
 timeout 60 target/device/ops_test_sm90a > "$out/ops_test.txt" 2>&1
 summary+=("ops_test rc=$?")
@@ -26,7 +27,6 @@ tail -n 5 "$out/smoke.log"
 grep -E "^lib|\.so |PASS|FAIL|refused" "$out/correctness.txt" 2>/dev/null
 grep -v "Writing\|Loading" "$out/bench.txt" 2>/dev/null | grep -E "^profile|^  [a-z]|^library|\.so " | grep -vE "layer\.[123]/"
 printf '%s\n' "${summary[@]}"
-# Fewer files come back: the logs in one archive, the traces beside it.
-if [ -d "$out/trace" ]; then mv "$out"/trace/*.json "$out/" && rmdir "$out/trace"; fi
-tar -C "$out" -czf "$out/logs.tgz" --exclude='*.trace.json' --exclude=logs.tgz . 2>/dev/null &&
-  find "$out" -maxdepth 1 -type f ! -name logs.tgz ! -name '*.trace.json' -delete
+[ -d "$out/trace" ] && cp "$out"/trace/*.json "$final/"
+[ -f "$out/bench_k2.json" ] && cp "$out/bench_k2.json" "$final/"
+tar -C "$out" -czf "$final/logs.tgz" .
