@@ -11,9 +11,10 @@
 //   consumers:  run the instruction's math between the two barriers;
 //   storer:     once the consumers are done (named barrier 2, their stores
 //               fenced), bumps the instruction's counter (release).
-// With a profile buffer, the consumers stamp each instruction's start (its
-// waits done and the previous instruction finished) and the storer its end,
-// in %globaltimer nanoseconds.
+// With a profile buffer, the controller stamps when each instruction's waits
+// are done and the storer when it ends, in %globaltimer nanoseconds (the
+// consumers start it at the later of that and the previous end; the runtime
+// writes that as its start).
 // A debug build bounds every counter wait: on timeout the controller writes
 // a HangReport (SM, instruction, counter, expected, seen) to host-mapped
 // memory and traps, so the host can print the report instead of hanging.
@@ -90,6 +91,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Schedule p, typename T
           ok = wait_counter<kDebug>(p.counters, p.waits[ins.first_wait + w], step, i, p.report);
         }
         if (!ok) __trap();  // the HangReport is in host memory
+        if (p.profile != nullptr) p.profile[2 * i] = global_ns();
       }
       __syncwarp();
       named_barrier(1, kBarrierThreads);  // consumers may start
@@ -106,7 +108,6 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Schedule p, typename T
   } else if (warp < kConsumerWarps) {
     for (uint32_t i = begin; i < end; ++i) {
       named_barrier(1, kBarrierThreads);
-      if (p.profile != nullptr && threadIdx.x == 0) p.profile[2 * i] = global_ns();
       Tasks::run(p.instructions[i].task, params, it, warp);
       __threadfence();
       named_barrier(2, kBarrierThreads);

@@ -143,7 +143,9 @@ class Engine {
 
   // One step with per-instruction timestamps, written to `path` as Chrome
   // trace JSON (chrome://tracing, Perfetto): a row per SM, an event per
-  // instruction named by its stage.
+  // instruction named by its stage, from when it runs (its waits done and the
+  // SM's previous instruction ended) to its end; args.ready is when its waits
+  // were done.
   void profile_step(const int32_t* tokens, int32_t* next, const char* path) {
     uint64_t* d = device_alloc<uint64_t>(sizeof(uint64_t) * 2 * P::kTasks);
     MKC_CUDA(cudaMemset(d, 0, sizeof(uint64_t) * 2 * P::kTasks));
@@ -164,12 +166,16 @@ class Engine {
     std::fprintf(f, "{\"traceEvents\": [\n");
     bool first = true;
     for (uint32_t sm = 0; sm < P::kSms; ++sm) {
+      uint64_t prev_end = 0;
       for (uint32_t i = P::sm_begin[sm]; i < P::sm_begin[sm + 1]; ++i) {
         const uint32_t task = P::instructions[i].task;
-        const double ts = double(t[2 * i] - t0) / 1e3, dur = double(t[2 * i + 1] - t[2 * i]) / 1e3;
+        // Runs from the later of its waits done and the previous instruction's end.
+        const uint64_t begin = std::max(t[2 * i], prev_end);
+        prev_end = t[2 * i + 1];
+        const double ts = double(begin - t0) / 1e3, dur = double(t[2 * i + 1] - begin) / 1e3;
         std::fprintf(f, "%s{\"name\": \"%s\", \"ph\": \"X\", \"ts\": %.3f, \"dur\": %.3f, \"pid\": 0, \"tid\": %u, "
-                     "\"args\": {\"task\": %u, \"instruction\": %u}}",
-                     first ? "" : ",\n", P::stage_names[P::task_stage[task]], ts, dur, sm, task, i);
+                     "\"args\": {\"task\": %u, \"instruction\": %u, \"ready\": %.3f}}",
+                     first ? "" : ",\n", P::stage_names[P::task_stage[task]], ts, dur, sm, task, i, double(t[2 * i] - t0) / 1e3);
         first = false;
       }
     }
