@@ -640,7 +640,7 @@ impl<'a> Gen<'a> {
         let ops = g.operands(n);
         let e = g.value_type(ops[0]).elements();
         let n_group = attrs.int("n_group");
-        if n_group < 1 || n_group > 64 || e % n_group as u64 != 0 || e * 8 > SCRATCH_BYTES {
+        if !(1..=64).contains(&n_group) || !e.is_multiple_of(n_group as u64) || e * 8 > SCRATCH_BYTES {
             return Err(unsupported(
                 op,
                 &format!(

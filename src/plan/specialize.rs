@@ -77,7 +77,8 @@ pub fn specialize(tiling: &Tiling, target: &Target, opts: Options) -> Result<War
     let producer_regs = 40;
     let budget = target.regs_per_sm.saturating_sub(producer_warps * 32 * producer_regs);
     let consumer_regs = (budget / (consumer_warpgroups * 128)).min(256) / 8 * 8;
-    let pages = (target.smem_per_block.saturating_sub(SCRATCH_BYTES + ACTIVATION_BYTES) / PAGE_BYTES).min(MAX_PAGES) as u32;
+    let pages =
+        (target.smem_per_block.saturating_sub(SCRATCH_BYTES + ACTIVATION_BYTES) / PAGE_BYTES).min(MAX_PAGES) as u32;
     let layout = Layout {
         producer_warps,
         consumer_warpgroups,
