@@ -18,3 +18,6 @@ done
 # The device library's functions one by one against CPU references (run on the H200).
 "$nvcc" "${flags[@]}" -gencode="arch=compute_90a,code=sm_90a" -o "$out/ops_test_sm90a" device/tests/ops_test.cu
 echo "built $out/ops_test_sm90a"
+# The page ring's streaming rate on its own (a measurement, run on the H200).
+"$nvcc" "${flags[@]}" -gencode="arch=compute_90a,code=sm_90a" -o "$out/ring_bench_sm90a" device/tests/ring_bench.cu
+echo "built $out/ring_bench_sm90a"

@@ -1,0 +1,115 @@
+// How fast the page ring streams weights on its own, one CTA per SM, the
+// megakernel's warp layout and shared memory; no dependency counters. Each
+// variant reads the same 2 GiB of bf16 rows [n, 7168] (every SM a contiguous
+// share of the rows) and prints GB/s:
+//   rows:        rows_load (8 rows x 2 KiB bulk copies per page) + rows_pages (the projection consumer, batch 1)
+//   rows-idle:   rows_load, consumers only wait for and release each page
+//   packed:      one 16 KiB bulk copy per page (contiguous weights), consumers only wait and release
+// A measurement, not a test: nothing is asserted; the numbers go in docs/PERFORMANCE.md.
+//
+//   target/device/ring_bench_sm90a        (on an H200)
+#include <cstdio>
+#include <vector>
+
+#include "check.cuh"
+#include "mkc/megakernel.cuh"
+
+constexpr uint32_t kK = 7168;
+
+enum Mode { kRows, kRowsIdle, kPacked };
+
+template <int M>
+__global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* w, uint32_t rows, float* out) {
+  mkc::Ring& ring = *mkc::ring_ptr();
+  if (threadIdx.x == 0) mkc::ring_init(ring);
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  const uint32_t per_sm = rows / gridDim.x;
+  const mkc::Rows r{w, nullptr, blockIdx.x * per_sm, (blockIdx.x + 1) * per_sm, kK};
+  const uint32_t pages = uint32_t(size_t(per_sm) * kK * 2 / mkc::kPageBytes);
+  uint32_t it = 0;
+  if (warp == mkc::kConsumerWarps) {
+    if (M == kPacked) {
+      const char* base = reinterpret_cast<const char*>(w) + size_t(r.r0) * kK * 2;
+      for (; it < pages; ++it) {
+        const int slot = it % mkc::kPages;
+        if (threadIdx.x % 32 == 0) {
+          mkc::Barrier::wait(&ring.empty[slot], ((it / mkc::kPages) & 1) ^ 1);
+          mkc::Barrier::arrive_and_expect_tx(&ring.full[slot], mkc::kPageBytes);
+          cute::SM90_BULK_COPY_G2S::copy(base + size_t(it) * mkc::kPageBytes, &ring.full[slot], ring.page[slot],
+                                         int32_t(mkc::kPageBytes));
+        }
+        __syncwarp();
+      }
+    } else {
+      mkc::rows_load(r, it);
+    }
+  } else if (warp < mkc::kConsumerWarps) {
+    if (M == kRows) {
+      float* xs = mkc::activation_ptr();
+      for (uint32_t i = threadIdx.x; i < kK; i += mkc::kConsumerThreads) xs[i] = 1.f;
+      mkc::consumer_sync();
+      float* st = reinterpret_cast<float*>(mkc::scratch_ptr());
+      // Output tiles of 1024 rows through the scratch, as a projection's staging.
+      for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 1024) {
+        const mkc::Rows part{w, nullptr, j0, min(j0 + 1024, r.r1), kK};
+        mkc::rows_pages<1>(part, static_cast<const float*>(xs), nullptr, nullptr, it, warp, st);
+        mkc::consumer_sync();
+        if (threadIdx.x == 0) out[blockIdx.x] += st[0];
+      }
+    } else {
+      const uint32_t n = M == kPacked ? pages : uint32_t((per_sm + mkc::kPageRows - 1) / mkc::kPageRows) * 7;
+      float acc = 0.f;
+      for (uint32_t i = 0; i < n; ++i, ++it) {
+        const int slot = it % mkc::kPages;
+        mkc::Barrier::wait(&ring.full[slot], (it / mkc::kPages) & 1);
+        acc += __bfloat162float(ring.page[slot][threadIdx.x]);
+        mkc::release_page(&ring.empty[slot]);
+      }
+      if (acc == 12345.f) out[blockIdx.x] = acc;  // keeps the reads
+    }
+  }
+}
+
+template <int M>
+static void run(const char* name, const __nv_bfloat16* w, uint32_t rows, float* out, int sms) {
+  CHECK(cudaFuncSetAttribute(stream<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  stream<M><<<sms, mkc::kThreads, mkc::kSmemBytes>>>(w, rows, out);  // warm-up
+  CHECK(cudaGetLastError());
+  CHECK(cudaEventRecord(a));
+  const int reps = 5;
+  for (int i = 0; i < reps; ++i) stream<M><<<sms, mkc::kThreads, mkc::kSmemBytes>>>(w, rows, out);
+  CHECK(cudaEventRecord(b));
+  CHECK(cudaEventSynchronize(b));
+  CHECK(cudaGetLastError());
+  float ms = 0.f;
+  CHECK(cudaEventElapsedTime(&ms, a, b));
+  const double bytes = double(rows / sms) * sms * kK * 2;
+  std::printf("%-10s %8.3f ms  %7.1f GB/s  (%.1f GB/s per SM)\n", name, ms / reps, bytes / (ms / reps) / 1e6,
+              bytes / (ms / reps) / 1e6 / sms);
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+}
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  // 2 GiB of rows, a multiple of 8 rows per SM.
+  const uint32_t rows = uint32_t((size_t(2) << 30) / (kK * 2)) / (8 * sms) * (8 * sms);
+  __nv_bfloat16* w = nullptr;
+  CHECK(cudaMalloc(&w, size_t(rows) * kK * 2));
+  CHECK(cudaMemset(w, 0, size_t(rows) * kK * 2));
+  float* out = nullptr;
+  CHECK(cudaMalloc(&out, sms * sizeof(float)));
+  CHECK(cudaMemset(out, 0, sms * sizeof(float)));
+  std::printf("%d SMs, %u rows of %u bf16, %d pages of %d KiB\n", sms, rows, kK, mkc::kPages, mkc::kPageBytes / 1024);
+  run<kRows>("rows", w, rows, out, sms);
+  run<kRowsIdle>("rows-idle", w, rows, out, sms);
+  run<kPacked>("packed", w, rows, out, sms);
+  CHECK(cudaFree(w));
+  CHECK(cudaFree(out));
+  return 0;
+}
