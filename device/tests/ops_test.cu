@@ -3,8 +3,9 @@
 // projection rows through the page ring (loader warp and consumers, with and
 // without the RMS prologue, gate/up pairs, ragged row blocks and pages), the
 // router (with and without groups), expert slot assignment, the RoPE
-// epilogue, and MLA split + combine over several KV splits with the current
-// position inside one of them. Each kernel runs the 256 consumer threads of
+// epilogue, MLA split + combine over several KV splits with the current
+// position inside one of them, and KDA's short-conv and L2-norm epilogues,
+// decode step (both gate forms) and gated output norm. Each kernel runs the 256 consumer threads of
 // one CTA with the megakernel's shared memory. Every output element is
 // compared; every CUDA call is checked. Prints one line per test and exits 1
 // on any failure.
@@ -464,6 +465,181 @@ static void test_mla(std::mt19937& rng, const MlaDims& d) {
     CHECK(cudaFree(p));
 }
 
+// ---------------------------------------------------------------------------
+// KDA: the projection epilogues (short conv with state, L2 norm in groups),
+// the decode step (both gate forms) and the gated output norm.
+constexpr int kKB = 2;
+struct KdaCase {
+  float* st;  // [kKB, n] tile
+  uint32_t n, c0, e0, len, channels, group;
+  const float* conv_w;
+  __nv_bfloat16* conv_state;
+  mkc::KdaShape shape;
+  uint32_t h0, h1;
+  const float *q, *k, *v, *f, *b, *a_log, *dt_bias, *gate;
+  float* state;
+  float* out;
+  const __nv_bfloat16* norm_w;
+};
+__device__ KdaCase g_kda;
+__global__ void conv_l2_kernel() {
+  const KdaCase c = g_kda;
+  const mkc::Span span{c.c0, c.e0, c.len};
+  mkc::ep_conv_update<kKB>(c.st, c.n, span, c.conv_w, 4, c.conv_state, size_t(3) * c.channels, c.channels, 1);
+  mkc::consumer_sync();
+  mkc::ep_l2_norm<kKB>(c.st, c.n, span, c.group, 1e-6f);
+}
+__global__ void kda_kernel() {
+  const KdaCase c = g_kda;
+  mkc::kda_decode<kKB>(c.shape, c.h0, c.h1, c.q, c.k, c.v, c.f, c.b, c.a_log, c.dt_bias, c.state, c.out);
+}
+__global__ void gated_norm_kernel() {
+  const KdaCase c = g_kda;
+  mkc::gated_rms_norm_inplace<kKB>(c.out, c.gate, c.shape.heads, c.shape.d, c.norm_w, 1e-5f, 1);
+}
+
+static void test_conv_l2(std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const uint32_t channels = 96, group = 16, n = 80, c0 = 8, e0 = 32, len = 64;  // tile columns 8..71 = channels 32..95
+  std::vector<float> st(kKB * n), w(channels * 4);
+  std::vector<__nv_bfloat16> state(kKB * 3 * channels);
+  for (auto& x : st) x = nd(rng);
+  for (auto& x : w) x = 0.5f * nd(rng);
+  for (auto& x : state) x = __float2bfloat16(nd(rng));
+  KdaCase c{};
+  c.st = upload(st);
+  c.n = n, c.c0 = c0, c.e0 = e0, c.len = len, c.channels = channels, c.group = group;
+  c.conv_w = upload(w);
+  c.conv_state = upload(state);
+  CHECK(cudaMemcpyToSymbol(g_kda, &c, sizeof c));
+  launch(conv_l2_kernel, "conv_l2");
+  const auto got = download(c.st, kKB * n);
+  const auto new_state = download(c.conv_state, kKB * 3 * channels);
+  double worst = 0;
+  bool state_ok = true;
+  for (int b = 0; b < kKB; ++b) {
+    std::vector<double> y(len);
+    for (uint32_t j = 0; j < len; ++j) {
+      const uint32_t ch = e0 + j;
+      const double z = st[b * n + c0 + j];
+      double acc = w[ch * 4 + 3] * z;
+      for (int t = 0; t < 3; ++t) acc += w[ch * 4 + t] * double(__bfloat162float(state[(b * 3 + t) * channels + ch]));
+      y[j] = acc / (1 + std::exp(-acc));
+      // The state shifted, the new value last (bf16).
+      for (int t = 0; t < 2; ++t)
+        state_ok &= __bfloat162float(new_state[(b * 3 + t) * channels + ch]) ==
+                    __bfloat162float(state[(b * 3 + t + 1) * channels + ch]);
+      state_ok &= __bfloat162float(new_state[(b * 3 + 2) * channels + ch]) == bf16_round(float(z));
+    }
+    for (uint32_t g0 = 0; g0 < len; g0 += group) {
+      double ss = 0;
+      for (uint32_t j = g0; j < g0 + group; ++j) ss += y[j] * y[j];
+      for (uint32_t j = g0; j < g0 + group; ++j)
+        worst = std::max(worst, std::abs(y[j] / std::sqrt(ss + 1e-6) - got[b * n + c0 + j]));
+    }
+    // Columns outside the span are untouched; channels outside it keep their state.
+    for (uint32_t j = 0; j < n; ++j)
+      if (j < c0 || j >= c0 + len) state_ok &= got[b * n + j] == st[b * n + j];
+    for (uint32_t ch = 0; ch < e0; ++ch)
+      for (int t = 0; t < 3; ++t) state_ok &= new_state[(b * 3 + t) * channels + ch] == state[(b * 3 + t) * channels + ch];
+  }
+  char detail[128];
+  std::snprintf(detail, sizeof detail, "span of 64 of 96 channels, groups of 16: max abs error %.2e, state %s", worst,
+                state_ok ? "shifted" : "WRONG");
+  report("KDA short conv + L2 norm epilogues", worst < 1e-5 && state_ok, detail);
+  for (void* p : {(void*)c.st, (void*)c.conv_w, (void*)c.conv_state}) CHECK(cudaFree(p));
+}
+
+static void test_kda(std::mt19937& rng, uint32_t heads, uint32_t d, bool safe) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const uint32_t p = heads * d;
+  std::vector<float> q(kKB * p), k(kKB * p), v(kKB * p), f(kKB * p), bl(kKB * heads), a_log(heads), dt(p),
+      gate(kKB * p), state(size_t(kKB) * heads * d * d);
+  for (auto& x : v) x = nd(rng);
+  for (auto& x : f) x = nd(rng);
+  for (auto& x : bl) x = nd(rng);
+  for (auto& x : a_log) x = 0.5f * nd(rng);
+  for (auto& x : dt) x = 0.5f * nd(rng);
+  for (auto& x : gate) x = nd(rng);
+  for (auto& x : state) x = 0.3f * nd(rng);
+  for (auto* x : {&q, &k}) {  // L2-normalised per head, as the epilogue leaves them
+    for (auto& e : *x) e = nd(rng);
+    for (uint32_t g = 0; g < kKB * heads; ++g) {
+      double ss = 0;
+      for (uint32_t i = 0; i < d; ++i) ss += double((*x)[g * d + i]) * (*x)[g * d + i];
+      for (uint32_t i = 0; i < d; ++i) (*x)[g * d + i] = float((*x)[g * d + i] / std::sqrt(ss + 1e-6));
+    }
+  }
+  std::vector<__nv_bfloat16> norm_w(d);
+  for (auto& x : norm_w) x = __float2bfloat16(1.f + 0.1f * nd(rng));
+  KdaCase c{};
+  c.shape = mkc::KdaShape{heads, d, safe, -5.f};
+  c.q = upload(q), c.k = upload(k), c.v = upload(v), c.f = upload(f), c.b = upload(bl);
+  c.a_log = upload(a_log), c.dt_bias = upload(dt), c.gate = upload(gate);
+  c.state = upload(state);
+  c.out = upload(std::vector<float>(kKB * p, NAN));
+  c.norm_w = upload(norm_w);
+  // Two tasks: heads [0, h/2) and [h/2, h).
+  for (uint32_t part = 0; part < 2; ++part) {
+    c.h0 = part * heads / 2, c.h1 = (part + 1) * heads / 2;
+    CHECK(cudaMemcpyToSymbol(g_kda, &c, sizeof c));
+    launch(kda_kernel, "kda_decode");
+  }
+  const auto out = download(c.out, kKB * p);
+  const auto new_state = download(c.state, size_t(kKB) * heads * d * d);
+  launch(gated_norm_kernel, "gated_rms_norm");
+  const auto normed = download(c.out, kKB * p);
+  double worst_o = 0, worst_s = 0, worst_n = 0, mag = 0;
+  for (int b = 0; b < kKB; ++b) {
+    for (uint32_t h = 0; h < heads; ++h) {
+      const double sc = std::exp(double(a_log[h]));
+      const double beta = 1 / (1 + std::exp(-double(bl[b * heads + h])));
+      std::vector<double> alpha(d);
+      for (uint32_t i = 0; i < d; ++i) {
+        const double x = double(f[b * p + h * d + i]) + dt[h * d + i];
+        const double sp = x > 20 ? x : std::log1p(std::exp(x));
+        const double g = safe ? -5.0 / (1 + std::exp(-sc * x)) : -sc * sp;
+        alpha[i] = std::exp(g);
+      }
+      std::vector<double> o(d);
+      for (uint32_t r = 0; r < d; ++r) {
+        std::vector<double> row(d);
+        double mem = 0;
+        for (uint32_t i = 0; i < d; ++i) {
+          row[i] = state[((size_t(b) * heads + h) * d + r) * d + i] * alpha[i];
+          mem += row[i] * k[b * p + h * d + i];
+        }
+        const double u = beta * (v[b * p + h * d + r] - mem);
+        double acc = 0;
+        for (uint32_t i = 0; i < d; ++i) {
+          row[i] += u * k[b * p + h * d + i];
+          acc += row[i] * q[b * p + h * d + i] / std::sqrt(double(d));
+          worst_s = std::max(worst_s, std::abs(row[i] - new_state[((size_t(b) * heads + h) * d + r) * d + i]));
+        }
+        o[r] = acc;
+        worst_o = std::max(worst_o, std::abs(acc - out[b * p + h * d + r]));
+        mag = std::max(mag, std::abs(acc));
+      }
+      double ss = 0;
+      for (uint32_t r = 0; r < d; ++r) ss += o[r] * o[r];
+      const double rs = 1 / std::sqrt(ss / d + 1e-5);
+      for (uint32_t r = 0; r < d; ++r) {
+        const double gv = gate[b * p + h * d + r];
+        const double want = o[r] * rs * __bfloat162float(norm_w[r]) / (1 + std::exp(-gv));
+        worst_n = std::max(worst_n, std::abs(want - normed[b * p + h * d + r]));
+      }
+    }
+  }
+  char detail[192];
+  std::snprintf(detail, sizeof detail,
+                "%u heads of %u, %s gate: max abs error out %.2e (up to %.2f), state %.2e, gated norm %.2e", heads, d,
+                safe ? "safe" : "softplus", worst_o, mag, worst_s, worst_n);
+  report("KDA decode step + gated output norm", worst_o < 1e-4 && worst_s < 1e-4 && worst_n < 1e-4, detail);
+  for (void* ptr : {(void*)c.q, (void*)c.k, (void*)c.v, (void*)c.f, (void*)c.b, (void*)c.a_log, (void*)c.dt_bias,
+                    (void*)c.gate, (void*)c.state, (void*)c.out, (void*)c.norm_w})
+    CHECK(cudaFree(ptr));
+}
+
 int main() {
   std::mt19937 rng(std::random_device{}());
   test_rows<1>(rng, 40, 3, 37, 7168, false, true);  // ragged row blocks, 7 pages per row
@@ -480,6 +656,9 @@ int main() {
   // The current row in split 1 and in the last split; small dims, then K2's per-head dims.
   test_mla(rng, MlaDims{6, 2, 3, 4, 64, 32, 16, 8, 16, {20, 63}, 0.2f});
   test_mla(rng, MlaDims{8, 4, 2, 3, 200, 512, 128, 64, 128, {150, 7}, 0.0722f});
+  test_conv_l2(rng);
+  test_kda(rng, 4, 16, false);   // Kimi Linear tiny: softplus gate
+  test_kda(rng, 4, 128, true);   // K3's head size and safe gate
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");
   return failures == 0 ? 0 : 1;
 }
