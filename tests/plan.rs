@@ -359,17 +359,24 @@ fn codegen_is_deterministic_and_names_are_legal() {
     assert!(rows >= tasks, "{rows} rows for {tasks} tasks");
 }
 
-/// The whole K2-family program: every stage has device code in the
-/// consumers' dispatch, every projection and expert stage a loader case,
-/// every task its arguments, and two renderings are identical.
+/// The whole K2-family and Kimi Linear program: every stage has device code
+/// in the consumers' dispatch, every projection and expert stage a loader
+/// case, every task its arguments, and two renderings are identical.
 #[test]
 fn k2_program_covers_every_stage() {
-    for (config, batch) in [("tiny.json", 1), ("tiny.json", 4), ("bench_4l64e.json", 8)] {
-        let v = compile("kimi_k2", config);
+    for (model, config, batch) in [
+        ("kimi_k2", "tiny.json", 1),
+        ("kimi_k2", "tiny.json", 4),
+        ("kimi_k2", "bench_4l64e.json", 8),
+        ("kimi_linear", "tiny.json", 1),
+        ("kimi_linear", "tiny.json", 4),
+    ] {
+        let v = compile(model, config);
+        let config = format!("{model} {config}");
         let t = Target::load("h200").unwrap();
         let opts = Options { batch, ..Options::default() };
         let p = plan::plan(&v, &t, opts).unwrap();
-        let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: config.into() };
+        let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: config.clone() };
         let a = mkc::emit::emit(&v, &p, "k2_h200", &from, "", false).unwrap();
         let b = mkc::emit::emit(&v, &plan::plan(&v, &t, opts).unwrap(), "k2_h200", &from, "", false).unwrap();
         assert_eq!(a.files, b.files, "{config}: codegen is not deterministic");
@@ -391,11 +398,12 @@ fn k2_program_covers_every_stage() {
     }
 }
 
-/// Graphs with operations the device library does not compute yet are
-/// refused by name (codegen without --tables-only), never emitted with gaps.
+/// Graphs with operations the device library does not compute yet (K3's
+/// attention residuals and latent MoE) are refused by name (codegen without
+/// --tables-only), never emitted with gaps.
 #[test]
 fn codegen_refuses_what_it_cannot_compute() {
-    for model in ["kimi_k3", "kimi_linear"] {
+    for model in ["kimi_k3"] {
         let v = compile(model, "tiny.json");
         let t = Target::load("h200").unwrap();
         let p = plan::plan(&v, &t, Options::default()).unwrap();

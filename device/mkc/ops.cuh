@@ -829,22 +829,42 @@ __device__ void kda_decode(const KdaShape& s, uint32_t h0, uint32_t h1, const T*
 // x'[c] = x[c] rsqrt(mean over the head's d channels of x^2 + eps) w[c % d]
 // act(gate[c]), act sigmoid (1) or SiLU (0); in place on x [B, heads d] in
 // shared memory, a warp per (token, head).
-template <int B>
-__device__ void gated_rms_norm_inplace(float* x, const float* gate, uint32_t heads, uint32_t d,
+template <int B, class T>
+__device__ void gated_rms_norm_inplace(float* x, const T* gate, uint32_t heads, uint32_t d,
                                        const __nv_bfloat16* w, float eps, int sigmoid_act) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (uint32_t gi = warp; gi < B * heads; gi += kConsumerWarps) {
     float* xh = x + size_t(gi) * d;
-    const float* gh = gate + size_t(gi) * d;
+    const T* gh = gate + size_t(gi) * d;
     float ss = 0.f;
     for (uint32_t j = lane; j < d; j += 32) ss = fmaf(xh[j], xh[j], ss);
     const float r = rsqrtf(warp_sum(ss) / float(d) + eps);
     for (uint32_t j = lane; j < d; j += 32) {
-      const float gv = gh[j];
+      const float gv = to_float(gh[j]);
       const float a = sigmoid_act ? 1.f / (1.f + expf(-gv)) : gv / (1.f + expf(-gv));
       xh[j] = xh[j] * r * bf(w[j]) * a;
     }
   }
+}
+
+// Projection rows whose input is KDA's gated output norm (a prologue):
+// x [B, heads d] is staged in shared memory (it must fit in
+// kActivationBytes; the code generator checks), normed and gated there, then
+// the pages read it from shared memory.
+template <int B, class T>
+__device__ void rows_compute_gated(const Rows& r, const T* x, const T* gate, uint32_t heads, uint32_t d,
+                                   const __nv_bfloat16* w, float eps, int sigmoid_act, uint32_t& it, int warp,
+                                   float* st) {
+  const uint32_t n = uint32_t(B) * r.k;
+  if (size_t(n) * sizeof(float) > size_t(kActivationBytes) || heads * d != r.k) __trap();
+  float* xs = activation_ptr();
+  for (uint32_t i = threadIdx.x * 4; i < n; i += kConsumerThreads * 4) {
+    *reinterpret_cast<float4*>(xs + i) = load_four(x + i);
+  }
+  consumer_sync();
+  gated_rms_norm_inplace<B>(xs, gate, heads, d, w, eps, sigmoid_act);
+  consumer_sync();
+  rows_pages<B>(r, static_cast<const float*>(xs), nullptr, nullptr, it, warp, st);
 }
 
 // ---------------------------------------------------------------------------

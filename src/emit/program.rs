@@ -38,6 +38,8 @@ const ACTIVATIONS: DType = DType::F32;
 
 /// Shared memory the stages may use beside the page ring (device/mkc/ops.cuh).
 const SCRATCH_BYTES: u64 = 24 << 10;
+/// Shared memory for a projection's staged input (device/mkc/ops.cuh, kActivationBytes).
+const ACTIVATION_BYTES: u64 = 64 << 10;
 
 /// A block of the arena the program reads or writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -302,7 +304,7 @@ impl<'a> Gen<'a> {
             FusedKind::MlaDecode => self.mla(op),
             FusedKind::Router => self.router(op),
             FusedKind::Moe => self.moe(op),
-            FusedKind::KdaDecode => Err(unsupported(op, "KDA decode")),
+            FusedKind::KdaDecode => self.kda(op),
             FusedKind::AttnRes => Err(unsupported(op, "the attention-residual mix")),
             FusedKind::Elementwise => Err(unsupported(op, "a stand-alone element-wise operation")),
         }
@@ -345,9 +347,41 @@ impl<'a> Gen<'a> {
                 return Err(unsupported(op, "linears with different inputs in one projection"));
             }
         }
-        let (x_in, x_ptr, norm, eps) = self.with_norm_prologue(op, x)?;
+        // The prologue: none, an RMSNorm, or KDA's gated output norm.
+        let gated = op.nodes.contains(&x.node.index()) && matches!(self.op_of(x.node), Some((OpKind::GatedRmsNorm, _)));
+        let (x_in, x_ptr, norm, eps, gate) = if gated {
+            let (_, attrs) = self.op_of(x.node).expect("an op");
+            let gops = g.operands(x.node);
+            if gops.iter().take(2).any(|v| op.nodes.contains(&v.node.index())) {
+                return Err(unsupported(op, "a prologue of more than one op"));
+            }
+            let d = g.value_type(gops[2]).elements();
+            let act = match attrs.str("act") {
+                "sigmoid" => 1,
+                "silu" => 0,
+                a => return Err(unsupported(op, &format!("a gated norm with act \"{a}\""))),
+            };
+            let gate = (gops[1], self.value(gops[1], op)?, d, act);
+            (gops[0], self.value(gops[0], op)?, self.weight(gops[2].node, 0)?, attrs.float("eps"), Some(gate))
+        } else {
+            let (x_in, x_ptr, norm, eps) = self.with_norm_prologue(op, x)?;
+            (x_in, x_ptr, norm, eps, None)
+        };
         let k = g.value_type(x_in).elements();
         let mut reads = vec![x_in];
+        if let Some((gv, _, d, _)) = &gate {
+            reads.push(*gv);
+            if d == &0 || !k.is_multiple_of(*d) || self.batch * k * 4 > ACTIVATION_BYTES {
+                return Err(unsupported(
+                    op,
+                    &format!(
+                        "a gated-norm prologue over {k} channels in groups of {d} at batch {} (the staged \
+                         input holds {ACTIVATION_BYTES} bytes)",
+                        self.batch
+                    ),
+                ));
+            }
+        }
         if !matches!(g.value_type(x).dtype, DType::Bf16 | DType::F32) || !k.is_multiple_of(8) {
             return Err(unsupported(op, "a bf16 or f32 input whose length is a multiple of 8"));
         }
@@ -412,7 +446,7 @@ impl<'a> Gen<'a> {
             let comment = format!("  // {} {}", kind.name(), self.where_(n));
             let _ = writeln!(body, "{comment}");
             match kind {
-                OpKind::RmsNorm if n == x.node => continue,
+                OpKind::RmsNorm | OpKind::GatedRmsNorm if n == x.node => continue,
                 OpKind::Linear | OpKind::LmHead => {
                     let s = new_span(&mut body, format!("linear_span(t, {})", n.index()));
                     span.insert(out, s);
@@ -497,6 +531,64 @@ impl<'a> Gen<'a> {
                     );
                     span.insert(out, src);
                 }
+                OpKind::ConvUpdate => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "a short conv of a value it does not compute"))?;
+                    let wt = g.value_type(ops[1]);
+                    let channels = g.value_type(ops[0]).elements();
+                    let width = wt.shape.last().copied().unwrap_or(0);
+                    if wt.dtype != DType::F32 || wt.elements() != channels * width || width < 1 {
+                        return Err(unsupported(op, "a short conv whose weight is not f32 [channels, 1, width]"));
+                    }
+                    let NodeKind::State(_) = &g.node(ops[2].node).kind else {
+                        return Err(unsupported(op, "a short conv whose state is not state"));
+                    };
+                    let st_type = g.value_type(ops[2]);
+                    let c_type = match st_type.dtype {
+                        DType::Bf16 => "__nv_bfloat16",
+                        DType::F32 => "float",
+                        d => return Err(unsupported(op, &format!("a {} conv state", d.name()))),
+                    };
+                    if st_type.elements() != (width - 1) * channels {
+                        return Err(unsupported(op, "a conv state that is not [width - 1, channels]"));
+                    }
+                    let silu = match attrs.str("act") {
+                        "silu" => 1,
+                        "none" => 0,
+                        a => return Err(unsupported(op, &format!("a short conv with act \"{a}\""))),
+                    };
+                    let w = self.weight(ops[1].node, 0)?;
+                    let state = format!("static_cast<{c_type}*>(m.state[{}])", self.state_index[&ops[2].node]);
+                    let _ = writeln!(
+                        body,
+                        "  ep_conv_update<kBatch>(st, n, {src}, {w}, {width}, {state}, {}, {channels}, {silu});\n  consumer_sync();",
+                        st_type.elements()
+                    );
+                    span.insert(out, src);
+                }
+                OpKind::L2Norm => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "an L2 norm of a value it does not compute"))?;
+                    let _ = writeln!(
+                        body,
+                        "  ep_l2_norm<kBatch>(st, n, {src}, {}, {});\n  consumer_sync();",
+                        attrs.int("group"),
+                        float(attrs.float("eps"))
+                    );
+                    span.insert(out, src);
+                }
+                OpKind::Sigmoid => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "a sigmoid of a value it does not compute"))?;
+                    let _ = writeln!(body, "  ep_sigmoid<kBatch>(st, n, {src});\n  consumer_sync();");
+                    span.insert(out, src);
+                }
                 OpKind::Argmax => {
                     let src = span
                         .get(&ops[0])
@@ -529,12 +621,19 @@ impl<'a> Gen<'a> {
             self.code,
             "__device__ inline Rows stage_{rows_stage}_rows(const TaskArgs& t, const Memory& m) {{\n{rows}  return r;\n}}"
         );
+        let compute = match &gate {
+            None => format!("rows_compute<kBatch>(r, {x_ptr}, {norm}, {}, it, warp, st);", float(eps)),
+            Some((_, gptr, d, act)) => format!(
+                "rows_compute_gated<kBatch>(r, {x_ptr}, {gptr}, {}, {d}, {norm}, {}, {act}, it, warp, st);",
+                k / d,
+                float(eps)
+            ),
+        };
         let _ = writeln!(
             self.code,
             "__device__ inline void stage_{rows_stage}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
              const Rows r = stage_{rows_stage}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
-             rows_compute<kBatch>(r, {x_ptr}, {norm}, {}, it, warp, st);\n  consumer_sync();\n{body}}}",
-            float(eps)
+             {compute}\n  consumer_sync();\n{body}}}"
         );
         self.load_cases.push(format!("case {rows_stage}: rows_load(stage_{rows_stage}_rows(t, m), it); break;"));
         self.run_cases.push(format!("case {rows_stage}: stage_{rows_stage}(t, m, it, warp); break;"));
@@ -625,6 +724,72 @@ impl<'a> Gen<'a> {
         self.run_cases.push(format!("case {split}: stage_{split}(t, m, it, warp); break;"));
         self.load_cases.push(format!("case {combine}: stage_{combine}_load(t, m, it); break;"));
         self.run_cases.push(format!("case {combine}: stage_{combine}(t, m, it, warp); break;"));
+        Ok(())
+    }
+
+    /// KDA decode: a task per range of heads (`t.a[0]..t.a[1]`); the beta
+    /// sigmoid (its prologue) is applied inside.
+    fn kda(&mut self, op: &FusedOp) -> Result<()> {
+        let g = self.g;
+        let stage = self.last_stage(op);
+        self.place_outputs(op, stage)?;
+        let n = op
+            .nodes
+            .iter()
+            .map(|n| nid(*n))
+            .find(|n| matches!(self.op_of(*n), Some((OpKind::KdaDecode, _))))
+            .expect("anchor");
+        let (_, attrs) = self.op_of(n).expect("an op");
+        let ops = g.operands(n);
+        let (heads, d) = (attrs.int("heads") as u64, attrs.int("head_dim") as u64);
+        if d % 4 != 0 || d > 256 {
+            return Err(unsupported(op, &format!("KDA head size {d} (a multiple of 4, at most 256)")));
+        }
+        // beta: the sigmoid of a value computed elsewhere (the prologue).
+        let beta = match self.op_of(ops[4].node) {
+            Some((OpKind::Sigmoid, _)) if op.nodes.contains(&ops[4].node.index()) => g.operands(ops[4].node)[0],
+            _ => return Err(unsupported(op, "KDA whose beta is not the sigmoid of a projection")),
+        };
+        let mut ptrs = vec![];
+        for v in [ops[0], ops[1], ops[2], ops[3], beta] {
+            if op.nodes.contains(&v.node.index()) {
+                return Err(unsupported(op, &format!("KDA input {} computed inside the operation", g.node(v.node).name)));
+            }
+            ptrs.push(self.value(v, op)?);
+        }
+        for (i, what) in [(5usize, "A_log"), (6, "dt_bias")] {
+            if g.value_type(ops[i]).dtype != DType::F32 {
+                return Err(unsupported(op, &format!("KDA {what} that is not f32")));
+            }
+        }
+        let a_log = self.weight(ops[5].node, 0)?;
+        let dt_bias = self.weight(ops[6].node, 0)?;
+        let st = g.value_type(ops[7]);
+        if st.dtype != DType::F32 || st.elements() != heads * d * d {
+            return Err(unsupported(op, "a KDA state that is not f32 [heads, d, d]"));
+        }
+        let state = format!("static_cast<float*>(m.state[{}])", self.state_index[&ops[7].node]);
+        let (safe, lower) = match attrs.str("gate") {
+            "softplus" => ("false", 0.0),
+            "safe" => ("true", attrs.float("lower_bound")),
+            other => return Err(unsupported(op, &format!("KDA gate \"{other}\""))),
+        };
+        let out = self.value(ValueRef { node: n, output: 0 }, op)?;
+        self.check_reads(stage, &[ops[0], ops[1], ops[2], ops[3], beta])?;
+        self.header(stage, op, "state update of a range of heads");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{stage}(const TaskArgs& t, const Memory& m) {{\n  \
+             kda_decode<kBatch>(KdaShape{{{heads}, {d}, {safe}, {}}}, t.a[0], t.a[1], {}, {}, {}, {}, {}, {a_log}, \
+             {dt_bias}, {state}, {out});\n}}",
+            float(lower),
+            ptrs[0],
+            ptrs[1],
+            ptrs[2],
+            ptrs[3],
+            ptrs[4]
+        );
+        self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
         Ok(())
     }
 
