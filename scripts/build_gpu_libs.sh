@@ -4,17 +4,20 @@
 #   kimi_k2_tiny_h200, kimi_k2_tiny_b4_h200     tiny config, batch 1 and 4
 #   kimi_k2_dims_2l16e_h200                     K2 per-layer dimensions, 2 layers, 16 experts
 #   kimi_k2_bench_h200, kimi_k2_bench_b8_h200   the benchmark config, batch 1 and 8
+#   kimi_linear_tiny_h200, kimi_linear_tiny_b4_h200   Kimi Linear's tiny config, batch 1 and 4
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --quiet
-while IFS=: read -r name config batch; do
-  ./target/release/mkc codegen model_graphs/kimi_k2/graph.mkc --config "model_graphs/kimi_k2/$config" \
+while IFS=: read -r model name config batch; do
+  ./target/release/mkc codegen "model_graphs/$model/graph.mkc" --config "model_graphs/$model/$config" \
     --target h200 --batch "$batch" -o "target/gen/$name" > /dev/null
   scripts/build_model.sh "target/gen/$name" "target/models/$name"
 done <<'LIST'
-kimi_k2_tiny_h200:tiny.json:1
-kimi_k2_tiny_b4_h200:tiny.json:4
-kimi_k2_dims_2l16e_h200:test_2l16e.json:1
-kimi_k2_bench_h200:bench_4l64e.json:1
-kimi_k2_bench_b8_h200:bench_4l64e.json:8
+kimi_k2:kimi_k2_tiny_h200:tiny.json:1
+kimi_k2:kimi_k2_tiny_b4_h200:tiny.json:4
+kimi_k2:kimi_k2_dims_2l16e_h200:test_2l16e.json:1
+kimi_k2:kimi_k2_bench_h200:bench_4l64e.json:1
+kimi_k2:kimi_k2_bench_b8_h200:bench_4l64e.json:8
+kimi_linear:kimi_linear_tiny_h200:tiny.json:1
+kimi_linear:kimi_linear_tiny_b4_h200:tiny.json:4
 LIST

@@ -1,6 +1,7 @@
-"""The megakernel against transformers' DeepseekV3ForCausalLM (run on the H200).
+"""The megakernel against transformers' DeepseekV3ForCausalLM or
+KimiLinearForCausalLM (--arch kimi_linear), run on the H200.
 
-For each seed: a random DeepseekV3 model with the given config (weights drawn
+For each seed: a random model with the given config (weights drawn
 with unit-scale fan-in variance so that logits are not near-ties), saved by
 transformers `save_pretrained` in bf16; the reference is transformers in fp32
 on the saved bf16 weights (eager attention, no cache: every step recomputes
@@ -20,7 +21,7 @@ Checks, per seed and per sequence of the batch:
 And once: a checkpoint with a tensor missing, and one with a tensor of the
 wrong shape, are refused with the tensor's name.
 
-    python3 tests/gpu/deepseek_v3_decode.py --lib LIB --config CONFIG --seeds 0 1 2 [--json OUT]
+    python3 tests/gpu/deepseek_v3_decode.py --lib LIB --config CONFIG --seeds 0 1 2 [--arch kimi_linear] [--json OUT]
 Exits 1 if any check fails; prints a table last.
 """
 
@@ -43,19 +44,35 @@ MAX_REL_L2 = 2e-2
 ROUTING_NEAR_TIE = 2e-3  # a routing near-tie: k-th and (k+1)-th choice scores closer than this
 
 
-def make_checkpoint(config_path, seed, out_dir):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+ARCH = "deepseek_v3"  # --arch
 
+
+def model_classes():
+    import transformers
+
+    if ARCH == "kimi_linear":
+        return transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM
+    return transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
+
+
+def make_checkpoint(config_path, seed, out_dir):
+    config_cls, model_cls = model_classes()
     with open(config_path) as f:
         cfg = json.load(f)
-    config = DeepseekV3Config(**cfg)
+    config = config_cls(**cfg)
     torch.manual_seed(seed)
     with torch.device("cuda"):
-        model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+        model = model_cls(config).to(torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(seed)
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if "norm" in name or name.endswith("layernorm.weight"):
+            if name.endswith("A_log"):  # KDA decay rates exp(A_log) in [1, 16]
+                p.copy_(torch.empty(p.shape, device="cuda").uniform_(1, 16, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g, device="cuda"))
+            elif "conv1d" in name:  # short convolutions: unit gain over the window
+                p.copy_(torch.randn(p.shape, generator=g, device="cuda") / p.shape[-1] ** 0.5)
+            elif "norm" in name or name.endswith("layernorm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g, device="cuda"))
             elif "e_score_correction_bias" in name:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g, device="cuda"))
@@ -73,9 +90,8 @@ def make_checkpoint(config_path, seed, out_dir):
 
 def reference(ckpt, prompts, n_gen):
     """Greedy tokens and teacher-forced logits per prompt, fp32, no cache."""
-    from transformers import DeepseekV3ForCausalLM
-
-    ref = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").cuda().eval()
+    _, model_cls = model_classes()
+    ref = model_cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").cuda().eval()
     out = []
     with torch.no_grad():
         for prompt in prompts:
@@ -84,8 +100,9 @@ def reference(ckpt, prompts, n_gen):
                 logits = ref(torch.tensor([seq], device="cuda"), use_cache=False).logits[0, -1]
                 seq.append(int(torch.argmax(logits)))
             captured = []
-            hooks = [layer.mlp.gate.register_forward_hook(lambda mod, inp, o: captured.append((mod, o)))
-                     for layer in ref.model.layers if hasattr(layer.mlp, "gate")]
+            hooks = [moe.gate.register_forward_hook(lambda mod, inp, o: captured.append((mod, o)))
+                     for moe in (getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+                                 for layer in ref.model.layers) if hasattr(moe, "gate")]
             full = ref(torch.tensor([seq], device="cuda"), use_cache=False).logits[0].float().cpu().numpy()
             for h in hooks:
                 h.remove()
@@ -100,11 +117,12 @@ def routing_gaps(captured, config, n):
     (k+1)-th expert choice scores of the reference's router: where it is tiny,
     rounding anywhere upstream may swap an expert (a routing near-tie)."""
     gaps = np.full(n, np.inf)
-    k = config.num_experts_per_tok
+    k = getattr(config, "num_experts_per_tok", None) or config.num_experts_per_token
     for mod, o in captured:
         logits = (o[0] if isinstance(o, tuple) else o).float().reshape(n, -1)
         choice = torch.sigmoid(logits) + mod.e_score_correction_bias.float()
-        ng, tg = config.n_group, config.topk_group
+        ng = getattr(config, "n_group", None) or getattr(config, "num_expert_group", 1) or 1
+        tg = getattr(config, "topk_group", 1) or 1
         if ng > 1:
             gs = choice.view(n, ng, -1).topk(2, dim=-1)[0].sum(-1)
             keep = torch.zeros_like(gs).scatter_(1, gs.topk(tg, dim=-1)[1], 1)
@@ -245,9 +263,11 @@ def main():
     ap.add_argument("--bad-checkpoints", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--debug", action="store_true")
+    ap.add_argument("--arch", choices=["deepseek_v3", "kimi_linear"], default="deepseek_v3")
     args = ap.parse_args()
-    global DEBUG
+    global DEBUG, ARCH
     DEBUG = args.debug
+    ARCH = args.arch
     work = tempfile.mkdtemp(prefix="mkc_k2_")
     rows, ckpt = [], None
     for seed in args.seeds:

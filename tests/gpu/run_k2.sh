@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the H200: the compiled K2-family models against transformers.
+# On the H200: the compiled K2-family and Kimi Linear models against transformers.
 #   tests/gpu/run_k2.sh [SEEDS...]   (libraries from scripts/build_model.sh under target/models/)
 # Logs and JSON reports go to $OUT (default /tmp/mkc_out); a table is printed last.
 set -uo pipefail
@@ -19,6 +19,7 @@ for dir in target/models/*/; do
     kimi_k2_bench*) continue ;;  # bench/k2_bench.py
     kimi_k2_tiny_h200) extra=(--bad-checkpoints) ;;
     kimi_k2_dims*) config=model_graphs/kimi_k2/test_2l16e.json ;;
+    kimi_linear_*) config=model_graphs/kimi_linear/tiny.json; extra=(--arch kimi_linear) ;;
   esac
   timeout 900 python3 tests/gpu/deepseek_v3_decode.py --lib "$lib" --config "$config" --seeds $seeds \
     --json "$out/$name.json" ${MKC_DEBUG:+--debug} "${extra[@]}" > "$out/$name.log" 2>&1 || status=1
