@@ -753,7 +753,10 @@ impl<'a> Gen<'a> {
         let mut ptrs = vec![];
         for v in [ops[0], ops[1], ops[2], ops[3], beta] {
             if op.nodes.contains(&v.node.index()) {
-                return Err(unsupported(op, &format!("KDA input {} computed inside the operation", g.node(v.node).name)));
+                return Err(unsupported(
+                    op,
+                    &format!("KDA input {} computed inside the operation", g.node(v.node).name),
+                ));
             }
             ptrs.push(self.value(v, op)?);
         }
