@@ -302,6 +302,22 @@ __device__ void ep_silu_and_mul(float* st, uint32_t n, Span g) {
   }
 }
 
+// gate = SiTU-GLU of (gate, up), K3's activation, the up rows at tile
+// columns [n/2, n): beta tanh(gate/beta) sigmoid(gate) * lin tanh(up/lin),
+// the up branch the identity when lin <= 0 (no linear beta configured).
+__device__ __forceinline__ float situ_glu(float x, float u, float beta, float lin) {
+  const float g = beta * tanhf(x / beta) / (1.f + expf(-x));
+  return g * (lin > 0.f ? lin * tanhf(u / lin) : u);
+}
+template <int B>
+__device__ void ep_situ_and_mul(float* st, uint32_t n, Span g, float beta, float lin) {
+  const uint32_t half = n / 2;
+  for (uint32_t i = threadIdx.x; i < B * g.len; i += kConsumerThreads) {
+    const uint32_t b = i / g.len, c = g.c0 + i % g.len;
+    st[b * n + c] = situ_glu(st[b * n + c], st[b * n + half + c], beta, lin);
+  }
+}
+
 template <int B, class T>
 __device__ void ep_add(float* st, uint32_t n, Span s, const T* other, uint32_t len) {
   for (uint32_t i = threadIdx.x; i < B * s.len; i += kConsumerThreads) {
@@ -865,6 +881,57 @@ __device__ void rows_compute_gated(const Rows& r, const T* x, const T* gate, uin
   gated_rms_norm_inplace<B>(xs, gate, heads, d, w, eps, sigmoid_act);
   consumer_sync();
   rows_pages<B>(r, static_cast<const float*>(xs), nullptr, nullptr, it, warp, st);
+}
+
+// ---------------------------------------------------------------------------
+// Block attention residuals (K3): the mix of the bank's rows and the current
+// row u, per token b,
+//   rows r_0..r_{n-1} = bank[j][b], r_n = u[b]
+//   s_j = (sum_d r_j[d] gamma[d] w[d]) rsqrt(mean_d r_j[d]^2 + eps)
+//   out[b, d] = sum_j softmax(s)_j r_j[d]            (fp32)
+// for output columns [d0, d1) (the scores always cover the whole row). The
+// bank is [n][B][hidden]; scores go to shared memory (a warp per row).
+constexpr uint32_t kMaxBankRows = 31;
+
+template <int B, class T>
+__device__ void attn_res_mix(const T* bank, uint32_t n, const T* u, const __nv_bfloat16* w, const __nv_bfloat16* gamma,
+                             float eps, uint32_t hidden, uint32_t d0, uint32_t d1, float* out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ float p[B][kMaxBankRows + 1];
+  if (n > kMaxBankRows) __trap();
+  auto row = [&](uint32_t j, int b) { return j < n ? bank + (size_t(j) * B + b) * hidden : u + size_t(b) * hidden; };
+  for (uint32_t i = warp; i < B * (n + 1); i += kConsumerWarps) {
+    const int b = int(i / (n + 1));
+    const uint32_t j = i % (n + 1);
+    const T* r = row(j, b);
+    float dot = 0.f, ss = 0.f;
+    for (uint32_t d = lane; d < hidden; d += 32) {
+      const float x = to_float(r[d]);
+      dot = fmaf(x, bf(gamma[d]) * bf(w[d]), dot);
+      ss = fmaf(x, x, ss);
+    }
+    dot = warp_sum(dot);
+    ss = warp_sum(ss);
+    if (lane == 0) p[b][j] = dot * rsqrtf(ss / float(hidden) + eps);
+  }
+  consumer_sync();
+  if (threadIdx.x < B) {
+    const int b = threadIdx.x;
+    float m = -INFINITY;
+    for (uint32_t j = 0; j <= n; ++j) m = fmaxf(m, p[b][j]);
+    float l = 0.f;
+    for (uint32_t j = 0; j <= n; ++j) l += (p[b][j] = expf(p[b][j] - m));
+    for (uint32_t j = 0; j <= n; ++j) p[b][j] /= l;
+  }
+  consumer_sync();
+  for (uint32_t i = threadIdx.x; i < B * (d1 - d0); i += kConsumerThreads) {
+    const int b = int(i / (d1 - d0));
+    const uint32_t d = d0 + i % (d1 - d0);
+    float acc = 0.f;
+    for (uint32_t j = 0; j <= n; ++j) acc = fmaf(p[b][j], to_float(row(j, b)[d]), acc);
+    out[size_t(b) * hidden + d] = acc;
+  }
+  consumer_sync();
 }
 
 // ---------------------------------------------------------------------------

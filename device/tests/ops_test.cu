@@ -5,7 +5,8 @@
 // router (with and without groups), expert slot assignment, the RoPE
 // epilogue, MLA split + combine over several KV splits with the current
 // position inside one of them, and KDA's short-conv and L2-norm epilogues,
-// decode step (both gate forms) and gated output norm. Each kernel runs the 256 consumer threads of
+// decode step (both gate forms) and gated output norm; K3's SiTU-GLU epilogue
+// and attention-residual mix. Each kernel runs the 256 consumer threads of
 // one CTA with the megakernel's shared memory. Every output element is
 // compared; every CUDA call is checked. Prints one line per test and exits 1
 // on any failure.
@@ -640,6 +641,94 @@ static void test_kda(std::mt19937& rng, uint32_t heads, uint32_t d, bool safe) {
     CHECK(cudaFree(ptr));
 }
 
+// ---------------------------------------------------------------------------
+// K3: SiTU-GLU epilogue and the attention-residual mix.
+struct K3Case {
+  float* st;
+  uint32_t n;
+  const float *bank, *u;
+  const __nv_bfloat16 *w, *gamma;
+  uint32_t rows, hidden;
+  float* out;
+};
+__device__ K3Case g_k3;
+__global__ void situ_kernel() {
+  const K3Case c = g_k3;
+  mkc::ep_situ_and_mul<kKB>(c.st, c.n, mkc::Span{0, 0, c.n / 2}, 4.f, 25.f);
+}
+__global__ void attn_res_kernel() {
+  const K3Case c = g_k3;
+  mkc::attn_res_mix<kKB>(c.bank, c.rows, c.u, c.w, c.gamma, 1e-6f, c.hidden, 0, c.hidden, c.out);
+}
+
+static void test_situ(std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const uint32_t n = 96;
+  std::vector<float> st(kKB * n);
+  for (auto& x : st) x = 8.f * nd(rng);  // well into tanh's saturation
+  K3Case c{};
+  c.st = upload(st);
+  c.n = n;
+  CHECK(cudaMemcpyToSymbol(g_k3, &c, sizeof c));
+  launch(situ_kernel, "situ");
+  const auto got = download(c.st, kKB * n);
+  double worst = 0;
+  for (int b = 0; b < kKB; ++b)
+    for (uint32_t j = 0; j < n / 2; ++j) {
+      const double g = st[b * n + j], u = st[b * n + n / 2 + j];
+      const double want = 4.0 * std::tanh(g / 4.0) / (1 + std::exp(-g)) * (25.0 * std::tanh(u / 25.0));
+      worst = std::max(worst, std::abs(want - got[b * n + j]) / std::max(1.0, std::abs(want)));
+    }
+  char detail[96];
+  std::snprintf(detail, sizeof detail, "beta 4, linear beta 25: max rel error %.2e", worst);
+  report("SiTU-GLU epilogue", worst < 1e-5, detail);
+  CHECK(cudaFree(c.st));
+}
+
+static void test_attn_res(std::mt19937& rng, uint32_t rows, uint32_t hidden) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> bank(size_t(rows) * kKB * hidden), u(kKB * hidden);
+  for (auto& x : bank) x = nd(rng);
+  for (auto& x : u) x = nd(rng);
+  std::vector<__nv_bfloat16> w(hidden), gamma(hidden);
+  for (auto& x : w) x = __float2bfloat16(nd(rng) / std::sqrt(float(hidden)) * 4.f);
+  for (auto& x : gamma) x = __float2bfloat16(1.f + 0.1f * nd(rng));
+  K3Case c{};
+  c.bank = upload(bank), c.u = upload(u), c.w = upload(w), c.gamma = upload(gamma);
+  c.rows = rows, c.hidden = hidden;
+  c.out = upload(std::vector<float>(kKB * hidden, NAN));
+  CHECK(cudaMemcpyToSymbol(g_k3, &c, sizeof c));
+  launch(attn_res_kernel, "attn_res_mix");
+  const auto got = download(c.out, kKB * hidden);
+  double worst = 0;
+  for (int b = 0; b < kKB; ++b) {
+    std::vector<double> s(rows + 1);
+    auto r = [&](uint32_t j, uint32_t d) {
+      return j < rows ? double(bank[(size_t(j) * kKB + b) * hidden + d]) : double(u[b * hidden + d]);
+    };
+    for (uint32_t j = 0; j <= rows; ++j) {
+      double dot = 0, ss = 0;
+      for (uint32_t d = 0; d < hidden; ++d) {
+        dot += r(j, d) * __bfloat162float(gamma[d]) * __bfloat162float(w[d]);
+        ss += r(j, d) * r(j, d);
+      }
+      s[j] = dot / std::sqrt(ss / hidden + 1e-6);
+    }
+    const double m = *std::max_element(s.begin(), s.end());
+    double l = 0;
+    for (auto& x : s) l += (x = std::exp(x - m));
+    for (uint32_t d = 0; d < hidden; ++d) {
+      double want = 0;
+      for (uint32_t j = 0; j <= rows; ++j) want += s[j] / l * r(j, d);
+      worst = std::max(worst, std::abs(want - got[b * hidden + d]));
+    }
+  }
+  char detail[96];
+  std::snprintf(detail, sizeof detail, "%u bank rows + the current, hidden %u: max abs error %.2e", rows, hidden, worst);
+  report("attention-residual mix", worst < 1e-4, detail);
+  for (void* p : {(void*)c.bank, (void*)c.u, (void*)c.w, (void*)c.gamma, (void*)c.out}) CHECK(cudaFree(p));
+}
+
 int main() {
   std::mt19937 rng(std::random_device{}());
   test_rows<1>(rng, 40, 3, 37, 7168, false, true);  // ragged row blocks, 7 pages per row
@@ -659,6 +748,9 @@ int main() {
   test_conv_l2(rng);
   test_kda(rng, 4, 16, false);   // Kimi Linear tiny: softplus gate
   test_kda(rng, 4, 128, true);   // K3's head size and safe gate
+  test_situ(rng);
+  test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone
+  test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");
   return failures == 0 ? 0 : 1;
 }

@@ -112,6 +112,20 @@ fn ctype(d: DType) -> &'static str {
     }
 }
 
+/// The epilogue call of an act-and-mul on the gate span `span` (SiLU, or
+/// K3's SiTU with its two betas), or what is not supported.
+fn act_and_mul_call(attrs: &Attrs, span: &str) -> std::result::Result<String, String> {
+    match attrs.str("act") {
+        "silu" => Ok(format!("ep_silu_and_mul<kBatch>(st, n, {span});")),
+        "situ" => Ok(format!(
+            "ep_situ_and_mul<kBatch>(st, n, {span}, {}, {});",
+            float(attrs.float("beta")),
+            float(attrs.float("linear_beta"))
+        )),
+        a => Err(format!("act_and_mul with act \"{a}\"")),
+    }
+}
+
 fn align(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
@@ -456,10 +470,8 @@ impl<'a> Gen<'a> {
                         .get(&ops[0])
                         .cloned()
                         .ok_or_else(|| unsupported(op, "act_and_mul of values it does not compute"))?;
-                    if attrs.str("act") != "silu" {
-                        return Err(unsupported(op, &format!("act_and_mul with act \"{}\"", attrs.str("act"))));
-                    }
-                    let _ = writeln!(body, "  ep_silu_and_mul<kBatch>(st, n, {gate});\n  consumer_sync();");
+                    let call = act_and_mul_call(attrs, &gate).map_err(|a| unsupported(op, &a))?;
+                    let _ = writeln!(body, "  {call}\n  consumer_sync();");
                     span.insert(out, gate);
                 }
                 OpKind::Split => {
@@ -850,9 +862,7 @@ impl<'a> Gen<'a> {
             .find(|n| matches!(self.op_of(*n), Some((OpKind::Moe, _))))
             .expect("anchor");
         let (_, attrs) = self.op_of(n).expect("an op");
-        if attrs.str("act") != "silu" {
-            return Err(unsupported(op, &format!("experts with act \"{}\"", attrs.str("act"))));
-        }
+        let act_call = act_and_mul_call(attrs, "s").map_err(|a| unsupported(op, &format!("experts with {a}")))?;
         let ops = g.operands(n);
         let wg = g.value_type(ops[3]).clone();
         if wg.dtype != DType::Bf16 {
@@ -901,7 +911,7 @@ impl<'a> Gen<'a> {
              __device__ inline void stage_{up}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
              const Rows r = stage_{up}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
              rows_compute<kBatch>(r, {x}, {norm}, {}, it, warp, st);\n  consumer_sync();\n  \
-             const Span s = Span{{0, r.r0, r.r1 - r.r0}};\n  ep_silu_and_mul<kBatch>(st, n, s);\n  consumer_sync();\n  \
+             const Span s = Span{{0, r.r0, r.r1 - r.r0}};\n  {act_call}\n  consumer_sync();\n  \
              ep_store<kBatch>(st, n, s, {act} + size_t(t.a[0]) * kBatch * {i}, {i});\n}}",
             float(eps)
         );
