@@ -6,7 +6,7 @@
 // epilogue, MLA split + combine over several KV splits with the current
 // position inside one of them, and KDA's short-conv and L2-norm epilogues,
 // decode step (both gate forms) and gated output norm; K3's SiTU-GLU epilogue
-// and attention-residual mix. Each kernel runs the 256 consumer threads of
+// and attention-residual mix; MXFP4 rows through the page ring. Each kernel runs the 256 consumer threads of
 // one CTA with the megakernel's shared memory. Every output element is
 // compared; every CUDA call is checked. Prints one line per test and exits 1
 // on any failure.
@@ -138,6 +138,102 @@ static void test_rows(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t 
                 n_rows, k, pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "", worst);
   report("projection rows through the page ring", finite && worst < 1e-5, detail);
   for (void* p : {(void*)d_w0, (void*)d_w1, (void*)d_g, (void*)d_x, (void*)d_out}) CHECK(cudaFree(p));
+}
+
+// ---------------------------------------------------------------------------
+// MXFP4 rows through the page ring (codes through the ring, scales a page
+// ahead from global memory), against the dequantised weights in double.
+struct MxCase {
+  mkc::MxRows rows;
+  const float* x;
+  const __nv_bfloat16* norm;
+  float* out;
+};
+__device__ MxCase g_mx;
+
+template <int B>
+__global__ void mx_kernel() {
+  mkc::Ring& ring = *mkc::ring_ptr();
+  if (threadIdx.x == 0) mkc::ring_init(ring);
+  __syncthreads();
+  uint32_t it = 0;
+  const MxCase c = g_mx;
+  for (int rep = 0; rep < 2; ++rep) {
+    if (threadIdx.x / 32 == mkc::kConsumerWarps) {
+      mkc::mx_rows_load(c.rows, it);
+    } else {
+      mkc::mx_rows_compute<B>(c.rows, c.x, c.norm, 1e-6f, it, threadIdx.x / 32, c.out);
+      mkc::consumer_sync();
+    }
+  }
+}
+
+static double e2m1_ref(int c) {
+  static const double lut[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  return (c & 8) ? -lut[c & 7] : lut[c & 7];
+}
+
+template <int B>
+static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1, uint32_t k, bool pair, bool norm) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_int_distribution<int> byte(0, 255), sbyte(118, 126);
+  auto codes = [&] {
+    std::vector<uint8_t> v(size_t(n_rows) * k / 2);
+    for (auto& x : v) x = uint8_t(byte(rng));
+    return v;
+  };
+  auto scales = [&] {
+    std::vector<uint8_t> v(size_t(n_rows) * k / 32);
+    for (auto& x : v) x = uint8_t(sbyte(rng));
+    v[0] = 255;  // the NaN sentinel reads as 0
+    return v;
+  };
+  const auto c0 = codes(), c1 = codes();
+  const auto s0 = scales(), s1 = scales();
+  std::vector<float> x(size_t(B) * k);
+  for (auto& v : x) v = nd(rng);
+  std::vector<__nv_bfloat16> g(k);
+  for (auto& v : g) v = __float2bfloat16(1.f + 0.1f * nd(rng));
+  const uint32_t n = r1 - r0, cols = n * (pair ? 2 : 1);
+  MxCase c{mkc::MxRows{upload(c0), upload(s0), pair ? upload(c1) : nullptr, pair ? upload(s1) : nullptr, r0, r1, k},
+           upload(x), norm ? upload(g) : nullptr, upload(std::vector<float>(size_t(B) * cols, NAN))};
+  CHECK(cudaMemcpyToSymbol(g_mx, &c, sizeof c));
+  launch_with_loader(mx_kernel<B>);
+  const auto out = download(c.out, size_t(B) * cols);
+  double worst = 0;
+  bool finite = true;
+  for (int b = 0; b < B; ++b) {
+    double sc = 1;
+    if (norm) {
+      double ss = 0;
+      for (uint32_t e = 0; e < k; ++e) ss += double(x[b * k + e]) * x[b * k + e];
+      sc = 1 / std::sqrt(ss / k + 1e-6);
+    }
+    for (uint32_t j = 0; j < cols; ++j) {
+      const auto& cv = j < n ? c0 : c1;
+      const auto& sv = j < n ? s0 : s1;
+      const size_t row = r0 + (j < n ? j : j - n);
+      double ref = 0, mag = 0;
+      for (uint32_t e = 0; e < k; ++e) {
+        const int code = (cv[row * k / 2 + e / 2] >> (4 * (e % 2))) & 15;
+        const int sb = sv[row * k / 32 + e / 32];
+        const double w = e2m1_ref(code) * (sb == 255 ? 0.0 : std::ldexp(1.0, sb - 127));
+        const double xe = double(x[b * k + e]) * (norm ? sc * double(__bfloat162float(g[e])) : 1.0);
+        ref += w * xe;
+        mag += std::abs(w * xe);
+      }
+      const float got = out[size_t(b) * cols + j];
+      finite &= std::isfinite(got);
+      worst = std::max(worst, std::abs(got - ref) / (mag + 1e-30));
+    }
+  }
+  char detail[160];
+  std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s: max error / sum|terms| %.2e", B, r0, r1,
+                n_rows, k, pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "", worst);
+  report("MXFP4 rows through the page ring", finite && worst < 1e-5, detail);
+  for (const void* p : {(const void*)c.rows.c0, (const void*)c.rows.s0, (const void*)c.rows.c1,
+                        (const void*)c.rows.s1, (const void*)c.x, (const void*)c.norm, (const void*)c.out})
+    if (p != nullptr) CHECK(cudaFree(const_cast<void*>(p)));
 }
 
 // ---------------------------------------------------------------------------
@@ -749,6 +845,9 @@ int main() {
   test_kda(rng, 4, 16, false);   // Kimi Linear tiny: softplus gate
   test_kda(rng, 4, 128, true);   // K3's head size and safe gate
   test_situ(rng);
+  test_mx<1>(rng, 40, 3, 37, 3584, true, false);  // K3's latent width: a full and a partial chunk
+  test_mx<4>(rng, 16, 0, 16, 64, false, true);    // tiny widths
+  test_mx<1>(rng, 24, 8, 24, 3072, false, false);
   test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone
   test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");
