@@ -370,6 +370,8 @@ fn k2_program_covers_every_stage() {
         ("kimi_k2", "bench_4l64e.json", 8),
         ("kimi_linear", "tiny.json", 1),
         ("kimi_linear", "tiny.json", 4),
+        ("kimi_k3", "tiny.json", 1),
+        ("kimi_k3", "tiny.json", 4),
     ] {
         let v = compile(model, config);
         let config = format!("{model} {config}");
@@ -389,8 +391,8 @@ fn k2_program_covers_every_stage() {
             assert!(run.contains(&case), "{config}: stage {} ({:?}) has no device code", s.id, s.kind);
             use plan::tile::TaskKind as K;
             let streams = matches!(s.kind, K::ProjectionRows | K::LmHeadRows | K::ExpertUp | K::ExpertDown);
-            let load_case = format!("case {}: rows_load(", s.id);
-            assert_eq!(load.contains(&load_case), streams, "{config}: stage {} loader case", s.id);
+            let loads = ["rows_load(", "mx_rows_load("].iter().any(|f| load.contains(&format!("case {}: {f}", s.id)));
+            assert_eq!(loads, streams, "{config}: stage {} loader case", s.id);
         }
         let args = program.lines().filter(|l| l.starts_with("    { ") && l.ends_with("} },")).count();
         assert_eq!(args, p.tiling.tasks.len(), "{config}: one argument row per task");
@@ -398,17 +400,35 @@ fn k2_program_covers_every_stage() {
     }
 }
 
-/// Graphs with operations the device library does not compute yet (K3's
-/// attention residuals and latent MoE) are refused by name (codegen without
-/// --tables-only), never emitted with gaps.
+/// Graphs with operations the device library does not compute are refused
+/// by name (codegen without --tables-only), never emitted with gaps: a
+/// softmax router, and K3 at a batch whose MLA output gate no longer fits the
+/// staged input.
 #[test]
 fn codegen_refuses_what_it_cannot_compute() {
-    let v = compile("kimi_k3", "tiny.json");
-    let t = Target::load("h200").unwrap();
-    let p = plan::plan(&v, &t, Options::default()).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("model_graphs");
     let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
+    let t = Target::load("h200").unwrap();
+    // A softmax router.
+    let source = std::fs::read_to_string(root.join("kimi_k2/graph.mkc")).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("kimi_k2/tiny.json")).unwrap()).unwrap();
+    cfg["scoring_func"] = "softmax".into();
+    let v = compile_with(&source, &Config::parse(&cfg.to_string(), "softmax.json").unwrap());
+    let p = plan::plan(&v, &t, Options::default()).unwrap();
     let err = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap_err().to_string();
-    assert!(err.contains("codegen: fused operation") && err.contains("not compute yet"), "kimi_k3: {err}");
+    assert!(err.contains("codegen: fused operation") && err.contains("router scoring \"softmax\""), "{err}");
+    // K3 with 96 MLA heads of 128 at batch 8: 384 KiB of gated input per step.
+    let source = std::fs::read_to_string(root.join("kimi_k3/graph.mkc")).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("kimi_k3/tiny.json")).unwrap()).unwrap();
+    let text = if cfg.get("text_config").is_some() { &mut cfg["text_config"] } else { &mut cfg };
+    text["num_attention_heads"] = 96.into();
+    text["v_head_dim"] = 128.into();
+    let v = compile_with(&source, &Config::parse(&cfg.to_string(), "wide.json").unwrap());
+    let p = plan::plan(&v, &t, Options { batch: 8, ..Options::default() }).unwrap();
+    let err = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap_err().to_string();
+    assert!(err.contains("codegen: fused operation") && err.contains("staged input"), "{err}");
 }
 
 /// The arena layout the program uses: every slot inside its buffer, buffers

@@ -471,6 +471,19 @@ __device__ void ep_situ_and_mul(float* st, uint32_t n, Span g, float beta, float
   }
 }
 
+// A bank with one more row, the new row being the tile's span s (K3's block
+// snapshot): for the span's columns, bank_new [B][rows + 1][hidden] takes
+// bank [B][rows][hidden] and then the tile's values.
+template <int B, class T>
+__device__ void ep_stack(const float* st, uint32_t n, Span s, const T* bank, uint32_t rows, uint32_t hidden,
+                         T* bank_new) {
+  for (uint32_t i = threadIdx.x; i < B * (rows + 1) * s.len; i += kConsumerThreads) {
+    const uint32_t b = i / ((rows + 1) * s.len), j = (i / s.len) % (rows + 1), c = i % s.len, e = s.e0 + c;
+    bank_new[(size_t(b) * (rows + 1) + j) * hidden + e] =
+        j < rows ? bank[(size_t(b) * rows + j) * hidden + e] : from_float<T>(st[b * n + s.c0 + c]);
+  }
+}
+
 template <int B, class T>
 __device__ void ep_add(float* st, uint32_t n, Span s, const T* other, uint32_t len) {
   for (uint32_t i = threadIdx.x; i < B * s.len; i += kConsumerThreads) {
@@ -1043,7 +1056,8 @@ __device__ void rows_compute_gated(const Rows& r, const T* x, const T* gate, uin
 //   s_j = (sum_d r_j[d] gamma[d] w[d]) rsqrt(mean_d r_j[d]^2 + eps)
 //   out[b, d] = sum_j softmax(s)_j r_j[d]            (fp32)
 // for output columns [d0, d1) (the scores always cover the whole row). The
-// bank is [n][B][hidden]; scores go to shared memory (a warp per row).
+// bank is [B][n][hidden] (a value of n rows per token); scores go to shared
+// memory (a warp per row).
 constexpr uint32_t kMaxBankRows = 31;
 
 template <int B, class T>
@@ -1052,7 +1066,7 @@ __device__ void attn_res_mix(const T* bank, uint32_t n, const T* u, const __nv_b
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ float p[B][kMaxBankRows + 1];
   if (n > kMaxBankRows) __trap();
-  auto row = [&](uint32_t j, int b) { return j < n ? bank + (size_t(j) * B + b) * hidden : u + size_t(b) * hidden; };
+  auto row = [&](uint32_t j, int b) { return j < n ? bank + (size_t(b) * n + j) * hidden : u + size_t(b) * hidden; };
   for (uint32_t i = warp; i < B * (n + 1); i += kConsumerWarps) {
     const int b = int(i / (n + 1));
     const uint32_t j = i % (n + 1);
@@ -1085,6 +1099,34 @@ __device__ void attn_res_mix(const T* bank, uint32_t n, const T* u, const __nv_b
     out[size_t(b) * hidden + d] = acc;
   }
   consumer_sync();
+}
+
+// A bank with one more row: out [B][n + 1][hidden] = (bank [B][n][hidden],
+// row [B][hidden]); bank may be null when n is 0.
+template <int B, class T, class U>
+__device__ void stack_rows(const T* bank, uint32_t n, const U* row, uint32_t hidden, T* out) {
+  for (uint32_t i = threadIdx.x; i < B * (n + 1) * hidden; i += kConsumerThreads) {
+    const uint32_t b = i / ((n + 1) * hidden), j = (i / hidden) % (n + 1), d = i % hidden;
+    out[i] = j < n ? bank[(size_t(b) * n + j) * hidden + d] : from_float<T>(to_float(row[size_t(b) * hidden + d]));
+  }
+  consumer_sync();
+}
+
+// Projection rows whose input is an element-wise gated value (K3's MLA
+// output gate): x' = x * sigmoid(g) (or x * g), staged in shared memory (it
+// must fit in kActivationBytes; the code generator checks).
+template <int B, class T, class G>
+__device__ void rows_compute_mul(const Rows& r, const T* x, const G* g, int sigmoid_gate, uint32_t& it, int warp,
+                                 float* st) {
+  const uint32_t n = uint32_t(B) * r.k;
+  if (size_t(n) * sizeof(float) > size_t(kActivationBytes)) __trap();
+  float* xs = activation_ptr();
+  for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) {
+    const float gv = to_float(g[i]);
+    xs[i] = to_float(x[i]) * (sigmoid_gate ? 1.f / (1.f + expf(-gv)) : gv);
+  }
+  consumer_sync();
+  rows_pages<B>(r, static_cast<const float*>(xs), nullptr, nullptr, it, warp, st);
 }
 
 // ---------------------------------------------------------------------------
@@ -1189,6 +1231,8 @@ __device__ void router(const RouterShape& r, const float* logits, const float* b
 struct MoeShape {
   uint32_t experts, top_k, inter, hidden, slots;
   uint32_t gate_base, up_base, down_base;  // weight index of expert 0's tensors
+  // MXFP4 experts: expert e's codes at base + stride e, its scales right after.
+  uint32_t stride = 1;
 };
 
 // The slot-th smallest distinct value of ids[0..n), or -1: distinct values
@@ -1229,6 +1273,21 @@ __device__ inline Rows expert_rows(const MoeShape& s, uint32_t slot, uint32_t r0
   if (down) return Rows{static_cast<const __nv_bfloat16*>(w[s.down_base + e]), nullptr, r0, r1, s.inter};
   return Rows{static_cast<const __nv_bfloat16*>(w[s.gate_base + e]), static_cast<const __nv_bfloat16*>(w[s.up_base + e]),
               r0, r1, s.hidden};
+}
+
+// The MXFP4 rows of an expert task (as expert_rows).
+template <int B>
+__device__ inline MxRows expert_mx_rows(const MoeShape& s, uint32_t slot, uint32_t r0, uint32_t r1, void* const* w,
+                                       const int32_t* ids, bool down) {
+  const int e = slot_expert<B>(ids, B * s.top_k, slot);
+  auto u8 = [&](uint32_t i) { return static_cast<const uint8_t*>(w[i]); };
+  if (e < 0) return MxRows{nullptr, nullptr, nullptr, nullptr, 0, 0, down ? s.inter : s.hidden};
+  if (down) {
+    const uint32_t i = s.down_base + s.stride * uint32_t(e);
+    return MxRows{u8(i), u8(i + 1), nullptr, nullptr, r0, r1, s.inter};
+  }
+  const uint32_t g = s.gate_base + s.stride * uint32_t(e), u = s.up_base + s.stride * uint32_t(e);
+  return MxRows{u8(g), u8(g + 1), u8(u), u8(u + 1), r0, r1, s.hidden};
 }
 
 // routed[b, d] = sum_j weight[b, j] out[slot(ids[b, j]), b, d], for column

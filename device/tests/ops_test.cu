@@ -800,7 +800,7 @@ static void test_attn_res(std::mt19937& rng, uint32_t rows, uint32_t hidden) {
   for (int b = 0; b < kKB; ++b) {
     std::vector<double> s(rows + 1);
     auto r = [&](uint32_t j, uint32_t d) {
-      return j < rows ? double(bank[(size_t(j) * kKB + b) * hidden + d]) : double(u[b * hidden + d]);
+      return j < rows ? double(bank[(size_t(b) * rows + j) * hidden + d]) : double(u[b * hidden + d]);
     };
     for (uint32_t j = 0; j <= rows; ++j) {
       double dot = 0, ss = 0;

@@ -685,7 +685,7 @@ __device__ inline void stage_14(const TaskArgs&, const Memory& m) {
   router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), static_cast<const float*>(m.w[25]), reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer0 + 16));
 }
 
-__device__ constexpr MoeShape moe_66{8, 2, 32, 64, 2, 26, 34, 42};
+__device__ constexpr MoeShape moe_66{8, 2, 32, 64, 2, 26, 34, 42, 1};
 
 // Stage 15: one expert slot's gate/up rows of fused operation 13, layer.1/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.1/decoder_layer/moe_mlp/routed (109:12)
@@ -911,7 +911,7 @@ __device__ inline void stage_25(const TaskArgs&, const Memory& m) {
   router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), static_cast<const float*>(m.w[63]), reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer0 + 16));
 }
 
-__device__ constexpr MoeShape moe_106{8, 2, 32, 64, 2, 64, 72, 80};
+__device__ constexpr MoeShape moe_106{8, 2, 32, 64, 2, 64, 72, 80, 1};
 
 // Stage 26: one expert slot's gate/up rows of fused operation 21, layer.2/decoder_layer/moe_mlp/moe(routed)
 //   moe layer.2/decoder_layer/moe_mlp/routed (109:12)

@@ -671,7 +671,7 @@ __device__ inline void stage_14(const TaskArgs&, const Memory& m) {
   router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[41]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16));
 }
 
-__device__ constexpr MoeShape moe_102{8, 2, 32, 64, 2, 42, 50, 58};
+__device__ constexpr MoeShape moe_102{8, 2, 32, 64, 2, 42, 50, 58, 1};
 
 // Stage 15: one expert slot's gate/up rows of fused operation 15, layer.1/decoder_layer/moe_mlp/moe(out)
 //   moe layer.1/decoder_layer/moe_mlp/out (124:9)
@@ -928,7 +928,7 @@ __device__ inline void stage_25(const TaskArgs&, const Memory& m) {
   router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[87]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16));
 }
 
-__device__ constexpr MoeShape moe_160{8, 2, 32, 64, 2, 88, 96, 104};
+__device__ constexpr MoeShape moe_160{8, 2, 32, 64, 2, 88, 96, 104, 1};
 
 // Stage 26: one expert slot's gate/up rows of fused operation 24, layer.2/decoder_layer/moe_mlp/moe(out)
 //   moe layer.2/decoder_layer/moe_mlp/out (124:9)
@@ -1121,7 +1121,7 @@ __device__ inline void stage_35(const TaskArgs&, const Memory& m) {
   router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer6 + 0), static_cast<const float*>(m.w[123]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16));
 }
 
-__device__ constexpr MoeShape moe_194{8, 2, 32, 64, 2, 124, 132, 140};
+__device__ constexpr MoeShape moe_194{8, 2, 32, 64, 2, 124, 132, 140, 1};
 
 // Stage 36: one expert slot's gate/up rows of fused operation 31, layer.3/decoder_layer/moe_mlp/moe(out)
 //   moe layer.3/decoder_layer/moe_mlp/out (124:9)

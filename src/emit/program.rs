@@ -319,7 +319,7 @@ impl<'a> Gen<'a> {
             FusedKind::Router => self.router(op),
             FusedKind::Moe => self.moe(op),
             FusedKind::KdaDecode => self.kda(op),
-            FusedKind::AttnRes => Err(unsupported(op, "the attention-residual mix")),
+            FusedKind::AttnRes => self.attn_res(op),
             FusedKind::Elementwise => Err(unsupported(op, "a stand-alone element-wise operation")),
         }
     }
@@ -332,10 +332,29 @@ impl<'a> Gen<'a> {
         let table = self.weight(ops[1].node, 0)?;
         let hidden = self.g.value_type(ops[1]).shape[1];
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
+        // A stack epilogue (K3: the embedding is the bank's first snapshot).
+        let mut extra = String::new();
+        for &e in &op.nodes[1..] {
+            let e = nid(e);
+            match self.op_of(e) {
+                Some((OpKind::Stack, _)) => {
+                    let sops = self.g.operands(e);
+                    if sops.len() != 1 || sops[0].node != n {
+                        return Err(unsupported(op, "an embedding epilogue that stacks more than its row"));
+                    }
+                    let bank = self.value(ValueRef { node: e, output: 0 }, op)?;
+                    let _ = write!(
+                        extra,
+                        "\n  consumer_sync();\n  stack_rows<kBatch>(static_cast<const float*>(nullptr), 0, {out}, {hidden}, {bank});"
+                    );
+                }
+                _ => return Err(unsupported(op, &format!("an embedding epilogue {}", self.g.node(e).name))),
+            }
+        }
         self.header(stage, op, "token rows");
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  embedding<kBatch>({table}, m.tokens, {hidden}, {out});\n}}"
+            "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  embedding<kBatch>({table}, m.tokens, {hidden}, {out});{extra}\n}}"
         );
         self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
         Ok(())
@@ -361,9 +380,32 @@ impl<'a> Gen<'a> {
                 return Err(unsupported(op, "linears with different inputs in one projection"));
             }
         }
-        // The prologue: none, an RMSNorm, or KDA's gated output norm.
+        // The prologue: none, an RMSNorm, KDA's gated output norm, or an
+        // element-wise gate (x * sigmoid(g), K3's MLA output gate).
         let gated = op.nodes.contains(&x.node.index()) && matches!(self.op_of(x.node), Some((OpKind::GatedRmsNorm, _)));
-        let (x_in, x_ptr, norm, eps, gate) = if gated {
+        let mul = op.nodes.contains(&x.node.index()) && matches!(self.op_of(x.node), Some((OpKind::Mul, _)));
+        let mut mul_gate: Option<(String, u32)> = None;
+        let mut extra_reads = vec![];
+        let (x_in, x_ptr, norm, eps, gate) = if mul {
+            let mops = g.operands(x.node);
+            let inside = |v: &ValueRef| op.nodes.contains(&v.node.index());
+            // One operand is the value, the other the gate (or its sigmoid, inside).
+            let (val, gv) = if inside(&mops[1]) || !inside(&mops[0]) { (mops[0], mops[1]) } else { (mops[1], mops[0]) };
+            if inside(&val) {
+                return Err(unsupported(op, "a gated input computed inside the operation"));
+            }
+            let (graw, sig) = if inside(&gv) {
+                match self.op_of(gv.node) {
+                    Some((OpKind::Sigmoid, _)) if !inside(&g.operands(gv.node)[0]) => (g.operands(gv.node)[0], 1),
+                    _ => return Err(unsupported(op, "a gate prologue other than a sigmoid of a value")),
+                }
+            } else {
+                (gv, 0)
+            };
+            extra_reads.push(graw);
+            mul_gate = Some((self.value(graw, op)?, sig));
+            (val, self.value(val, op)?, "nullptr".to_string(), 1e-6, None)
+        } else if gated {
             let (_, attrs) = self.op_of(x.node).expect("an op");
             let gops = g.operands(x.node);
             if gops.iter().take(2).any(|v| op.nodes.contains(&v.node.index())) {
@@ -383,6 +425,16 @@ impl<'a> Gen<'a> {
         };
         let k = g.value_type(x_in).elements();
         let mut reads = vec![x_in];
+        reads.extend(extra_reads);
+        if mul_gate.is_some() && self.batch * k * 4 > ACTIVATION_BYTES {
+            return Err(unsupported(
+                op,
+                &format!(
+                    "a gated input of {k} channels at batch {} (the staged input holds {ACTIVATION_BYTES} bytes)",
+                    self.batch
+                ),
+            ));
+        }
         if let Some((gv, _, d, _)) = &gate {
             reads.push(*gv);
             if d == &0 || !k.is_multiple_of(*d) || self.batch * k * 4 > ACTIVATION_BYTES {
@@ -460,7 +512,8 @@ impl<'a> Gen<'a> {
             let comment = format!("  // {} {}", kind.name(), self.where_(n));
             let _ = writeln!(body, "{comment}");
             match kind {
-                OpKind::RmsNorm | OpKind::GatedRmsNorm if n == x.node => continue,
+                OpKind::RmsNorm | OpKind::GatedRmsNorm | OpKind::Mul if n == x.node => continue,
+                OpKind::Sigmoid if mul_gate.is_some() && g.operands(x.node).iter().any(|v| v.node == n) => continue,
                 OpKind::Linear | OpKind::LmHead => {
                     let s = new_span(&mut body, format!("linear_span(t, {})", n.index()));
                     span.insert(out, s);
@@ -542,6 +595,27 @@ impl<'a> Gen<'a> {
                         float(attrs.float("eps"))
                     );
                     span.insert(out, src);
+                }
+                OpKind::Stack => {
+                    // The bank with this row appended: the row is a span of the tile.
+                    if ops.len() != 2 {
+                        return Err(unsupported(op, "a stack epilogue that starts a bank"));
+                    }
+                    let src = span
+                        .get(&ops[1])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "a stack of a row it does not compute"))?;
+                    if op.nodes.contains(&ops[0].node.index()) {
+                        return Err(unsupported(op, "a stack of a bank computed inside the operation"));
+                    }
+                    let hidden = g.value_type(ops[1]).elements();
+                    let rows = g.value_type(ops[0]).elements() / hidden.max(1);
+                    let bank = self.value(ops[0], op)?;
+                    reads.push(ops[0]);
+                    let dst = self.value(out, op)?;
+                    let _ = writeln!(body, "  ep_stack<kBatch>(st, n, {src}, {bank}, {rows}, {hidden}, {dst});");
+                    // The stacked bank is stored here, not through a span.
+                    continue;
                 }
                 OpKind::ConvUpdate => {
                     let src = span
@@ -633,9 +707,10 @@ impl<'a> Gen<'a> {
             self.code,
             "__device__ inline Rows stage_{rows_stage}_rows(const TaskArgs& t, const Memory& m) {{\n{rows}  return r;\n}}"
         );
-        let compute = match &gate {
-            None => format!("rows_compute<kBatch>(r, {x_ptr}, {norm}, {}, it, warp, st);", float(eps)),
-            Some((_, gptr, d, act)) => format!(
+        let compute = match (&gate, &mul_gate) {
+            (None, Some((gptr, sig))) => format!("rows_compute_mul<kBatch>(r, {x_ptr}, {gptr}, {sig}, it, warp, st);"),
+            (None, None) => format!("rows_compute<kBatch>(r, {x_ptr}, {norm}, {}, it, warp, st);", float(eps)),
+            (Some((_, gptr, d, act)), _) => format!(
                 "rows_compute_gated<kBatch>(r, {x_ptr}, {gptr}, {}, {d}, {norm}, {}, {act}, it, warp, st);",
                 k / d,
                 float(eps)
@@ -808,6 +883,41 @@ impl<'a> Gen<'a> {
         Ok(())
     }
 
+    /// The attention-residual mix (K3): one task, the whole row.
+    fn attn_res(&mut self, op: &FusedOp) -> Result<()> {
+        let g = self.g;
+        let stage = self.last_stage(op);
+        self.place_outputs(op, stage)?;
+        if op.nodes.len() != 1 {
+            return Err(unsupported(op, "an attention-residual mix fused with other operations"));
+        }
+        let n = nid(op.nodes[0]);
+        let Some((OpKind::AttnResMix, attrs)) = self.op_of(n) else {
+            return Err(unsupported(op, "an attention-residual operation that is not the mix"));
+        };
+        let ops = g.operands(n);
+        let hidden = g.value_type(ops[0]).elements();
+        let bt = g.value_type(ops[1]);
+        let rows = bt.elements() / hidden.max(1);
+        if rows > 31 {
+            return Err(unsupported(op, &format!("an attention-residual bank of {rows} rows (at most 31)")));
+        }
+        let u = self.value(ops[0], op)?;
+        let bank = self.value(ops[1], op)?;
+        let (w, gamma) = (self.weight(ops[2].node, 0)?, self.weight(ops[3].node, 0)?);
+        let out = self.value(ValueRef { node: n, output: 0 }, op)?;
+        self.check_reads(stage, &[ops[0], ops[1]])?;
+        self.header(stage, op, "the mix of the bank and the current row");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  \
+             attn_res_mix<kBatch>({bank}, {rows}, {u}, {w}, {gamma}, {}, {hidden}, 0, {hidden}, {out});\n}}",
+            float(attrs.float("eps"))
+        );
+        self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+        Ok(())
+    }
+
     fn router(&mut self, op: &FusedOp) -> Result<()> {
         let g = self.g;
         let stage = self.last_stage(op);
@@ -865,9 +975,11 @@ impl<'a> Gen<'a> {
         let act_call = act_and_mul_call(attrs, "s").map_err(|a| unsupported(op, &format!("experts with {a}")))?;
         let ops = g.operands(n);
         let wg = g.value_type(ops[3]).clone();
-        if wg.dtype != DType::Bf16 {
-            return Err(unsupported(op, &format!("{} expert weights", wg.dtype.name())));
-        }
+        let mx = match wg.dtype {
+            DType::Bf16 => false,
+            DType::Mxfp4 => true,
+            other => return Err(unsupported(op, &format!("{} expert weights", other.name()))),
+        };
         let (e, i, d) = (wg.shape[0], wg.shape[1], wg.shape[2]);
         let k = g.value_type(ops[1]).elements();
         let slots = (self.batch * k).min(e);
@@ -877,6 +989,33 @@ impl<'a> Gen<'a> {
         let wts = self.value(ops[2], op)?;
         let (bg, bu, bd) =
             (self.family_base(ops[3].node), self.family_base(ops[4].node), self.family_base(ops[5].node));
+        // MXFP4: each expert's codes then its scales, experts `stride` apart.
+        let stride = if mx { 2 } else { 1 };
+        if mx {
+            for w in [ops[3].node, ops[4].node, ops[5].node] {
+                let NodeKind::Weight(wt) = &g.node(w).kind else { unreachable!("a weight") };
+                let base = self.weight_index[&wt.key_at(0)];
+                for e in 0..wt.family.as_ref().map_or(1, |f| f.1) {
+                    let code = self.weight_index[&wt.key_at(e)];
+                    let scale = wt.scale_key_at(e).and_then(|k| self.weight_index.get(&k).copied());
+                    if code != base + 2 * e as usize || scale != Some(code + 1) {
+                        return Err(unsupported(op, "MXFP4 experts whose codes and scales are not listed in pairs"));
+                    }
+                }
+            }
+            if self.batch * d * 4 > ACTIVATION_BYTES || self.batch * i * 4 > ACTIVATION_BYTES {
+                return Err(unsupported(
+                    op,
+                    &format!(
+                        "MXFP4 experts at batch {} with widths {d} and {i} (the staged input holds {ACTIVATION_BYTES} bytes)",
+                        self.batch
+                    ),
+                ));
+            }
+            if !d.is_multiple_of(32) || !i.is_multiple_of(32) {
+                return Err(unsupported(op, "MXFP4 experts whose widths are not multiples of 32"));
+            }
+        }
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
         self.check_reads(up, &[x_in, ops[1]])?;
         self.check_reads(down, &[ops[1]])?;
@@ -888,9 +1027,15 @@ impl<'a> Gen<'a> {
         let down_at = self.reserve(down, self.batch * slots * d * 4)?;
         let _ = writeln!(
             self.code,
-            "\n__device__ constexpr MoeShape moe_{}{{{e}, {k}, {i}, {d}, {slots}, {bg}, {bu}, {bd}}};",
+            "\n__device__ constexpr MoeShape moe_{}{{{e}, {k}, {i}, {d}, {slots}, {bg}, {bu}, {bd}, {stride}}};",
             n.index()
         );
+        // The row type, its loader and its consumer.
+        let (rows_t, rows_fn, load_fn, compute_fn) = if mx {
+            ("MxRows", "expert_mx_rows", "mx_rows_load", "mx_rows_compute")
+        } else {
+            ("Rows", "expert_rows", "rows_load", "rows_compute")
+        };
         let act = format!("reinterpret_cast<float*>({act_at})");
         let dn = format!("reinterpret_cast<float*>({down_at})");
         let i_ = n.index();
@@ -906,11 +1051,11 @@ impl<'a> Gen<'a> {
         self.header(up, op, "one expert slot's gate/up rows");
         let _ = writeln!(
             self.code,
-            "__device__ inline Rows stage_{up}_rows(const TaskArgs& t, const Memory& m) {{\n  \
-             return expert_rows<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, false);\n}}\n\
+            "__device__ inline {rows_t} stage_{up}_rows(const TaskArgs& t, const Memory& m) {{\n  \
+             return {rows_fn}<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, false);\n}}\n\
              __device__ inline void stage_{up}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
-             const Rows r = stage_{up}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
-             rows_compute<kBatch>(r, {x}, {norm}, {}, it, warp, st);\n  consumer_sync();\n  \
+             const {rows_t} r = stage_{up}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+             {compute_fn}<kBatch>(r, {x}, {norm}, {}, it, warp, st);\n  consumer_sync();\n  \
              const Span s = Span{{0, r.r0, r.r1 - r.r0}};\n  {act_call}\n  consumer_sync();\n  \
              ep_store<kBatch>(st, n, s, {act} + size_t(t.a[0]) * kBatch * {i}, {i});\n}}",
             float(eps)
@@ -918,11 +1063,11 @@ impl<'a> Gen<'a> {
         self.header(down, op, "one expert slot's down rows");
         let _ = writeln!(
             self.code,
-            "__device__ inline Rows stage_{down}_rows(const TaskArgs& t, const Memory& m) {{\n  \
-             return expert_rows<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, true);\n}}\n\
+            "__device__ inline {rows_t} stage_{down}_rows(const TaskArgs& t, const Memory& m) {{\n  \
+             return {rows_fn}<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, true);\n}}\n\
              __device__ inline void stage_{down}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
-             const Rows r = stage_{down}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
-             rows_compute<kBatch>(r, {act} + size_t(t.a[0]) * kBatch * {i}, nullptr, 1e-6f, it, warp, st);\n  \
+             const {rows_t} r = stage_{down}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+             {compute_fn}<kBatch>(r, {act} + size_t(t.a[0]) * kBatch * {i}, nullptr, 1e-6f, it, warp, st);\n  \
              consumer_sync();\n  \
              ep_store<kBatch>(st, n, Span{{0, r.r0, r.r1 - r.r0}}, {dn} + size_t(t.a[0]) * kBatch * {d}, {d});\n}}"
         );
@@ -935,7 +1080,7 @@ impl<'a> Gen<'a> {
         self.load_waits.push((up, counter.id as u32, counter.expected));
         self.load_waits.push((down, counter.id as u32, counter.expected));
         for s in [up, down] {
-            self.load_cases.push(format!("case {s}: rows_load(stage_{s}_rows(t, m), it); break;"));
+            self.load_cases.push(format!("case {s}: {load_fn}(stage_{s}_rows(t, m), it); break;"));
         }
         self.header(combine, op, "weighted sum of the slots");
         let _ = writeln!(
