@@ -5,6 +5,7 @@
 #   kimi_k2_dims_2l16e_h200                     K2 per-layer dimensions, 2 layers, 16 experts
 #   kimi_k2_bench_h200, kimi_k2_bench_b8_h200   the benchmark config, batch 1 and 8
 #   kimi_linear_tiny_h200, kimi_linear_tiny_b4_h200   Kimi Linear's tiny config, batch 1 and 4
+#   kimi_k3_tiny_h200, kimi_k3_tiny_b4_h200           K3's tiny config (MXFP4 experts), batch 1 and 4
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --quiet
@@ -20,4 +21,6 @@ kimi_k2:kimi_k2_bench_h200:bench_4l64e.json:1
 kimi_k2:kimi_k2_bench_b8_h200:bench_4l64e.json:8
 kimi_linear:kimi_linear_tiny_h200:tiny.json:1
 kimi_linear:kimi_linear_tiny_b4_h200:tiny.json:4
+kimi_k3:kimi_k3_tiny_h200:tiny.json:1
+kimi_k3:kimi_k3_tiny_b4_h200:tiny.json:4
 LIST

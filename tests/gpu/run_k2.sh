@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the H200: the compiled K2-family and Kimi Linear models against transformers.
+# On the H200: the compiled K2-family and Kimi Linear models against transformers,
+# and K3 against the project's K3 reference (tests/gpu/k3_decode.py).
 #   tests/gpu/run_k2.sh [SEEDS...]   (libraries from scripts/build_model.sh under target/models/)
 # Logs and JSON reports go to $OUT (default /tmp/mkc_out); a table is printed last.
 set -uo pipefail
@@ -21,8 +22,15 @@ for dir in target/models/*/; do
     kimi_k2_dims*) config=model_graphs/kimi_k2/test_2l16e.json ;;
     kimi_linear_*) config=model_graphs/kimi_linear/tiny.json; extra=(--arch kimi_linear) ;;
   esac
-  timeout 900 python3 tests/gpu/deepseek_v3_decode.py --lib "$lib" --config "$config" --seeds $seeds \
-    --json "$out/$name.json" ${MKC_DEBUG:+--debug} "${extra[@]}" > "$out/$name.log" 2>&1 || status=1
+  script=tests/gpu/deepseek_v3_decode.py
+  case "$name" in kimi_k3_*) script=tests/gpu/k3_decode.py; config=model_graphs/kimi_k3/tiny.json; extra=() ;; esac
+  if [ "$script" = tests/gpu/k3_decode.py ]; then
+    timeout 900 python3 "$script" --lib "$lib" --config "$config" --seeds $seeds --json "$out/$name.json" \
+      > "$out/$name.log" 2>&1 || status=1
+  else
+    timeout 900 python3 "$script" --lib "$lib" --config "$config" --seeds $seeds \
+      --json "$out/$name.json" ${MKC_DEBUG:+--debug} "${extra[@]}" > "$out/$name.log" 2>&1 || status=1
+  fi
   summary+=("$(grep -v '^$' "$out/$name.log" | tail -n 12)")
 done
 printf '%s\n\n' "${summary[@]}"
