@@ -234,6 +234,32 @@ __device__ void rows_pages(const Rows& r, const T* x, const __nv_bfloat16* norm,
   }
 }
 
+// Copies x [B, k] into the shared-memory activation area as fp32, RMS-normed
+// there (x * rsqrt(mean(x^2) + eps) * norm, per token) when `norm` is given;
+// returns it, complete for every consumer. The caller checks that it fits.
+template <int B, class T>
+__device__ float* stage_input(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps) {
+  __shared__ float scale[B];
+  const uint32_t n = uint32_t(B) * k;
+  float* xs = activation_ptr();
+  for (uint32_t i = threadIdx.x * 4; i < n; i += kConsumerThreads * 4) {
+    *reinterpret_cast<float4*>(xs + i) = load_four(x + i);
+  }
+  if (norm != nullptr) {
+    consumer_sync();
+    for (int b = 0; b < B; ++b) {
+      float ss = 0.f;
+      for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) ss = fmaf(xs[b * k + e], xs[b * k + e], ss);
+      ss = block_sum(ss);
+      if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(k) + eps);
+    }
+    consumer_sync();
+    for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) xs[i] = xs[i] * scale[i / k] * bf(norm[i % k]);
+  }
+  consumer_sync();
+  return xs;
+}
+
 // Rows of y = x' W^T into the staging tile st [B, cols] (fp32), the weights
 // streamed by rows_load through the page ring; x' = x, or RMSNorm(x) * norm
 // when `norm` is given (the prologue; the scale per token computed here from
@@ -244,28 +270,8 @@ template <int B, class T>
 __device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* norm, float eps,
                              uint32_t& it, int warp, float* st) {
   __shared__ float scale[B];
-  const uint32_t n = uint32_t(B) * r.k;
-  if (size_t(n) * sizeof(float) <= size_t(kActivationBytes)) {
-    float* xs = activation_ptr();
-    for (uint32_t i = threadIdx.x * 4; i < n; i += kConsumerThreads * 4) {
-      *reinterpret_cast<float4*>(xs + i) = load_four(x + i);
-    }
-    if (norm != nullptr) {
-      consumer_sync();
-      for (int b = 0; b < B; ++b) {
-        float ss = 0.f;
-        for (uint32_t e = threadIdx.x; e < r.k; e += kConsumerThreads) ss = fmaf(xs[b * r.k + e], xs[b * r.k + e], ss);
-        ss = block_sum(ss);
-        if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(r.k) + eps);
-      }
-      consumer_sync();
-      for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) {
-        const uint32_t e = i % r.k;
-        xs[i] = xs[i] * scale[i / r.k] * bf(norm[e]);
-      }
-    }
-    consumer_sync();
-    rows_pages<B>(r, static_cast<const float*>(xs), nullptr, scale, it, warp, st);
+  if (size_t(B) * r.k * sizeof(float) <= size_t(kActivationBytes)) {
+    rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps), nullptr, nullptr, it, warp, st);
     return;
   }
   if (norm != nullptr) {
@@ -402,26 +408,8 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
 template <int B, class T>
 __device__ void mx_rows_compute(const MxRows& r, const T* x, const __nv_bfloat16* norm, float eps, uint32_t& it,
                                 int warp, float* st) {
-  __shared__ float scale[B];
-  const uint32_t n = uint32_t(B) * r.k;
-  if (size_t(n) * sizeof(float) > size_t(kActivationBytes)) __trap();  // checked at codegen
-  float* xs = activation_ptr();
-  for (uint32_t i = threadIdx.x * 4; i < n; i += kConsumerThreads * 4) {
-    *reinterpret_cast<float4*>(xs + i) = load_four(x + i);
-  }
-  if (norm != nullptr) {
-    consumer_sync();
-    for (int b = 0; b < B; ++b) {
-      float ss = 0.f;
-      for (uint32_t e = threadIdx.x; e < r.k; e += kConsumerThreads) ss = fmaf(xs[b * r.k + e], xs[b * r.k + e], ss);
-      ss = block_sum(ss);
-      if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(r.k) + eps);
-    }
-    consumer_sync();
-    for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) xs[i] = xs[i] * scale[i / r.k] * bf(norm[i % r.k]);
-  }
-  consumer_sync();
-  mx_rows_pages<B>(r, xs, it, warp, st);
+  if (size_t(B) * r.k * sizeof(float) > size_t(kActivationBytes)) __trap();  // checked at codegen
+  mx_rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps), it, warp, st);
 }
 
 // ---------------------------------------------------------------------------
@@ -1037,13 +1025,8 @@ template <int B, class T>
 __device__ void rows_compute_gated(const Rows& r, const T* x, const T* gate, uint32_t heads, uint32_t d,
                                    const __nv_bfloat16* w, float eps, int sigmoid_act, uint32_t& it, int warp,
                                    float* st) {
-  const uint32_t n = uint32_t(B) * r.k;
-  if (size_t(n) * sizeof(float) > size_t(kActivationBytes) || heads * d != r.k) __trap();
-  float* xs = activation_ptr();
-  for (uint32_t i = threadIdx.x * 4; i < n; i += kConsumerThreads * 4) {
-    *reinterpret_cast<float4*>(xs + i) = load_four(x + i);
-  }
-  consumer_sync();
+  if (size_t(B) * r.k * sizeof(float) > size_t(kActivationBytes) || heads * d != r.k) __trap();
+  float* xs = stage_input<B>(x, r.k, static_cast<const __nv_bfloat16*>(nullptr), 0.f);
   gated_rms_norm_inplace<B>(xs, gate, heads, d, w, eps, sigmoid_act);
   consumer_sync();
   rows_pages<B>(r, static_cast<const float*>(xs), nullptr, nullptr, it, warp, st);
