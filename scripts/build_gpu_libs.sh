@@ -6,6 +6,7 @@
 #   kimi_k2_bench_h200, kimi_k2_bench_b8_h200   the benchmark config, batch 1 and 8
 #   kimi_linear_tiny_h200, kimi_linear_tiny_b4_h200   Kimi Linear's tiny config, batch 1 and 4
 #   kimi_k3_tiny_h200, kimi_k3_tiny_b4_h200           K3's tiny config (MXFP4 experts), batch 1 and 4
+#   kimi_k3_dims_8l96e_h200                           K3's per-layer dimensions, 8 layers, 96 experts, batch 1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --quiet
@@ -23,4 +24,5 @@ kimi_linear:kimi_linear_tiny_h200:tiny.json:1
 kimi_linear:kimi_linear_tiny_b4_h200:tiny.json:4
 kimi_k3:kimi_k3_tiny_h200:tiny.json:1
 kimi_k3:kimi_k3_tiny_b4_h200:tiny.json:4
+kimi_k3:kimi_k3_dims_8l96e_h200:test_8l96e.json:1
 LIST

@@ -23,7 +23,10 @@ for dir in target/models/*/; do
     kimi_linear_*) config=model_graphs/kimi_linear/tiny.json; extra=(--arch kimi_linear) ;;
   esac
   script=tests/gpu/deepseek_v3_decode.py
-  case "$name" in kimi_k3_*) script=tests/gpu/k3_decode.py; config=model_graphs/kimi_k3/tiny.json; extra=() ;; esac
+  case "$name" in
+    kimi_k3_dims*) script=tests/gpu/k3_decode.py; config=model_graphs/kimi_k3/test_8l96e.json; extra=() ;;
+    kimi_k3_*) script=tests/gpu/k3_decode.py; config=model_graphs/kimi_k3/tiny.json; extra=() ;;
+  esac
   if [ "$script" = tests/gpu/k3_decode.py ]; then
     timeout 900 python3 "$script" --lib "$lib" --config "$config" --seeds $seeds --json "$out/$name.json" \
       > "$out/$name.log" 2>&1 || status=1
