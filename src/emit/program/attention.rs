@@ -1,0 +1,187 @@
+//! Attention stages: weight-absorbed MLA (split over the KV length and
+//! combine), KDA decode, and K3's attention-residual mix.
+
+use super::*;
+
+impl Gen<'_> {
+    pub(super) fn mla(&mut self, op: &FusedOp) -> Result<()> {
+        let g = self.g;
+        let stages = self.stages_of(op);
+        let (split, combine) = (stages[0], stages[1]);
+        self.place_outputs(op, combine)?;
+        let n = op
+            .nodes
+            .iter()
+            .map(|n| nid(*n))
+            .find(|n| matches!(self.op_of(*n), Some((OpKind::MlaDecode, _))))
+            .expect("anchor");
+        let (_, attrs) = self.op_of(n).expect("an op");
+        let ops = g.operands(n);
+        let heads = attrs.int("heads") as u64;
+        let (nope, rope, v_dim) = (attrs.int("nope"), attrs.int("rope"), attrs.int("v_dim"));
+        let c = g.value_type(ops[1]).elements();
+        let q = self.value(ops[0], op)?;
+        let (raw, ckv, norm, eps) = self.with_norm_prologue(op, ops[1])?;
+        let kpe = self.value(ops[2], op)?;
+        let wkvb = self.weight(ops[3].node, 0)?;
+        let NodeKind::State(_) = &g.node(ops[4].node).kind else {
+            return Err(unsupported(op, "a cache that is state"));
+        };
+        let cache = format!("static_cast<__nv_bfloat16*>(m.state[{}])", self.state_index[&ops[4].node]);
+        let out = self.value(ValueRef { node: n, output: 0 }, op)?;
+        let ctx = self.plan.options.context;
+        let sms = self.plan.schedule.sms.len() as u32;
+        let (groups, hpt, splits) = mla_split_shape(heads, ctx, sms);
+        // qlat, q_pe, q_nope (fp32), the new row (bf16).
+        let scratch = 4 * hpt * (c + rope as u64 + nope as u64) + 2 * (c + rope as u64);
+        let combine_scratch = 4 * self.batch * (c + v_dim as u64);
+        if scratch > SCRATCH_BYTES
+            || combine_scratch > SCRATCH_BYTES
+            || !c.is_multiple_of(8)
+            || c > 512
+            || rope % 8 != 0
+            || nope % 4 != 0
+            || hpt > 8
+        {
+            return Err(unsupported(op, &format!("MLA scratch of {scratch} and {combine_scratch} bytes (at most {SCRATCH_BYTES}) a latent width (at most 512) and RoPE width that are multiples of 8, a no-PE width that is a multiple of 4, at most 8 heads per task")));
+        }
+        self.check_reads(split, &[ops[0], raw, ops[2]])?;
+        let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
+        let at = self.reserve(split, partial_bytes)?;
+        let partials = format!("reinterpret_cast<float*>({at})");
+        let _ = writeln!(
+            self.code,
+            "\n__device__ constexpr MlaShape mla_{}{{{heads}, {hpt}, {groups}, {splits}, {ctx}, {c}, {nope}, {rope}, {v_dim}, {}}};",
+            n.index(),
+            float(attrs.float("scale"))
+        );
+        self.header(split, op, "attention over one KV split (cache rows through the page ring, online softmax)");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{split}_load(const TaskArgs& t, const Memory& m, uint32_t& it) {{\n  \
+             mla_split_load<kBatch>(mla_{i}, t.a[1], {cache}, m.pos, it);\n}}\n\
+             __device__ inline void stage_{split}(const TaskArgs& t, const Memory& m, uint32_t& it, int) {{\n  \
+             mla_split<kBatch>(mla_{i}, t.a[0], t.a[1], {q}, {ckv}, {norm}, {}, {kpe}, {wkvb}, {cache}, m.pos, {partials}, it);\n}}",
+            float(eps),
+            i = n.index()
+        );
+        self.header(combine, op, "split merge and value up-projection (W_UV through the page ring)");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{combine}_load(const TaskArgs& t, const Memory& m, uint32_t& it) {{\n  \
+             mla_combine_load(mla_{i}, t.a[0], {wkvb}, it);\n}}\n\
+             __device__ inline void stage_{combine}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
+             mla_combine<kBatch>(mla_{i}, t.a[0], {partials}, {wkvb}, {out}, it, warp);\n}}",
+            i = n.index()
+        );
+        self.load_cases.push(format!("case {split}: stage_{split}_load(t, m, it); break;"));
+        self.run_cases.push(format!("case {split}: stage_{split}(t, m, it, warp); break;"));
+        self.load_cases.push(format!("case {combine}: stage_{combine}_load(t, m, it); break;"));
+        self.run_cases.push(format!("case {combine}: stage_{combine}(t, m, it, warp); break;"));
+        Ok(())
+    }
+
+    /// KDA decode: a task per range of heads (`t.a[0]..t.a[1]`); the beta
+    /// sigmoid (its prologue) is applied inside.
+    pub(super) fn kda(&mut self, op: &FusedOp) -> Result<()> {
+        let g = self.g;
+        let stage = self.last_stage(op);
+        self.place_outputs(op, stage)?;
+        let n = op
+            .nodes
+            .iter()
+            .map(|n| nid(*n))
+            .find(|n| matches!(self.op_of(*n), Some((OpKind::KdaDecode, _))))
+            .expect("anchor");
+        let (_, attrs) = self.op_of(n).expect("an op");
+        let ops = g.operands(n);
+        let (heads, d) = (attrs.int("heads") as u64, attrs.int("head_dim") as u64);
+        if d % 4 != 0 || d > 256 {
+            return Err(unsupported(op, &format!("KDA head size {d} (a multiple of 4, at most 256)")));
+        }
+        // beta: the sigmoid of a value computed elsewhere (the prologue).
+        let beta = match self.op_of(ops[4].node) {
+            Some((OpKind::Sigmoid, _)) if op.nodes.contains(&ops[4].node.index()) => g.operands(ops[4].node)[0],
+            _ => return Err(unsupported(op, "KDA whose beta is not the sigmoid of a projection")),
+        };
+        let mut ptrs = vec![];
+        for v in [ops[0], ops[1], ops[2], ops[3], beta] {
+            if op.nodes.contains(&v.node.index()) {
+                return Err(unsupported(
+                    op,
+                    &format!("KDA input {} computed inside the operation", g.node(v.node).name),
+                ));
+            }
+            ptrs.push(self.value(v, op)?);
+        }
+        for (i, what) in [(5usize, "A_log"), (6, "dt_bias")] {
+            if g.value_type(ops[i]).dtype != DType::F32 {
+                return Err(unsupported(op, &format!("KDA {what} that is not f32")));
+            }
+        }
+        let a_log = self.weight(ops[5].node, 0)?;
+        let dt_bias = self.weight(ops[6].node, 0)?;
+        let st = g.value_type(ops[7]);
+        if st.dtype != DType::F32 || st.elements() != heads * d * d {
+            return Err(unsupported(op, "a KDA state that is not f32 [heads, d, d]"));
+        }
+        let state = format!("static_cast<float*>(m.state[{}])", self.state_index[&ops[7].node]);
+        let (safe, lower) = match attrs.str("gate") {
+            "softplus" => ("false", 0.0),
+            "safe" => ("true", attrs.float("lower_bound")),
+            other => return Err(unsupported(op, &format!("KDA gate \"{other}\""))),
+        };
+        let out = self.value(ValueRef { node: n, output: 0 }, op)?;
+        self.check_reads(stage, &[ops[0], ops[1], ops[2], ops[3], beta])?;
+        self.header(stage, op, "state update of a range of heads");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{stage}(const TaskArgs& t, const Memory& m) {{\n  \
+             kda_decode<kBatch>(KdaShape{{{heads}, {d}, {safe}, {}}}, t.a[0], t.a[1], {}, {}, {}, {}, {}, {a_log}, \
+             {dt_bias}, {state}, {out});\n}}",
+            float(lower),
+            ptrs[0],
+            ptrs[1],
+            ptrs[2],
+            ptrs[3],
+            ptrs[4]
+        );
+        self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+        Ok(())
+    }
+
+    /// The attention-residual mix (K3): one task, the whole row.
+    pub(super) fn attn_res(&mut self, op: &FusedOp) -> Result<()> {
+        let g = self.g;
+        let stage = self.last_stage(op);
+        self.place_outputs(op, stage)?;
+        if op.nodes.len() != 1 {
+            return Err(unsupported(op, "an attention-residual mix fused with other operations"));
+        }
+        let n = nid(op.nodes[0]);
+        let Some((OpKind::AttnResMix, attrs)) = self.op_of(n) else {
+            return Err(unsupported(op, "an attention-residual operation that is not the mix"));
+        };
+        let ops = g.operands(n);
+        let hidden = g.value_type(ops[0]).elements();
+        let bt = g.value_type(ops[1]);
+        let rows = bt.elements() / hidden.max(1);
+        if rows > 31 {
+            return Err(unsupported(op, &format!("an attention-residual bank of {rows} rows (at most 31)")));
+        }
+        let u = self.value(ops[0], op)?;
+        let bank = self.value(ops[1], op)?;
+        let (w, gamma) = (self.weight(ops[2].node, 0)?, self.weight(ops[3].node, 0)?);
+        let out = self.value(ValueRef { node: n, output: 0 }, op)?;
+        self.check_reads(stage, &[ops[0], ops[1]])?;
+        self.header(stage, op, "the mix of the bank and the current row");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  \
+             attn_res_mix<kBatch>({bank}, {rows}, {u}, {w}, {gamma}, {}, {hidden}, 0, {hidden}, {out});\n}}",
+            float(attrs.float("eps"))
+        );
+        self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+        Ok(())
+    }
+}

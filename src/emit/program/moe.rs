@@ -1,0 +1,183 @@
+//! Routing and experts: the router stage, and the routed experts' gate/up,
+//! down and combine stages (bf16 or MXFP4 weights).
+
+use super::*;
+
+impl Gen<'_> {
+    pub(super) fn router(&mut self, op: &FusedOp) -> Result<()> {
+        let g = self.g;
+        let stage = self.last_stage(op);
+        self.place_outputs(op, stage)?;
+        let n = nid(op.nodes[0]);
+        let (_, attrs) = self.op_of(n).expect("an op");
+        if attrs.str("scoring") != "sigmoid" {
+            return Err(unsupported(op, &format!("router scoring \"{}\"", attrs.str("scoring"))));
+        }
+        let ops = g.operands(n);
+        let e = g.value_type(ops[0]).elements();
+        let n_group = attrs.int("n_group");
+        if !(1..=64).contains(&n_group) || !e.is_multiple_of(n_group as u64) || e * 8 > SCRATCH_BYTES {
+            return Err(unsupported(
+                op,
+                &format!(
+                    "a router over {e} experts in {n_group} groups (the device router takes up to 64 equal groups \
+                     and {} experts)",
+                    SCRATCH_BYTES / 8
+                ),
+            ));
+        }
+        let logits = self.value(ops[0], op)?;
+        let bias = if ops.len() > 1 { self.weight(ops[1].node, 0)? } else { "nullptr".into() };
+        let ids = self.value(ValueRef { node: n, output: 0 }, op)?;
+        let wts = self.value(ValueRef { node: n, output: 1 }, op)?;
+        self.check_reads(stage, &[ops[0]])?;
+        self.header(stage, op, "scores and top-k");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  \
+             router<kBatch>(RouterShape{{{e}, {}, {}, {}, {}, {}}}, {logits}, {bias}, {ids}, {wts});\n}}",
+            attrs.int("top_k"),
+            attrs.int("n_group"),
+            attrs.int("topk_group"),
+            attrs.bool("renormalize"),
+            float(attrs.float("scale"))
+        );
+        self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+        Ok(())
+    }
+
+    pub(super) fn moe(&mut self, op: &FusedOp) -> Result<()> {
+        let g = self.g;
+        let stages = self.stages_of(op);
+        let (up, down, combine) = (stages[0], stages[1], stages[2]);
+        self.place_outputs(op, combine)?;
+        let n = op
+            .nodes
+            .iter()
+            .map(|n| nid(*n))
+            .find(|n| matches!(self.op_of(*n), Some((OpKind::Moe, _))))
+            .expect("anchor");
+        let (_, attrs) = self.op_of(n).expect("an op");
+        let act_call = act_and_mul_call(attrs, "s").map_err(|a| unsupported(op, &format!("experts with {a}")))?;
+        let ops = g.operands(n);
+        let wg = g.value_type(ops[3]).clone();
+        let mx = match wg.dtype {
+            DType::Bf16 => false,
+            DType::Mxfp4 => true,
+            other => return Err(unsupported(op, &format!("{} expert weights", other.name()))),
+        };
+        let (e, i, d) = (wg.shape[0], wg.shape[1], wg.shape[2]);
+        let k = g.value_type(ops[1]).elements();
+        let slots = (self.batch * k).min(e);
+        // The input, or the input of its RMSNorm prologue.
+        let (x_in, x, norm, eps) = self.with_norm_prologue(op, ops[0])?;
+        let ids = self.value(ops[1], op)?;
+        let wts = self.value(ops[2], op)?;
+        let (bg, bu, bd) =
+            (self.family_base(ops[3].node), self.family_base(ops[4].node), self.family_base(ops[5].node));
+        // MXFP4: each expert's codes then its scales, experts `stride` apart.
+        let stride = if mx { 2 } else { 1 };
+        if mx {
+            for w in [ops[3].node, ops[4].node, ops[5].node] {
+                let NodeKind::Weight(wt) = &g.node(w).kind else { unreachable!("a weight") };
+                let base = self.weight_index[&wt.key_at(0)];
+                for e in 0..wt.family.as_ref().map_or(1, |f| f.1) {
+                    let code = self.weight_index[&wt.key_at(e)];
+                    let scale = wt.scale_key_at(e).and_then(|k| self.weight_index.get(&k).copied());
+                    if code != base + 2 * e as usize || scale != Some(code + 1) {
+                        return Err(unsupported(op, "MXFP4 experts whose codes and scales are not listed in pairs"));
+                    }
+                }
+            }
+            if self.batch * d * 4 > ACTIVATION_BYTES || self.batch * i * 4 > ACTIVATION_BYTES {
+                return Err(unsupported(
+                    op,
+                    &format!(
+                        "MXFP4 experts at batch {} with widths {d} and {i} (the staged input holds {ACTIVATION_BYTES} bytes)",
+                        self.batch
+                    ),
+                ));
+            }
+            if !d.is_multiple_of(32) || !i.is_multiple_of(32) {
+                return Err(unsupported(op, "MXFP4 experts whose widths are not multiples of 32"));
+            }
+        }
+        let out = self.value(ValueRef { node: n, output: 0 }, op)?;
+        self.check_reads(up, &[x_in, ops[1]])?;
+        self.check_reads(down, &[ops[1]])?;
+        self.check_reads(combine, &[ops[1], ops[2]])?;
+        if !d.is_multiple_of(8) || !i.is_multiple_of(8) || self.batch * k > 512 {
+            return Err(unsupported(op, "expert widths that are multiples of 8 and at most 512 choices per step"));
+        }
+        let act_at = self.reserve(up, self.batch * slots * i * 4)?;
+        let down_at = self.reserve(down, self.batch * slots * d * 4)?;
+        let _ = writeln!(
+            self.code,
+            "\n__device__ constexpr MoeShape moe_{}{{{e}, {k}, {i}, {d}, {slots}, {bg}, {bu}, {bd}, {stride}}};",
+            n.index()
+        );
+        // The row type, its loader and its consumer.
+        let (rows_t, rows_fn, load_fn, compute_fn) = if mx {
+            ("MxRows", "expert_mx_rows", "mx_rows_load", "mx_rows_compute")
+        } else {
+            ("Rows", "expert_rows", "rows_load", "rows_compute")
+        };
+        let act = format!("reinterpret_cast<float*>({act_at})");
+        let dn = format!("reinterpret_cast<float*>({down_at})");
+        let i_ = n.index();
+        // Expert rows stream through the page ring like a projection's; the
+        // loader finds the slot's expert in the router's ids.
+        for (stage, is_down) in [(up, false), (down, true)] {
+            for t in &self.plan.tiling.stages[stage].tasks {
+                let a = self.plan.tiling.tasks[*t].args;
+                let cols = u64::from(a[2] - a[1]) * if is_down { 1 } else { 2 };
+                self.staging = self.staging.max(cols * self.batch);
+            }
+        }
+        self.header(up, op, "one expert slot's gate/up rows");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline {rows_t} stage_{up}_rows(const TaskArgs& t, const Memory& m) {{\n  \
+             return {rows_fn}<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, false);\n}}\n\
+             __device__ inline void stage_{up}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
+             const {rows_t} r = stage_{up}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+             {compute_fn}<kBatch>(r, {x}, {norm}, {}, it, warp, st);\n  consumer_sync();\n  \
+             const Span s = Span{{0, r.r0, r.r1 - r.r0}};\n  {act_call}\n  consumer_sync();\n  \
+             ep_store<kBatch>(st, n, s, {act} + size_t(t.a[0]) * kBatch * {i}, {i});\n}}",
+            float(eps)
+        );
+        self.header(down, op, "one expert slot's down rows");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline {rows_t} stage_{down}_rows(const TaskArgs& t, const Memory& m) {{\n  \
+             return {rows_fn}<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, true);\n}}\n\
+             __device__ inline void stage_{down}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
+             const {rows_t} r = stage_{down}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+             {compute_fn}<kBatch>(r, {act} + size_t(t.a[0]) * kBatch * {i}, nullptr, 1e-6f, it, warp, st);\n  \
+             consumer_sync();\n  \
+             ep_store<kBatch>(st, n, Span{{0, r.r0, r.r1 - r.r0}}, {dn} + size_t(t.a[0]) * kBatch * {d}, {d});\n}}"
+        );
+        // The loader runs ahead of the controller, so it cannot rely on the
+        // instruction's (minimal) waits: it waits for the router's whole
+        // stage before reading the ids.
+        let router = self.writer.get(&ops[1]).copied().ok_or_else(|| unsupported(op, "ids from a router stage"))?;
+        let counter =
+            self.plan.schedule.counters.iter().find(|c| c.stage == router).expect("every stage has a counter");
+        self.load_waits.push((up, counter.id as u32, counter.expected));
+        self.load_waits.push((down, counter.id as u32, counter.expected));
+        for s in [up, down] {
+            self.load_cases.push(format!("case {s}: {load_fn}(stage_{s}_rows(t, m), it); break;"));
+        }
+        self.header(combine, op, "weighted sum of the slots");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{combine}(const TaskArgs& t, const Memory& m) {{\n  \
+             expert_combine<kBatch>(moe_{i_}, t.a[0], t.a[1], {ids}, {wts}, {dn}, {out});\n}}"
+        );
+        for s in [up, down] {
+            self.run_cases.push(format!("case {s}: stage_{s}(t, m, it, warp); break;"));
+        }
+        self.run_cases.push(format!("case {combine}: stage_{combine}(t, m); break;"));
+        Ok(())
+    }
+}

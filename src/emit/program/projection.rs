@@ -1,0 +1,386 @@
+//! Projections: a task's weight rows through the page ring, the prologue on
+//! its input (none, RMSNorm, KDA's gated norm, an element-wise gate) and the
+//! epilogue compiled from the fused nodes in graph order (split, RoPE, add,
+//! act-and-mul, RMSNorm, short conv, L2 norm, sigmoid, stack, logits tile
+//! max).
+
+use super::*;
+
+impl Gen<'_> {
+    pub(super) fn projection(&mut self, op: &FusedOp) -> Result<()> {
+        let g = self.g;
+        let stages = self.stages_of(op);
+        let rows_stage = stages[0];
+        let last = *stages.last().expect("a stage");
+        self.place_outputs(op, last)?;
+        let inside = |n: NodeId| op.nodes.contains(&n.index());
+        let linears: Vec<NodeId> = op
+            .nodes
+            .iter()
+            .map(|n| nid(*n))
+            .filter(|n| matches!(self.op_of(*n), Some((OpKind::Linear | OpKind::LmHead, _))))
+            .collect();
+        // The shared input and its prologue.
+        let x = g.operands(linears[0])[0];
+        for l in &linears {
+            if g.operands(*l)[0] != x {
+                return Err(unsupported(op, "linears with different inputs in one projection"));
+            }
+        }
+        // The prologue: none, an RMSNorm, KDA's gated output norm, or an
+        // element-wise gate (x * sigmoid(g), K3's MLA output gate).
+        let gated = op.nodes.contains(&x.node.index()) && matches!(self.op_of(x.node), Some((OpKind::GatedRmsNorm, _)));
+        let mul = op.nodes.contains(&x.node.index()) && matches!(self.op_of(x.node), Some((OpKind::Mul, _)));
+        let mut mul_gate: Option<(String, u32)> = None;
+        let mut extra_reads = vec![];
+        let (x_in, x_ptr, norm, eps, gate) = if mul {
+            let mops = g.operands(x.node);
+            let inside = |v: &ValueRef| op.nodes.contains(&v.node.index());
+            // One operand is the value, the other the gate (or its sigmoid, inside).
+            let (val, gv) = if inside(&mops[1]) || !inside(&mops[0]) { (mops[0], mops[1]) } else { (mops[1], mops[0]) };
+            if inside(&val) {
+                return Err(unsupported(op, "a gated input computed inside the operation"));
+            }
+            let (graw, sig) = if inside(&gv) {
+                match self.op_of(gv.node) {
+                    Some((OpKind::Sigmoid, _)) if !inside(&g.operands(gv.node)[0]) => (g.operands(gv.node)[0], 1),
+                    _ => return Err(unsupported(op, "a gate prologue other than a sigmoid of a value")),
+                }
+            } else {
+                (gv, 0)
+            };
+            extra_reads.push(graw);
+            mul_gate = Some((self.value(graw, op)?, sig));
+            (val, self.value(val, op)?, "nullptr".to_string(), 1e-6, None)
+        } else if gated {
+            let (_, attrs) = self.op_of(x.node).expect("an op");
+            let gops = g.operands(x.node);
+            if gops.iter().take(2).any(|v| op.nodes.contains(&v.node.index())) {
+                return Err(unsupported(op, "a prologue of more than one op"));
+            }
+            let d = g.value_type(gops[2]).elements();
+            let act = match attrs.str("act") {
+                "sigmoid" => 1,
+                "silu" => 0,
+                a => return Err(unsupported(op, &format!("a gated norm with act \"{a}\""))),
+            };
+            let gate = (gops[1], self.value(gops[1], op)?, d, act);
+            (gops[0], self.value(gops[0], op)?, self.weight(gops[2].node, 0)?, attrs.float("eps"), Some(gate))
+        } else {
+            let (x_in, x_ptr, norm, eps) = self.with_norm_prologue(op, x)?;
+            (x_in, x_ptr, norm, eps, None)
+        };
+        let k = g.value_type(x_in).elements();
+        let mut reads = vec![x_in];
+        reads.extend(extra_reads);
+        if mul_gate.is_some() && self.batch * k * 4 > ACTIVATION_BYTES {
+            return Err(unsupported(
+                op,
+                &format!(
+                    "a gated input of {k} channels at batch {} (the staged input holds {ACTIVATION_BYTES} bytes)",
+                    self.batch
+                ),
+            ));
+        }
+        if let Some((gv, _, d, _)) = &gate {
+            reads.push(*gv);
+            if d == &0 || !k.is_multiple_of(*d) || self.batch * k * 4 > ACTIVATION_BYTES {
+                return Err(unsupported(
+                    op,
+                    &format!(
+                        "a gated-norm prologue over {k} channels in groups of {d} at batch {} (the staged \
+                         input holds {ACTIVATION_BYTES} bytes)",
+                        self.batch
+                    ),
+                ));
+            }
+        }
+        if !matches!(g.value_type(x).dtype, DType::Bf16 | DType::F32) || !k.is_multiple_of(8) {
+            return Err(unsupported(op, "a bf16 or f32 input whose length is a multiple of 8"));
+        }
+        for l in &linears {
+            let w = g.value_type(g.operands(*l)[1]);
+            if w.dtype != DType::Bf16 {
+                return Err(unsupported(op, &format!("{} weights ({})", w.dtype.name(), g.node(*l).name)));
+            }
+        }
+        // Row sources of each task, by its linear node.
+        let mut rows = String::new();
+        let _ = writeln!(rows, "  Rows r{{nullptr, nullptr, t.a[2], t.a[3], {k}}};\n  switch (t.a[0]) {{");
+        for l in &linears {
+            let w = self.weight(g.operands(*l)[1].node, 0)?;
+            let up = op
+                .nodes
+                .iter()
+                .map(|n| nid(*n))
+                .find(|n| matches!(self.op_of(*n), Some((OpKind::ActAndMul, _))) && g.operands(*n)[0].node == *l);
+            let w1 = match up.map(|a| g.operands(a)[1].node) {
+                Some(u) if linears.contains(&u) => self.weight(g.operands(u)[1].node, 0)?,
+                _ => "nullptr".into(),
+            };
+            let _ = writeln!(rows, "    case {}: r.w0 = {w}; r.w1 = {w1}; break;", l.index());
+        }
+        let _ = writeln!(rows, "    default: __trap();\n  }}");
+        let tasks: Vec<usize> = self.plan.tiling.stages[rows_stage].tasks.clone();
+        let max_cols = tasks
+            .iter()
+            .map(|t| {
+                let a = self.plan.tiling.tasks[*t].args;
+                u64::from(a[3] - a[2]) * if a[1] == u32::MAX { 1 } else { 2 }
+            })
+            .max()
+            .unwrap_or(0);
+        self.staging = self.staging.max(max_cols * self.batch);
+
+        // The epilogue, in graph order: each value's span in the tile.
+        let mut body = String::new();
+        let mut span: HashMap<ValueRef, String> = HashMap::new();
+        let mut in_op_users: HashMap<ValueRef, usize> = HashMap::new();
+        for &n in &op.nodes {
+            for v in g.operands(nid(n)) {
+                if inside(v.node) {
+                    *in_op_users.entry(v).or_default() += 1;
+                }
+            }
+        }
+        let mut spans = 0;
+        let mut new_span = |body: &mut String, expr: String| {
+            spans += 1;
+            let name = format!("s{spans}");
+            let _ = writeln!(body, "  const Span {name} = {expr};");
+            name
+        };
+        let mut lm_tiles = None;
+        for &ni in &op.nodes {
+            let n = nid(ni);
+            let (kind, attrs) = self.op_of(n).expect("an op");
+            let ops = g.operands(n);
+            let out = ValueRef { node: n, output: 0 };
+            let comment = format!("  // {} {}", kind.name(), self.where_(n));
+            let _ = writeln!(body, "{comment}");
+            match kind {
+                OpKind::RmsNorm | OpKind::GatedRmsNorm | OpKind::Mul if n == x.node => continue,
+                OpKind::Sigmoid if mul_gate.is_some() && g.operands(x.node).iter().any(|v| v.node == n) => continue,
+                OpKind::Linear | OpKind::LmHead => {
+                    let s = new_span(&mut body, format!("linear_span(t, {})", n.index()));
+                    span.insert(out, s);
+                }
+                OpKind::ActAndMul => {
+                    let gate = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "act_and_mul of values it does not compute"))?;
+                    let call = act_and_mul_call(attrs, &gate).map_err(|a| unsupported(op, &a))?;
+                    let _ = writeln!(body, "  {call}\n  consumer_sync();");
+                    span.insert(out, gate);
+                }
+                OpKind::Split => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "a split of a value it does not compute"))?;
+                    let mut off = 0i64;
+                    for (o, size) in attrs.int_list("sizes").iter().enumerate() {
+                        let s = new_span(&mut body, format!("sub_span({src}, {off}, {size})"));
+                        span.insert(ValueRef { node: n, output: o as u16 }, s);
+                        off += size;
+                    }
+                }
+                OpKind::Rope => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "RoPE of a value it does not compute"))?;
+                    let (inv, mscale) = rope_table(attrs);
+                    let table = format!("rope_{}", n.index());
+                    let list: Vec<String> = inv.iter().map(|f| float(*f)).collect();
+                    let _ = writeln!(
+                        self.code,
+                        "__device__ const float {table}[{}] = {{{}}};",
+                        list.len(),
+                        list.join(", ")
+                    );
+                    let style = match attrs.str("style") {
+                        "interleaved" => "true",
+                        "neox" => "false",
+                        s => return Err(unsupported(op, &format!("RoPE style \"{s}\""))),
+                    };
+                    let _ = writeln!(
+                        body,
+                        "  ep_rope<kBatch>(st, n, {src}, {}, {}, {style}, {table}, {}, m.pos);\n  consumer_sync();",
+                        attrs.int("head_dim"),
+                        attrs.int("rot"),
+                        float(mscale)
+                    );
+                    span.insert(out, src);
+                }
+                OpKind::Add => {
+                    let (mine, other) = match (span.get(&ops[0]), span.get(&ops[1])) {
+                        (Some(s), None) => (s.clone(), ops[1]),
+                        (None, Some(s)) => (s.clone(), ops[0]),
+                        _ => return Err(unsupported(op, "an add of two values it computes")),
+                    };
+                    let ptr = self.value(other, op)?;
+                    reads.push(other);
+                    let len = g.value_type(other).elements();
+                    let _ = writeln!(body, "  ep_add<kBatch>(st, n, {mine}, {ptr}, {len});\n  consumer_sync();");
+                    span.insert(out, mine);
+                }
+                OpKind::RmsNorm => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "RMSNorm of a value it does not compute"))?;
+                    let w = self.weight(ops[1].node, 0)?;
+                    let len = g.value_type(ops[0]).elements();
+                    if g.value_type(ops[1]).elements() != len {
+                        return Err(unsupported(op, "a grouped RMSNorm epilogue"));
+                    }
+                    let _ = writeln!(
+                        body,
+                        "  ep_rms_norm<kBatch>(st, n, {src}, {len}, {w}, {});\n  consumer_sync();",
+                        float(attrs.float("eps"))
+                    );
+                    span.insert(out, src);
+                }
+                OpKind::Stack => {
+                    // The bank with this row appended: the row is a span of the tile.
+                    if ops.len() != 2 {
+                        return Err(unsupported(op, "a stack epilogue that starts a bank"));
+                    }
+                    let src = span
+                        .get(&ops[1])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "a stack of a row it does not compute"))?;
+                    if op.nodes.contains(&ops[0].node.index()) {
+                        return Err(unsupported(op, "a stack of a bank computed inside the operation"));
+                    }
+                    let hidden = g.value_type(ops[1]).elements();
+                    let rows = g.value_type(ops[0]).elements() / hidden.max(1);
+                    let bank = self.value(ops[0], op)?;
+                    reads.push(ops[0]);
+                    let dst = self.value(out, op)?;
+                    let _ = writeln!(body, "  ep_stack<kBatch>(st, n, {src}, {bank}, {rows}, {hidden}, {dst});");
+                    // The stacked bank is stored here, not through a span.
+                    continue;
+                }
+                OpKind::ConvUpdate => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "a short conv of a value it does not compute"))?;
+                    let wt = g.value_type(ops[1]);
+                    let channels = g.value_type(ops[0]).elements();
+                    let width = wt.shape.last().copied().unwrap_or(0);
+                    if wt.dtype != DType::F32 || wt.elements() != channels * width || width < 1 {
+                        return Err(unsupported(op, "a short conv whose weight is not f32 [channels, 1, width]"));
+                    }
+                    let NodeKind::State(_) = &g.node(ops[2].node).kind else {
+                        return Err(unsupported(op, "a short conv whose state is not state"));
+                    };
+                    let st_type = g.value_type(ops[2]);
+                    let c_type = match st_type.dtype {
+                        DType::Bf16 => "__nv_bfloat16",
+                        DType::F32 => "float",
+                        d => return Err(unsupported(op, &format!("a {} conv state", d.name()))),
+                    };
+                    if st_type.elements() != (width - 1) * channels {
+                        return Err(unsupported(op, "a conv state that is not [width - 1, channels]"));
+                    }
+                    let silu = match attrs.str("act") {
+                        "silu" => 1,
+                        "none" => 0,
+                        a => return Err(unsupported(op, &format!("a short conv with act \"{a}\""))),
+                    };
+                    let w = self.weight(ops[1].node, 0)?;
+                    let state = format!("static_cast<{c_type}*>(m.state[{}])", self.state_index[&ops[2].node]);
+                    let _ = writeln!(
+                        body,
+                        "  ep_conv_update<kBatch>(st, n, {src}, {w}, {width}, {state}, {}, {channels}, {silu});\n  consumer_sync();",
+                        st_type.elements()
+                    );
+                    span.insert(out, src);
+                }
+                OpKind::L2Norm => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "an L2 norm of a value it does not compute"))?;
+                    let _ = writeln!(
+                        body,
+                        "  ep_l2_norm<kBatch>(st, n, {src}, {}, {});\n  consumer_sync();",
+                        attrs.int("group"),
+                        float(attrs.float("eps"))
+                    );
+                    span.insert(out, src);
+                }
+                OpKind::Sigmoid => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "a sigmoid of a value it does not compute"))?;
+                    let _ = writeln!(body, "  ep_sigmoid<kBatch>(st, n, {src});\n  consumer_sync();");
+                    span.insert(out, src);
+                }
+                OpKind::Argmax => {
+                    let src = span
+                        .get(&ops[0])
+                        .cloned()
+                        .ok_or_else(|| unsupported(op, "argmax of a value it does not compute"))?;
+                    let tiles = tasks.len();
+                    let at = self.reserve(rows_stage, self.batch * tiles as u64 * 8)?;
+                    let ptr = format!("reinterpret_cast<float2*>({at})");
+                    let _ = writeln!(body, "  ep_tile_max<kBatch>(st, n, {src}, {ptr}, t.index, {tiles});");
+                    lm_tiles = Some((ptr, tiles, out));
+                    continue;
+                }
+                other => return Err(unsupported(op, &format!("a {} epilogue", other.name()))),
+            }
+            // Values read elsewhere are stored once final.
+            for (o, _) in g.node(n).outputs.iter().enumerate() {
+                let v = ValueRef { node: n, output: o as u16 };
+                if let (Some(slot), Some(s)) = (self.slots.get(&v), span.get(&v)) {
+                    let len = slot.ty.elements();
+                    let _ = writeln!(body, "  ep_store<kBatch>(st, n, {s}, {}, {len});", slot.ptr);
+                }
+            }
+            if in_op_users.get(&out).copied().unwrap_or(0) > 1 {
+                return Err(unsupported(op, &format!("{} read twice inside the operation", g.node(n).name)));
+            }
+        }
+        self.check_reads(rows_stage, &reads)?;
+        self.header(rows_stage, op, "output rows");
+        let _ = writeln!(
+            self.code,
+            "__device__ inline Rows stage_{rows_stage}_rows(const TaskArgs& t, const Memory& m) {{\n{rows}  return r;\n}}"
+        );
+        let compute = match (&gate, &mul_gate) {
+            (None, Some((gptr, sig))) => format!("rows_compute_mul<kBatch>(r, {x_ptr}, {gptr}, {sig}, it, warp, st);"),
+            (None, None) => format!("rows_compute<kBatch>(r, {x_ptr}, {norm}, {}, it, warp, st);", float(eps)),
+            (Some((_, gptr, d, act)), _) => format!(
+                "rows_compute_gated<kBatch>(r, {x_ptr}, {gptr}, {}, {d}, {norm}, {}, {act}, it, warp, st);",
+                k / d,
+                float(eps)
+            ),
+        };
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void stage_{rows_stage}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
+             const Rows r = stage_{rows_stage}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+             {compute}\n  consumer_sync();\n{body}}}"
+        );
+        self.load_cases.push(format!("case {rows_stage}: rows_load(stage_{rows_stage}_rows(t, m), it); break;"));
+        self.run_cases.push(format!("case {rows_stage}: stage_{rows_stage}(t, m, it, warp); break;"));
+        if let Some((ptr, tiles, out)) = lm_tiles {
+            let stage = stages[1];
+            let dst = self.value(out, op)?;
+            self.header(stage, op, "argmax over the row tiles");
+            let _ = writeln!(
+                self.code,
+                "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  argmax_tiles<kBatch>({ptr}, {tiles}, {dst});\n}}"
+            );
+            self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+        }
+        Ok(())
+    }
+}
