@@ -1,0 +1,89 @@
+// mkc device library: K3's block attention residuals: the mix, bank snapshots, and the MLA
+// output gate's prologue.
+#pragma once
+
+#include "rows.cuh"
+
+namespace mkc {
+
+// ---------------------------------------------------------------------------
+// Block attention residuals (K3): the mix of the bank's rows and the current
+// row u, per token b,
+//   rows r_0..r_{n-1} = bank[j][b], r_n = u[b]
+//   s_j = (sum_d r_j[d] gamma[d] w[d]) rsqrt(mean_d r_j[d]^2 + eps)
+//   out[b, d] = sum_j softmax(s)_j r_j[d]            (fp32)
+// for output columns [d0, d1) (the scores always cover the whole row). The
+// bank is [B][n][hidden] (a value of n rows per token); scores go to shared
+// memory (a warp per row).
+constexpr uint32_t kMaxBankRows = 31;
+
+template <int B, class T>
+__device__ void attn_res_mix(const T* bank, uint32_t n, const T* u, const __nv_bfloat16* w, const __nv_bfloat16* gamma,
+                             float eps, uint32_t hidden, uint32_t d0, uint32_t d1, float* out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ float p[B][kMaxBankRows + 1];
+  if (n > kMaxBankRows) __trap();
+  auto row = [&](uint32_t j, int b) { return j < n ? bank + (size_t(b) * n + j) * hidden : u + size_t(b) * hidden; };
+  for (uint32_t i = warp; i < B * (n + 1); i += kConsumerWarps) {
+    const int b = int(i / (n + 1));
+    const uint32_t j = i % (n + 1);
+    const T* r = row(j, b);
+    float dot = 0.f, ss = 0.f;
+    for (uint32_t d = lane; d < hidden; d += 32) {
+      const float x = to_float(r[d]);
+      dot = fmaf(x, bf(gamma[d]) * bf(w[d]), dot);
+      ss = fmaf(x, x, ss);
+    }
+    dot = warp_sum(dot);
+    ss = warp_sum(ss);
+    if (lane == 0) p[b][j] = dot * rsqrtf(ss / float(hidden) + eps);
+  }
+  consumer_sync();
+  if (threadIdx.x < B) {
+    const int b = threadIdx.x;
+    float m = -INFINITY;
+    for (uint32_t j = 0; j <= n; ++j) m = fmaxf(m, p[b][j]);
+    float l = 0.f;
+    for (uint32_t j = 0; j <= n; ++j) l += (p[b][j] = expf(p[b][j] - m));
+    for (uint32_t j = 0; j <= n; ++j) p[b][j] /= l;
+  }
+  consumer_sync();
+  for (uint32_t i = threadIdx.x; i < B * (d1 - d0); i += kConsumerThreads) {
+    const int b = int(i / (d1 - d0));
+    const uint32_t d = d0 + i % (d1 - d0);
+    float acc = 0.f;
+    for (uint32_t j = 0; j <= n; ++j) acc = fmaf(p[b][j], to_float(row(j, b)[d]), acc);
+    out[size_t(b) * hidden + d] = acc;
+  }
+  consumer_sync();
+}
+
+// A bank with one more row: out [B][n + 1][hidden] = (bank [B][n][hidden],
+// row [B][hidden]); bank may be null when n is 0.
+template <int B, class T, class U>
+__device__ void stack_rows(const T* bank, uint32_t n, const U* row, uint32_t hidden, T* out) {
+  for (uint32_t i = threadIdx.x; i < B * (n + 1) * hidden; i += kConsumerThreads) {
+    const uint32_t b = i / ((n + 1) * hidden), j = (i / hidden) % (n + 1), d = i % hidden;
+    out[i] = j < n ? bank[(size_t(b) * n + j) * hidden + d] : from_float<T>(to_float(row[size_t(b) * hidden + d]));
+  }
+  consumer_sync();
+}
+
+// Projection rows whose input is an element-wise gated value (K3's MLA
+// output gate): x' = x * sigmoid(g) (or x * g), staged in shared memory (it
+// must fit in kActivationBytes; the code generator checks).
+template <int B, class T, class G>
+__device__ void rows_compute_mul(const Rows& r, const T* x, const G* g, int sigmoid_gate, uint32_t& it, int warp,
+                                 float* st) {
+  const uint32_t n = uint32_t(B) * r.k;
+  if (size_t(n) * sizeof(float) > size_t(kActivationBytes)) __trap();
+  float* xs = activation_ptr();
+  for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) {
+    const float gv = to_float(g[i]);
+    xs[i] = to_float(x[i]) * (sigmoid_gate ? 1.f / (1.f + expf(-gv)) : gv);
+  }
+  consumer_sync();
+  rows_pages<B>(r, static_cast<const float*>(xs), nullptr, nullptr, it, warp, st);
+}
+
+}  // namespace mkc

@@ -1,0 +1,141 @@
+// mkc device library, shared pieces: the consumers' conventions, the
+// memory view a step reads and writes, reductions, conversions, the
+// embedding.
+//
+// Conventions: see ops.cuh.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "../projection.cuh"
+
+namespace mkc {
+
+constexpr int kConsumerThreads = kConsumerWarps * 32;
+// Shared memory beside the page ring, for attention, experts and routing
+// (src/plan/specialize.rs, SCRATCH_BYTES), then the projection's staged
+// activations (ACTIVATION_BYTES).
+constexpr int kScratchBytes = 24 << 10;
+constexpr int kActivationBytes = 64 << 10;
+
+// Everything a step reads and writes, as the runtime resolved it.
+struct Memory {
+  void* const* w;         // weight tensors, in weights.h order
+  char* arena;            // values crossing operations (the plan's buffers)
+  void* const* state;     // per-sequence state (KV caches), [batch, ...] each
+  void* const* out;       // graph outputs, [batch, ...] each
+  const int32_t* tokens;  // [batch] the tokens of this step
+  const int32_t* pos;     // [batch] tokens already in each sequence
+  float* staging;         // fp32 projection tiles, one slice per SM
+};
+
+// One plan task: its stage, its index in the stage, and what part of the
+// operation it computes (src/plan/tile.rs, Task::args).
+struct TaskArgs {
+  uint16_t stage;
+  uint16_t index;
+  uint32_t a[4];
+};
+
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 3, %0;" ::"r"(kConsumerThreads) : "memory"); }
+
+__device__ inline unsigned char* scratch_ptr() {
+  extern __shared__ __align__(128) unsigned char mkc_smem[];
+  return mkc_smem + sizeof(Ring);
+}
+__device__ inline float* activation_ptr() { return reinterpret_cast<float*>(scratch_ptr() + kScratchBytes); }
+
+__device__ __forceinline__ float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <class T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
+
+__device__ __forceinline__ float2 load_pair(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 load_pair(const __nv_bfloat16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+// Sum over all consumer threads; every consumer gets the result.
+__device__ inline float block_sum(float v) {
+  __shared__ float part[kConsumerWarps];
+  __shared__ float total;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  v = warp_sum(v);
+  if (lane == 0) part[warp] = v;
+  consumer_sync();
+  if (threadIdx.x == 0) {
+    float s = 0.f;
+    for (int w = 0; w < kConsumerWarps; ++w) s += part[w];
+    total = s;
+  }
+  consumer_sync();
+  const float r = total;
+  consumer_sync();
+  return r;
+}
+
+// Dot product of a bf16 row with a bf16 or fp32 vector over n elements
+// (n a multiple of 8; bf16 rows 16-byte aligned), one warp.
+__device__ inline float warp_dot(const __nv_bfloat16* w, const __nv_bfloat16* x, uint32_t n) {
+  const int lane = threadIdx.x % 32;
+  float acc = 0.f;
+  for (uint32_t e = lane * 8; e < n; e += 256) {
+    const uint4 wv = *reinterpret_cast<const uint4*>(w + e);
+    const uint4 xv = *reinterpret_cast<const uint4*>(x + e);
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+    const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 a = __bfloat1622float2(w2[j]), b = __bfloat1622float2(x2[j]);
+      acc = fmaf(a.x, b.x, fmaf(a.y, b.y, acc));
+    }
+  }
+  return warp_sum(acc);
+}
+__device__ inline float warp_dot(const __nv_bfloat16* w, const float* x, uint32_t n) {
+  const int lane = threadIdx.x % 32;
+  float acc = 0.f;
+  for (uint32_t e = lane * 8; e < n; e += 256) {
+    const uint4 wv = *reinterpret_cast<const uint4*>(w + e);
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 a = __bfloat1622float2(w2[j]);
+      acc = fmaf(a.x, x[e + 2 * j], fmaf(a.y, x[e + 2 * j + 1], acc));
+    }
+  }
+  return warp_sum(acc);
+}
+
+// ---------------------------------------------------------------------------
+// Embedding: out[b] = table[tokens[b]].
+template <int B, class T>
+__device__ void embedding(const __nv_bfloat16* table, const int32_t* tokens, uint32_t hidden, T* out) {
+  for (uint32_t i = threadIdx.x; i < B * hidden; i += kConsumerThreads) {
+    const uint32_t b = i / hidden, e = i % hidden;
+    out[i] = from_float<T>(bf(table[size_t(tokens[b]) * hidden + e]));
+  }
+}
+
+}  // namespace mkc

@@ -1,0 +1,201 @@
+// mkc device library: The row-local epilogue steps a projection's generated code chains after
+// its rows, on the fp32 staging tile.
+#pragma once
+
+#include "common.cuh"
+
+namespace mkc {
+
+// ---------------------------------------------------------------------------
+// Epilogue steps on the staging tile st [B, n]. A Span says which part of a
+// value the tile holds: tile columns [c0, c0 + len) are its elements
+// [e0, e0 + len). A step whose span is empty does nothing.
+struct Span {
+  uint32_t c0, e0, len;
+};
+
+// The span of linear `node`'s output in task t (its rows [a2, a3)).
+__device__ inline Span linear_span(const TaskArgs& t, uint32_t node) {
+  return t.a[0] == node ? Span{0, t.a[2], t.a[3] - t.a[2]} : Span{0, 0, 0};
+}
+
+// The span of elements [off, off + size) of a value, as a value of its own.
+__device__ inline Span sub_span(Span s, uint32_t off, uint32_t size) {
+  const uint32_t lo = max(s.e0, off), hi = min(s.e0 + s.len, off + size);
+  if (s.len == 0 || hi <= lo) return Span{0, 0, 0};
+  return Span{s.c0 + lo - s.e0, lo - off, hi - lo};
+}
+
+// gate = silu(gate) * up, the up rows at tile columns [n/2, n).
+template <int B>
+__device__ void ep_silu_and_mul(float* st, uint32_t n, Span g) {
+  const uint32_t half = n / 2;
+  for (uint32_t i = threadIdx.x; i < B * g.len; i += kConsumerThreads) {
+    const uint32_t b = i / g.len, c = g.c0 + i % g.len;
+    const float x = st[b * n + c], u = st[b * n + half + c];
+    st[b * n + c] = x / (1.f + expf(-x)) * u;
+  }
+}
+
+// gate = SiTU-GLU of (gate, up), K3's activation, the up rows at tile
+// columns [n/2, n): beta tanh(gate/beta) sigmoid(gate) * lin tanh(up/lin),
+// the up branch the identity when lin <= 0 (no linear beta configured).
+__device__ __forceinline__ float situ_glu(float x, float u, float beta, float lin) {
+  const float g = beta * tanhf(x / beta) / (1.f + expf(-x));
+  return g * (lin > 0.f ? lin * tanhf(u / lin) : u);
+}
+template <int B>
+__device__ void ep_situ_and_mul(float* st, uint32_t n, Span g, float beta, float lin) {
+  const uint32_t half = n / 2;
+  for (uint32_t i = threadIdx.x; i < B * g.len; i += kConsumerThreads) {
+    const uint32_t b = i / g.len, c = g.c0 + i % g.len;
+    st[b * n + c] = situ_glu(st[b * n + c], st[b * n + half + c], beta, lin);
+  }
+}
+
+// A bank with one more row, the new row being the tile's span s (K3's block
+// snapshot): for the span's columns, bank_new [B][rows + 1][hidden] takes
+// bank [B][rows][hidden] and then the tile's values.
+template <int B, class T>
+__device__ void ep_stack(const float* st, uint32_t n, Span s, const T* bank, uint32_t rows, uint32_t hidden,
+                         T* bank_new) {
+  for (uint32_t i = threadIdx.x; i < B * (rows + 1) * s.len; i += kConsumerThreads) {
+    const uint32_t b = i / ((rows + 1) * s.len), j = (i / s.len) % (rows + 1), c = i % s.len, e = s.e0 + c;
+    bank_new[(size_t(b) * (rows + 1) + j) * hidden + e] =
+        j < rows ? bank[(size_t(b) * rows + j) * hidden + e] : from_float<T>(st[b * n + s.c0 + c]);
+  }
+}
+
+template <int B, class T>
+__device__ void ep_add(float* st, uint32_t n, Span s, const T* other, uint32_t len) {
+  for (uint32_t i = threadIdx.x; i < B * s.len; i += kConsumerThreads) {
+    const uint32_t b = i / s.len, j = i % s.len;
+    st[b * n + s.c0 + j] += to_float(other[size_t(b) * len + s.e0 + j]);
+  }
+}
+
+// RoPE of the last `rot` values of each head (whole heads in the span), at
+// each sequence's position; interleaved pairs (2i, 2i+1), else (i, i + rot/2).
+template <int B>
+__device__ void ep_rope(float* st, uint32_t n, Span s, uint32_t head_dim, uint32_t rot, bool interleaved,
+                        const float* inv_freq, float mscale, const int32_t* pos) {
+  if (s.len == 0) return;
+  if (s.e0 % head_dim != 0 || s.len % head_dim != 0) __trap();  // the tiler aligns tiles to heads
+  const uint32_t heads = s.len / head_dim, half = rot / 2;
+  for (uint32_t i = threadIdx.x; i < B * heads * half; i += kConsumerThreads) {
+    const uint32_t b = i / (heads * half), h = (i / half) % heads, p = i % half;
+    const uint32_t base = b * n + s.c0 + h * head_dim + head_dim - rot;
+    const uint32_t ia = interleaved ? base + 2 * p : base + p;
+    const uint32_t ib = interleaved ? ia + 1 : ia + half;
+    const float angle = float(pos[b]) * inv_freq[p];
+    const float c = cosf(angle) * mscale, sn = sinf(angle) * mscale;
+    const float xa = st[ia], xb = st[ib];
+    st[ia] = xa * c - xb * sn;
+    st[ib] = xb * c + xa * sn;
+  }
+}
+
+// RMSNorm of a whole value (the tiler keeps it in one task).
+template <int B>
+__device__ void ep_rms_norm(float* st, uint32_t n, Span s, uint32_t full, const __nv_bfloat16* w, float eps) {
+  if (s.len == 0) return;
+  if (s.e0 != 0 || s.len != full) __trap();
+  for (int b = 0; b < B; ++b) {
+    float ss = 0.f;
+    for (uint32_t j = threadIdx.x; j < s.len; j += kConsumerThreads) ss = fmaf(st[b * n + s.c0 + j], st[b * n + s.c0 + j], ss);
+    const float r = rsqrtf(block_sum(ss) / float(full) + eps);
+    for (uint32_t j = threadIdx.x; j < s.len; j += kConsumerThreads) st[b * n + s.c0 + j] *= r * bf(w[j]);
+  }
+}
+
+// Short causal convolution with state (KDA's q/k/v), on the tile's span s of
+// a value with `channels` channels: per channel c and token b,
+//   y = act(sum_{j < W-1} w[c, j] state[b, j, c] + w[c, W-1] z),  z = the tile value,
+// fp32 weights [channels, 1, W]; then the state shifts by one row, the new z
+// (rounded to the state's type) last. State per sequence [W-1, channels],
+// sequences `state_stride` elements apart. act: SiLU (1) or none (0).
+template <int B, class S>
+__device__ void ep_conv_update(float* st, uint32_t n, Span s, const float* w, uint32_t width, S* state,
+                               size_t state_stride, uint32_t channels, int silu) {
+  for (uint32_t i = threadIdx.x; i < B * s.len; i += kConsumerThreads) {
+    const uint32_t b = i / s.len, j = i % s.len, c = s.e0 + j;
+    S* sb = state + size_t(b) * state_stride;
+    const float z = st[b * n + s.c0 + j];
+    float y = w[size_t(c) * width + width - 1] * z;
+    for (uint32_t t = 0; t + 1 < width; ++t) y = fmaf(w[size_t(c) * width + t], to_float(sb[size_t(t) * channels + c]), y);
+    for (uint32_t t = 0; t + 2 < width; ++t) sb[size_t(t) * channels + c] = sb[size_t(t + 1) * channels + c];
+    if (width > 1) sb[size_t(width - 2) * channels + c] = from_float<S>(z);
+    st[b * n + s.c0 + j] = silu ? y / (1.f + expf(-y)) : y;
+  }
+}
+
+// L2 normalisation in groups of `group` channels (KDA's q and k):
+// x / sqrt(sum x^2 + eps) per group; the span covers whole groups (the
+// planner aligns the tile to them).
+template <int B>
+__device__ void ep_l2_norm(float* st, uint32_t n, Span s, uint32_t group, float eps) {
+  if (s.len == 0) return;
+  if (s.e0 % group != 0 || s.len % group != 0) __trap();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t groups = s.len / group;
+  for (uint32_t gi = warp; gi < B * groups; gi += kConsumerWarps) {
+    float* x = st + (gi / groups) * n + s.c0 + (gi % groups) * group;
+    float ss = 0.f;
+    for (uint32_t j = lane; j < group; j += 32) ss = fmaf(x[j], x[j], ss);
+    const float r = rsqrtf(warp_sum(ss) + eps);
+    for (uint32_t j = lane; j < group; j += 32) x[j] *= r;
+  }
+}
+
+// Sigmoid on the span.
+template <int B>
+__device__ void ep_sigmoid(float* st, uint32_t n, Span s) {
+  for (uint32_t i = threadIdx.x; i < B * s.len; i += kConsumerThreads) {
+    float& x = st[(i / s.len) * n + s.c0 + i % s.len];
+    x = 1.f / (1.f + expf(-x));
+  }
+}
+
+template <int B, class T>
+__device__ void ep_store(const float* st, uint32_t n, Span s, T* dst, uint32_t len) {
+  for (uint32_t i = threadIdx.x; i < B * s.len; i += kConsumerThreads) {
+    const uint32_t b = i / s.len, j = i % s.len;
+    dst[size_t(b) * len + s.e0 + j] = from_float<T>(st[b * n + s.c0 + j]);
+  }
+}
+
+// Per token, the tile's largest value and its index (the lowest on ties).
+template <int B>
+__device__ void ep_tile_max(const float* st, uint32_t n, Span s, float2* out, uint32_t tile, uint32_t tiles) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int b = warp; b < B; b += kConsumerWarps) {
+    float best = -INFINITY;
+    uint32_t at = 0xffffffffu;
+    for (uint32_t j = lane; j < s.len; j += 32) {
+      const float v = st[b * n + s.c0 + j];
+      if (v > best) best = v, at = s.e0 + j;
+    }
+    for (int off = 16; off > 0; off /= 2) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, off);
+      const uint32_t oa = __shfl_xor_sync(0xffffffffu, at, off);
+      if (ob > best || (ob == best && oa < at)) best = ob, at = oa;
+    }
+    if (lane == 0) out[b * tiles + tile] = make_float2(best, __uint_as_float(at));
+  }
+}
+
+template <int B>
+__device__ void argmax_tiles(const float2* tm, uint32_t tiles, int32_t* next) {
+  if (threadIdx.x >= B) return;
+  const int b = threadIdx.x;
+  float best = -INFINITY;
+  uint32_t at = 0;
+  for (uint32_t t = 0; t < tiles; ++t) {
+    const float2 v = tm[b * tiles + t];
+    const uint32_t idx = __float_as_uint(v.y);
+    if (v.x > best || (v.x == best && idx < at)) best = v.x, at = idx;
+  }
+  next[b] = int32_t(at);
+}
+
+}  // namespace mkc

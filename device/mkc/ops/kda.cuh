@@ -1,0 +1,133 @@
+// mkc device library: KDA decode and its gated output norm (the output projection's prologue).
+#pragma once
+
+#include "rows.cuh"
+
+namespace mkc {
+
+// ---------------------------------------------------------------------------
+// KDA decode (Kimi Delta Attention), one step for heads [h0, h1) of every
+// sequence. Per head h and token b, with d = head_dim, q and k already
+// L2-normalised (the projection's epilogue), all fp32:
+//   gate  g[i] = -exp(A_log[h]) softplus(f[i] + dt_bias[i])           (Kimi Linear)
+//         g[i] = lower_bound sigmoid(exp(A_log[h]) (f[i] + dt_bias[i])) (K3's safe gate)
+//   beta  = sigmoid(b_logit[h])
+//   S <- S diag(exp(g))        (S [d_v, d_k] per head, column i scaled)
+//   u  = beta (v - S k);  S <- S + u k^T;  o = S q / sqrt(d)
+// A warp takes rows of S (a value channel each), a lane four key channels,
+// so each state row is read and written once. The state is [B][heads][d][d]
+// fp32, key channels contiguous.
+struct KdaShape {
+  uint32_t heads, d;
+  bool safe_gate;     // K3's lower-bounded sigmoid gate instead of softplus
+  float lower_bound;  // safe gate only
+};
+
+constexpr uint32_t kMaxKdaDim = 256;
+
+__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+template <int B, class T>
+__device__ void kda_decode(const KdaShape& s, uint32_t h0, uint32_t h1, const T* q, const T* k, const T* v,
+                           const T* f, const T* b_logit, const float* a_log, const float* dt_bias, float* state,
+                           T* out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t d = s.d, p = s.heads * d;
+  constexpr uint32_t kPer = kMaxKdaDim / 128;  // float4 groups per lane
+  const float qscale = rsqrtf(float(d));
+  for (int b = 0; b < B; ++b) {
+    for (uint32_t h = h0; h < h1; ++h) {
+      const float scale = expf(a_log[h]);
+      const float beta = 1.f / (1.f + expf(-to_float(b_logit[size_t(b) * s.heads + h])));
+      float alpha[kPer][4], kk[kPer][4], qq[kPer][4];
+#pragma unroll
+      for (uint32_t j = 0; j < kPer; ++j) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const uint32_t i = 128 * j + 4 * lane + u;
+          alpha[j][u] = kk[j][u] = qq[j][u] = 0.f;
+          if (i >= d) continue;
+          const size_t at = size_t(b) * p + size_t(h) * d + i;
+          const float x = to_float(f[at]) + dt_bias[size_t(h) * d + i];
+          const float g = s.safe_gate ? s.lower_bound / (1.f + expf(-scale * x)) : -scale * softplus(x);
+          alpha[j][u] = expf(g);
+          kk[j][u] = to_float(k[at]);
+          qq[j][u] = to_float(q[at]) * qscale;
+        }
+      }
+      float* sh = state + (size_t(b) * s.heads + h) * d * d;
+      for (uint32_t r = warp; r < d; r += kConsumerWarps) {
+        float* row = sh + size_t(r) * d;
+        float sv[kPer][4];
+        float mem = 0.f;
+#pragma unroll
+        for (uint32_t j = 0; j < kPer; ++j) {
+          const uint32_t i = 128 * j + 4 * lane;
+          if (i < d) {
+            const float4 x = *reinterpret_cast<const float4*>(row + i);
+            sv[j][0] = x.x * alpha[j][0], sv[j][1] = x.y * alpha[j][1];
+            sv[j][2] = x.z * alpha[j][2], sv[j][3] = x.w * alpha[j][3];
+          } else {
+            sv[j][0] = sv[j][1] = sv[j][2] = sv[j][3] = 0.f;
+          }
+#pragma unroll
+          for (int u = 0; u < 4; ++u) mem = fmaf(sv[j][u], kk[j][u], mem);
+        }
+        mem = warp_sum(mem);
+        const float ur = beta * (to_float(v[size_t(b) * p + size_t(h) * d + r]) - mem);
+        float o = 0.f;
+#pragma unroll
+        for (uint32_t j = 0; j < kPer; ++j) {
+          const uint32_t i = 128 * j + 4 * lane;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            sv[j][u] = fmaf(ur, kk[j][u], sv[j][u]);
+            o = fmaf(sv[j][u], qq[j][u], o);
+          }
+          if (i < d) *reinterpret_cast<float4*>(row + i) = make_float4(sv[j][0], sv[j][1], sv[j][2], sv[j][3]);
+        }
+        o = warp_sum(o);
+        if (lane == 0) out[size_t(b) * p + size_t(h) * d + r] = from_float<T>(o);
+      }
+    }
+  }
+}
+
+// Gated RMSNorm per head (KDA's output norm), as a projection's prologue:
+// x'[c] = x[c] rsqrt(mean over the head's d channels of x^2 + eps) w[c % d]
+// act(gate[c]), act sigmoid (1) or SiLU (0); in place on x [B, heads d] in
+// shared memory, a warp per (token, head).
+template <int B, class T>
+__device__ void gated_rms_norm_inplace(float* x, const T* gate, uint32_t heads, uint32_t d,
+                                       const __nv_bfloat16* w, float eps, int sigmoid_act) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (uint32_t gi = warp; gi < B * heads; gi += kConsumerWarps) {
+    float* xh = x + size_t(gi) * d;
+    const T* gh = gate + size_t(gi) * d;
+    float ss = 0.f;
+    for (uint32_t j = lane; j < d; j += 32) ss = fmaf(xh[j], xh[j], ss);
+    const float r = rsqrtf(warp_sum(ss) / float(d) + eps);
+    for (uint32_t j = lane; j < d; j += 32) {
+      const float gv = to_float(gh[j]);
+      const float a = sigmoid_act ? 1.f / (1.f + expf(-gv)) : gv / (1.f + expf(-gv));
+      xh[j] = xh[j] * r * bf(w[j]) * a;
+    }
+  }
+}
+
+// Projection rows whose input is KDA's gated output norm (a prologue):
+// x [B, heads d] is staged in shared memory (it must fit in
+// kActivationBytes; the code generator checks), normed and gated there, then
+// the pages read it from shared memory.
+template <int B, class T>
+__device__ void rows_compute_gated(const Rows& r, const T* x, const T* gate, uint32_t heads, uint32_t d,
+                                   const __nv_bfloat16* w, float eps, int sigmoid_act, uint32_t& it, int warp,
+                                   float* st) {
+  if (size_t(B) * r.k * sizeof(float) > size_t(kActivationBytes) || heads * d != r.k) __trap();
+  float* xs = stage_input<B>(x, r.k, static_cast<const __nv_bfloat16*>(nullptr), 0.f);
+  gated_rms_norm_inplace<B>(xs, gate, heads, d, w, eps, sigmoid_act);
+  consumer_sync();
+  rows_pages<B>(r, static_cast<const float*>(xs), nullptr, nullptr, it, warp, st);
+}
+
+}  // namespace mkc

@@ -1,0 +1,279 @@
+// mkc device library: projection rows through the page ring: bf16 rows (`rows_compute`, the
+// consumer of `rows_load`), MXFP4 rows (`mx_rows_load`, `mx_rows_compute`),
+// the staged input and its prologues' shared pieces.
+#pragma once
+
+#include "common.cuh"
+
+namespace mkc {
+
+// ---------------------------------------------------------------------------
+// Projection rows: `Rows` and the loader's `rows_load` are in projection.cuh.
+
+// Four consecutive activations x[b, e..e+3] as fp32 (e a multiple of 4).
+__device__ __forceinline__ float4 load_four(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load_four(const __nv_bfloat16* p) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
+// The end of a row block: the lanes' partial sums acc[j][b] reduced over the
+// warp (shuffles), then over the warps through `part` [warps][kPageRows B] in
+// a fixed order (the result does not depend on timing), into st [B, cols]
+// at columns j0 + j. One consumer barrier; callers alternate `part` between
+// row blocks so the next block's writes cannot overtake this one's reads.
+template <int B>
+__device__ __forceinline__ void reduce_row_block(float (&acc)[kPageRows][B], float (*part)[kPageRows * B],
+                                                 uint32_t nr, uint32_t cols, uint32_t j0, int warp, float* st) {
+  const int lane = threadIdx.x % 32;
+  float* mine = part[warp];
+#pragma unroll
+  for (int j = 0; j < kPageRows; ++j) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const float v = warp_sum(acc[j][b]);
+      if (lane == 0) mine[j * B + b] = v;
+    }
+  }
+  consumer_sync();
+  for (uint32_t i = threadIdx.x; i < nr * B; i += kConsumerThreads) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) v += part[w][i];
+    const uint32_t j = i / B, b = i % B;
+    st[size_t(b) * cols + j0 + j] = v;
+  }
+}
+
+// The page loop of rows_compute: rows of y = x' W^T into st [B, cols], x'
+// = x, or x * scale[b] * norm when `norm` is given. A page holds kPageRows
+// rows of up to kPageK weights; warp w takes columns [128 w, 128 w + 128) of
+// every row of the page, four per lane, so each activation a lane loads
+// serves all rows of the page. After a row block's last page the lanes'
+// partial sums are reduced over the warp (shuffles), then over the warps
+// (shared memory, in a fixed order: the result does not depend on timing).
+template <int B, class T>
+__device__ void rows_pages(const Rows& r, const T* x, const __nv_bfloat16* norm, const float* scale, uint32_t& it,
+                           int warp, float* st) {
+  static_assert(kPageK == kConsumerWarps * 128, "a warp covers 128 columns of a page");
+  const int lane = threadIdx.x % 32;
+  __shared__ float part[2][kConsumerWarps][kPageRows * B];  // per row block parity
+  const uint32_t cols = r.cols();
+  const uint32_t e = uint32_t(warp) * 128 + uint32_t(lane) * 4;  // this lane's columns within a page
+  for (uint32_t j0 = 0, block = 0; j0 < cols; j0 += kPageRows, ++block) {
+    const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
+    float acc[kPageRows][B] = {};
+    for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK, ++it) {
+      const uint32_t nk = min(uint32_t(kPageK), r.k - k0);
+      const int slot = it % kPages;
+      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      if (e < nk) {
+        float4 xv[B];
+        float4 g = make_float4(1.f, 1.f, 1.f, 1.f);
+        if (norm != nullptr) g = load_four(norm + k0 + e);
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+          xv[b] = load_four(x + size_t(b) * r.k + k0 + e);
+          if (norm != nullptr) {
+            const float sb = scale[b];
+            xv[b] = make_float4(xv[b].x * sb * g.x, xv[b].y * sb * g.y, xv[b].z * sb * g.z, xv[b].w * sb * g.w);
+          }
+        }
+        const __nv_bfloat16* page = ring_ptr()->page[slot];
+#pragma unroll
+        for (int j = 0; j < kPageRows; ++j) {
+          if (uint32_t(j) >= nr) break;
+          const float4 w = load_four(page + j * kPageK + e);
+#pragma unroll
+          for (int b = 0; b < B; ++b) {
+            acc[j][b] = fmaf(w.x, xv[b].x, fmaf(w.y, xv[b].y, fmaf(w.z, xv[b].z, fmaf(w.w, xv[b].w, acc[j][b]))));
+          }
+        }
+      }
+      release_page(&ring_ptr()->empty[slot]);
+    }
+    reduce_row_block<B>(acc, part[block & 1], nr, cols, j0, warp, st);
+  }
+}
+
+// Copies x [B, k] into the shared-memory activation area as fp32, RMS-normed
+// there (x * rsqrt(mean(x^2) + eps) * norm, per token) when `norm` is given;
+// returns it, complete for every consumer. The caller checks that it fits.
+template <int B, class T>
+__device__ float* stage_input(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps) {
+  __shared__ float scale[B];
+  const uint32_t n = uint32_t(B) * k;
+  float* xs = activation_ptr();
+  for (uint32_t i = threadIdx.x * 4; i < n; i += kConsumerThreads * 4) {
+    *reinterpret_cast<float4*>(xs + i) = load_four(x + i);
+  }
+  if (norm != nullptr) {
+    consumer_sync();
+    for (int b = 0; b < B; ++b) {
+      float ss = 0.f;
+      for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) ss = fmaf(xs[b * k + e], xs[b * k + e], ss);
+      ss = block_sum(ss);
+      if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(k) + eps);
+    }
+    consumer_sync();
+    for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) xs[i] = xs[i] * scale[i / k] * bf(norm[i % k]);
+  }
+  consumer_sync();
+  return xs;
+}
+
+// Rows of y = x' W^T into the staging tile st [B, cols] (fp32), the weights
+// streamed by rows_load through the page ring; x' = x, or RMSNorm(x) * norm
+// when `norm` is given (the prologue; the scale per token computed here from
+// x). When x [B, k] fits in kActivationBytes it is first copied to shared
+// memory as fp32, normed there, so the pages read it from shared memory
+// (otherwise from L2, a round trip per page).
+template <int B, class T>
+__device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* norm, float eps,
+                             uint32_t& it, int warp, float* st) {
+  __shared__ float scale[B];
+  if (size_t(B) * r.k * sizeof(float) <= size_t(kActivationBytes)) {
+    rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps), nullptr, nullptr, it, warp, st);
+    return;
+  }
+  if (norm != nullptr) {
+    for (int b = 0; b < B; ++b) {
+      float ss = 0.f;
+      for (uint32_t e = threadIdx.x; e < r.k; e += kConsumerThreads) {
+        const float v = to_float(x[size_t(b) * r.k + e]);
+        ss = fmaf(v, v, ss);
+      }
+      ss = block_sum(ss);
+      if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(r.k) + eps);
+    }
+    consumer_sync();
+  }
+  rows_pages<B>(r, x, norm, scale, it, warp, st);
+}
+
+// ---------------------------------------------------------------------------
+// MXFP4 weight rows (K3's routed experts): e2m1 codes, two per byte along a
+// row (the low nibble first), and one e8m0 scale byte per 32 elements:
+// W[n, k] = e2m1(code) 2^(scale - 127), scale byte 255 read as 0.
+struct MxRows {
+  const uint8_t* c0;  // codes [rows, k / 2]
+  const uint8_t* s0;  // scales [rows, k / 32]
+  const uint8_t* c1;  // the paired (up) matrix's, or null
+  const uint8_t* s1;
+  uint32_t r0, r1, k;
+  __device__ uint32_t cols() const { return (r1 - r0) * (c1 != nullptr ? 2 : 1); }
+  __device__ const uint8_t* codes(uint32_t j) const {
+    const uint32_t n = r1 - r0;
+    return j < n ? c0 + size_t(r0 + j) * (k / 2) : c1 + size_t(r0 + j - n) * (k / 2);
+  }
+  __device__ const uint8_t* scales(uint32_t j) const {
+    const uint32_t n = r1 - r0;
+    return j < n ? s0 + size_t(r0 + j) * (k / 32) : s1 + size_t(r0 + j - n) * (k / 32);
+  }
+};
+
+// A page holds the codes of kPageRows rows for kMxK elements (1 KiB a row);
+// the consumers read the scales from global memory, a page ahead.
+constexpr uint32_t kMxK = 2048;
+
+__device__ __forceinline__ float e2m1(uint32_t c) {
+  const uint32_t m = c & 1u, e = (c >> 1) & 3u;
+  const float v = e == 0 ? 0.5f * float(m) : __int_as_float(int((e + 126u) << 23)) * (1.f + 0.5f * float(m));
+  return (c & 8u) ? -v : v;
+}
+__device__ __forceinline__ float e8m0(uint32_t byte) { return byte == 255u ? 0.f : ldexpf(1.f, int(byte) - 127); }
+
+// Loader: the codes of a task's rows into the page ring.
+__device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
+  const int lane = threadIdx.x % 32;
+  const uint32_t cols = r.cols();
+  for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
+    const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
+    for (uint32_t k0 = 0; k0 < r.k; k0 += kMxK, ++it) {
+      const uint32_t bytes = min(kMxK, r.k - k0) / 2;
+      const int slot = it % kPages;
+      if (lane == 0) {
+        Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+        Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * bytes);
+        auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
+        for (uint32_t j = 0; j < nr; ++j) {
+          cute::SM90_BULK_COPY_G2S::copy(r.codes(j0 + j) + k0 / 2, &ring_ptr()->full[slot], page + j * (kMxK / 2),
+                                         int32_t(bytes));
+        }
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// Consumers: rows of y = x W^T into st [B, cols] (x fp32 [B, k], in shared
+// memory or global). Warp w takes elements [256 w, 256 w + 256) of each row
+// chunk, eight per lane (four code bytes, one scale).
+template <int B>
+__device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int warp, float* st) {
+  const int lane = threadIdx.x % 32;
+  __shared__ float part[2][kConsumerWarps][kPageRows * B];
+  const uint32_t cols = r.cols();
+  const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
+  const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
+  const uint32_t e = uint32_t(warp) * 256 + uint32_t(lane) * 8;  // this lane's elements within a chunk
+  // The scales of page q (row block q / chunks, chunk q % chunks), one per row.
+  auto scales = [&](uint32_t q, float (&sc)[kPageRows]) {
+    const uint32_t j0 = (q / chunks) * kPageRows, k0 = (q % chunks) * kMxK;
+    const uint32_t nr = min(uint32_t(kPageRows), cols - j0), nk = min(kMxK, r.k - k0);
+#pragma unroll
+    for (int j = 0; j < kPageRows; ++j) sc[j] = (uint32_t(j) < nr && e < nk) ? e8m0(r.scales(j0 + j)[(k0 + e) / 32]) : 0.f;
+  };
+  float next[kPageRows];
+  if (blocks > 0) scales(0, next);
+  for (uint32_t blk = 0; blk < blocks; ++blk) {
+    const uint32_t j0 = blk * kPageRows, nr = min(uint32_t(kPageRows), cols - j0);
+    float acc[kPageRows][B] = {};
+    for (uint32_t ch = 0; ch < chunks; ++ch, ++it) {
+      const uint32_t q = blk * chunks + ch, k0 = ch * kMxK, nk = min(kMxK, r.k - k0);
+      float sc[kPageRows];
+#pragma unroll
+      for (int j = 0; j < kPageRows; ++j) sc[j] = next[j];
+      if (q + 1 < blocks * chunks) scales(q + 1, next);
+      const int slot = it % kPages;
+      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      if (e < nk) {
+        float xv[B][8];
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+          const float4 a = load_four(x + size_t(b) * r.k + k0 + e), c = load_four(x + size_t(b) * r.k + k0 + e + 4);
+          xv[b][0] = a.x, xv[b][1] = a.y, xv[b][2] = a.z, xv[b][3] = a.w;
+          xv[b][4] = c.x, xv[b][5] = c.y, xv[b][6] = c.z, xv[b][7] = c.w;
+        }
+        const auto* page = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]);
+#pragma unroll
+        for (int j = 0; j < kPageRows; ++j) {
+          if (uint32_t(j) >= nr) break;
+          const uint32_t codes = *reinterpret_cast<const uint32_t*>(page + j * (kMxK / 2) + e / 2);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            const float wv = e2m1(codes >> (4 * u)) * sc[j];
+#pragma unroll
+            for (int b = 0; b < B; ++b) acc[j][b] = fmaf(wv, xv[b][u], acc[j][b]);
+          }
+        }
+      }
+      release_page(&ring_ptr()->empty[slot]);
+    }
+    reduce_row_block<B>(acc, part[blk & 1], nr, cols, j0, warp, st);
+  }
+  (void)lane;
+}
+
+// MXFP4 rows of y = x' W^T, x' = x or RMSNorm(x) * norm, the input staged in
+// shared memory when it fits (as rows_compute).
+template <int B, class T>
+__device__ void mx_rows_compute(const MxRows& r, const T* x, const __nv_bfloat16* norm, float eps, uint32_t& it,
+                                int warp, float* st) {
+  if (size_t(B) * r.k * sizeof(float) > size_t(kActivationBytes)) __trap();  // checked at codegen
+  mx_rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps), it, warp, st);
+}
+
+}  // namespace mkc
