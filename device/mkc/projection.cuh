@@ -60,16 +60,12 @@ constexpr int kEmptyArrivals = kConsumerWarps;
 // proxy) into the page.
 __device__ __forceinline__ void release_page(uint64_t* empty) {
 #ifndef MKC_RELEASE_PER_WARP
-#ifndef MKC_NO_PROXY_FENCE
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
   cutlass::arch::ClusterTransactionBarrier::arrive(empty);
 #else
   __syncwarp();
   if (threadIdx.x % 32 == 0) {
-#ifndef MKC_NO_PROXY_FENCE
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
     cutlass::arch::ClusterTransactionBarrier::arrive(empty);
   }
 #endif

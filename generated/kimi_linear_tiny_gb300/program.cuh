@@ -28,6 +28,8 @@ inline constexpr uint64_t kBuffer7 = 2816;  // 544 bytes
 inline constexpr uint64_t kBuffer8 = 3584;  // 8704 bytes
 // fp32 staging floats per SM for projection epilogues.
 inline constexpr uint64_t kStagingFloats = 256;
+// The plan sized the page ring and shared memory for this many pages.
+static_assert(kPages == 8, "the device library's page ring differs from the plan's");
 
 // Per-sequence state (bytes per sequence), in graph order.
 inline constexpr uint32_t kStates = 13;

@@ -136,7 +136,7 @@ pub fn emit(
         "program.cuh",
         minijinja::context! {
             batch => plan.options.batch, context => plan.options.context,
-            arena_bytes => p.arena_bytes, buffers => p.buffers, staging_floats => p.staging_floats, states => p.states,
+            arena_bytes => p.arena_bytes, buffers => p.buffers, staging_floats => p.staging_floats, pages => p.pages, states => p.states,
             outputs => p.outputs, next_token_output => p.next_token_output, logits_output => p.logits_output,
             vocab => p.vocab, tasks => p.tasks, code => p.code, load_cases => p.load_cases,
             run_cases => p.run_cases, load_waits => p.load_waits, stage_names, ..provenance.clone()

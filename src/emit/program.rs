@@ -12,7 +12,7 @@
 //! constants and pointers. A projection's epilogue is compiled from its
 //! nodes: the task's rows sit in an fp32 staging tile, and each row-local op
 //! (split, RoPE, residual add, act-and-mul, RMSNorm, short conv, L2 norm,
-//! sigmoid, stack) works on the part of its value that the tile holds (a
+//! stack) works on the part of its value that the tile holds (a
 //! `Span` computed at run time), in graph order; a value read outside the
 //! operation is stored as soon as it is final. What the library does not
 //! compute is refused with the fused operation's name, never skipped.
@@ -77,6 +77,8 @@ pub struct Program {
     pub arena_bytes: u64,
     /// fp32 staging per SM for projection epilogues.
     pub staging_floats: u64,
+    /// Ring pages the plan's warp layout was sized for.
+    pub pages: u32,
     /// Per-sequence states: (name, bytes per sequence).
     pub states: Vec<(String, u64)>,
     /// Graph outputs: (name, C++ type, bytes per sequence).
@@ -499,6 +501,7 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         buffers,
         arena_bytes: at.max(256),
         staging_floats: align(gen.staging.max(1), 32),
+        pages: plan.warps.layout.pages,
         states,
         outputs,
         next_token_output,

@@ -147,15 +147,6 @@ __device__ void ep_l2_norm(float* st, uint32_t n, Span s, uint32_t group, float 
   }
 }
 
-// Sigmoid on the span.
-template <int B>
-__device__ void ep_sigmoid(float* st, uint32_t n, Span s) {
-  for (uint32_t i = threadIdx.x; i < B * s.len; i += kConsumerThreads) {
-    float& x = st[(i / s.len) * n + s.c0 + i % s.len];
-    x = 1.f / (1.f + expf(-x));
-  }
-}
-
 template <int B, class T>
 __device__ void ep_store(const float* st, uint32_t n, Span s, T* dst, uint32_t len) {
   for (uint32_t i = threadIdx.x; i < B * s.len; i += kConsumerThreads) {

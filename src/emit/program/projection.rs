@@ -1,7 +1,7 @@
 //! Projections: a task's weight rows through the page ring, the prologue on
 //! its input (none, RMSNorm, KDA's gated norm, an element-wise gate) and the
 //! epilogue compiled from the fused nodes in graph order (split, RoPE, add,
-//! act-and-mul, RMSNorm, short conv, L2 norm, sigmoid, stack, logits tile
+//! act-and-mul, RMSNorm, short conv, L2 norm, stack, logits tile
 //! max).
 
 use super::*;
@@ -312,14 +312,6 @@ impl Gen<'_> {
                         attrs.int("group"),
                         float(attrs.float("eps"))
                     );
-                    span.insert(out, src);
-                }
-                OpKind::Sigmoid => {
-                    let src = span
-                        .get(&ops[0])
-                        .cloned()
-                        .ok_or_else(|| unsupported(op, "a sigmoid of a value it does not compute"))?;
-                    let _ = writeln!(body, "  ep_sigmoid<kBatch>(st, n, {src});\n  consumer_sync();");
                     span.insert(out, src);
                 }
                 OpKind::Argmax => {
