@@ -35,7 +35,7 @@ class Model:
         lib.mkc_model_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Info)]
         lib.mkc_model_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                        ctypes.c_char_p, ctypes.c_size_t]
-        lib.mkc_model_reset.argtypes = [ctypes.c_void_p]
+        lib.mkc_model_reset.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.mkc_model_save_state.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p,
                                              ctypes.c_size_t]
         lib.mkc_model_load_state.argtypes = lib.mkc_model_save_state.argtypes
@@ -86,7 +86,8 @@ class Model:
         return nxt
 
     def reset(self):
-        self._lib.mkc_model_reset(self._m)
+        if self._lib.mkc_model_reset(self._m, self._err, len(self._err)) != 0:
+            raise MkcError(self._err.value.decode())
 
     def save_state(self):
         buf = np.zeros(self.state_bytes, dtype=np.uint8)

@@ -5,6 +5,8 @@
 //   rows:        rows_load (8 rows x 2 KiB bulk copies per page) + rows_pages (the projection consumer, batch 1)
 //   rows-idle:   rows_load, consumers only wait for and release each page
 //   packed:      one 16 KiB bulk copy per page (contiguous weights), consumers only wait and release
+//   pieces-N:    N rows per page, one bulk copy of 8192/N columns from each (the row's last piece
+//                shorter), consumers only wait and release: how the copy size sets the rate
 // A measurement, not a test: nothing is asserted; the numbers go in docs/PERFORMANCE.md.
 //
 //   target/device/ring_bench_sm90a        (on an H200)
@@ -17,6 +19,54 @@
 constexpr uint32_t kK = 7168;
 
 enum Mode { kRows, kRowsIdle, kPacked };
+
+// Loader of the pieces-N variants: N rows per page, 8192/N columns from each.
+template <int N>
+__device__ uint32_t pieces_load(const mkc::Rows& r, uint32_t& it) {
+  constexpr uint32_t kCols = 8192 / N;
+  mkc::Ring& ring = *mkc::ring_ptr();
+  uint32_t pages = 0;
+  for (uint32_t j0 = r.r0; j0 < r.r1; j0 += N) {
+    for (uint32_t k0 = 0; k0 < kK; k0 += kCols, ++it, ++pages) {
+      const uint32_t nk = min(kCols, kK - k0);
+      const int slot = it % mkc::kPages;
+      if (threadIdx.x % 32 == 0) {
+        mkc::Barrier::wait(&ring.empty[slot], ((it / mkc::kPages) & 1) ^ 1);
+        mkc::Barrier::arrive_and_expect_tx(&ring.full[slot], N * nk * 2);
+        for (int j = 0; j < N; ++j) {
+          cute::SM90_BULK_COPY_G2S::copy(r.w0 + size_t(j0 + j) * kK + k0, &ring.full[slot], ring.page[slot] + j * kCols,
+                                         int32_t(nk * 2));
+        }
+      }
+      __syncwarp();
+    }
+  }
+  return pages;
+}
+
+template <int N>
+__global__ void __launch_bounds__(mkc::kThreads, 1) pieces(const __nv_bfloat16* w, uint32_t rows, float* out) {
+  mkc::Ring& ring = *mkc::ring_ptr();
+  if (threadIdx.x == 0) mkc::ring_init(ring);
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  const uint32_t per_sm = rows / gridDim.x;
+  const mkc::Rows r{w, nullptr, blockIdx.x * per_sm, (blockIdx.x + 1) * per_sm, kK};
+  uint32_t it = 0;
+  if (warp == mkc::kConsumerWarps) {
+    pieces_load<N>(r, it);
+  } else if (warp < mkc::kConsumerWarps) {
+    const uint32_t n = (per_sm / N) * ((kK + 8192 / N - 1) / (8192 / N));
+    float acc = 0.f;
+    for (uint32_t i = 0; i < n; ++i, ++it) {
+      const int slot = it % mkc::kPages;
+      mkc::Barrier::wait(&ring.full[slot], (it / mkc::kPages) & 1);
+      acc += __bfloat162float(ring.page[slot][threadIdx.x]);
+      mkc::release_page(&ring.empty[slot]);
+    }
+    if (acc == 12345.f) out[blockIdx.x] = acc;  // keeps the reads
+  }
+}
 
 template <int M>
 __global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* w, uint32_t rows, float* out) {
@@ -71,17 +121,17 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* 
   }
 }
 
-template <int M>
-static void run(const char* name, const __nv_bfloat16* w, uint32_t rows, float* out, int sms) {
-  CHECK(cudaFuncSetAttribute(stream<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
+template <class K>
+static void run(const char* name, K kernel, const __nv_bfloat16* w, uint32_t rows, float* out, int sms) {
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
-  stream<M><<<sms, mkc::kThreads, mkc::kSmemBytes>>>(w, rows, out);  // warm-up
+  kernel<<<sms, mkc::kThreads, mkc::kSmemBytes>>>(w, rows, out);  // warm-up
   CHECK(cudaGetLastError());
   CHECK(cudaEventRecord(a));
   const int reps = 5;
-  for (int i = 0; i < reps; ++i) stream<M><<<sms, mkc::kThreads, mkc::kSmemBytes>>>(w, rows, out);
+  for (int i = 0; i < reps; ++i) kernel<<<sms, mkc::kThreads, mkc::kSmemBytes>>>(w, rows, out);
   CHECK(cudaEventRecord(b));
   CHECK(cudaEventSynchronize(b));
   CHECK(cudaGetLastError());
@@ -106,9 +156,16 @@ int main() {
   CHECK(cudaMalloc(&out, sms * sizeof(float)));
   CHECK(cudaMemset(out, 0, sms * sizeof(float)));
   std::printf("%d SMs, %u rows of %u bf16, %d pages of %d KiB\n", sms, rows, kK, mkc::kPages, mkc::kPageBytes / 1024);
-  run<kRows>("rows", w, rows, out, sms);
-  run<kRowsIdle>("rows-idle", w, rows, out, sms);
-  run<kPacked>("packed", w, rows, out, sms);
+  for (int round = 0; round < 2; ++round) {  // twice: the first round may run before the clocks settle
+  std::printf("round %d\n", round);
+  run("rows", stream<kRows>, w, rows, out, sms);
+  run("rows-idle", stream<kRowsIdle>, w, rows, out, sms);
+  run("packed", stream<kPacked>, w, rows, out, sms);
+  run("pieces-8", pieces<8>, w, rows, out, sms);
+  run("pieces-4", pieces<4>, w, rows, out, sms);
+  run("pieces-2", pieces<2>, w, rows, out, sms);
+  run("pieces-1", pieces<1>, w, rows, out, sms);
+  }
   CHECK(cudaFree(w));
   CHECK(cudaFree(out));
   return 0;

@@ -111,7 +111,15 @@ int mkc_model_profile_step(mkc_model* m, const int32_t* tokens, int32_t* next, c
   }
 }
 
-void mkc_model_reset(mkc_model* m) { m->engine.reset(); }
+int mkc_model_reset(mkc_model* m, char* err, size_t err_len) {
+  try {
+    m->engine.reset();
+    return 0;
+  } catch (const mkc::Failure& f) {
+    copy_message(f.message, err, err_len);
+    return -1;
+  }
+}
 
 int mkc_model_save_state(const mkc_model* m, void* dst, size_t len, char* err, size_t err_len) {
   try {

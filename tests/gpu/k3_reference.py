@@ -139,7 +139,12 @@ def situ_glu(gate, up, beta, beta_lin):
 
 
 class K3Reference:
-    def __init__(self, ckpt_dir: str, batch: int, max_ctx: int, device="cpu", prefix="language_model."):
+    def __init__(self, ckpt_dir: str, batch: int, max_ctx: int, device="cpu", prefix="language_model.",
+                 round_bf16: bool = False):
+        """round_bf16: every projection's output rounded to bf16 (as an
+        implementation that stores its activations in bf16 would): how far
+        that alone moves the logits is the noise floor of a comparison."""
+        self.round_bf16 = round_bf16
         self.cfg = Config.load(os.path.join(ckpt_dir, "config.json"))
         self.dev = device
         raw = load_checkpoint(ckpt_dir)
@@ -156,7 +161,8 @@ class K3Reference:
         return self.w[name].float()
 
     def linear(self, x, name):
-        return x.float() @ self.W(name).t()
+        y = x.float() @ self.W(name).t()
+        return y.bfloat16().float() if self.round_bf16 else y
 
     # ---- section 5: KDA
     def kda(self, l, x):
@@ -233,7 +239,11 @@ class K3Reference:
             g = sel.reshape(-1, c.n_group, c.experts // c.n_group).topk(2, dim=-1).values.sum(-1)
             keep = torch.zeros_like(g).scatter_(1, g.topk(c.topk_group, dim=-1).indices, 1.0)
             sel = sel.masked_fill(keep.repeat_interleave(c.experts // c.n_group, 1) == 0, float("-inf"))
-        ids = sel.topk(c.top_k, dim=-1).indices
+        top = sel.topk(min(c.top_k + 1, c.experts), dim=-1)
+        ids = top.indices[:, : c.top_k]
+        if c.top_k < c.experts:  # the routing gap: how close the (k+1)-th choice came
+            gap = (top.values[:, c.top_k - 1] - top.values[:, c.top_k]).cpu()
+            self.routing_gap = torch.minimum(self.routing_gap, gap)
         wts = s.gather(1, ids)
         if c.renorm:
             wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
@@ -262,8 +272,11 @@ class K3Reference:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Section 3: one decode step for `tokens` [B]; returns fp32 logits [B, V]."""
+        """Section 3: one decode step for `tokens` [B]; returns fp32 logits [B, V].
+        Afterwards `routing_gap` [B] holds, per sequence, the smallest gap over
+        the MoE layers between the k-th and (k+1)-th expert choice scores."""
         c = self.cfg
+        self.routing_gap = torch.full((tokens.shape[0],), float("inf"))
         cvec = self.W("model.embed_tokens.weight")[tokens.to(self.dev)]
         P = None
         bank: list[torch.Tensor] = []

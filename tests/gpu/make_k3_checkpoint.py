@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import re
 
 import torch
 from safetensors.torch import save_file
@@ -22,19 +23,28 @@ from k3_reference import Config, mxfp4_quantize
 PREFIX = "language_model."
 
 
-def make(cfg_path: str, out: str, mxfp4: bool, seed: int) -> None:
+def make(cfg_path: str, out: str, mxfp4: bool, seed: int, zero: tuple[str, ...] = ()) -> None:
+    """Draws on the GPU when there is one (K3's real widths: gigabytes of
+    experts to quantise), on the CPU otherwise; the same seed gives the same
+    checkpoint on the same kind of device. Tensors whose names match one of
+    the regular expressions `zero` are written as zeros (tests/gpu/k3_bisect.py
+    cuts parts of the model out this way)."""
     c = Config.load(cfg_path)
-    g = torch.Generator().manual_seed(seed)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(seed)
     t: dict[str, torch.Tensor] = {}
 
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=dev)
+
     def proj(name, rows, cols):
-        t[name] = (torch.randn(rows, cols, generator=g) / math.sqrt(cols)).to(torch.bfloat16)
+        t[name] = (randn(rows, cols) / math.sqrt(cols)).to(torch.bfloat16).cpu()
 
     def norm(name, n):
-        t[name] = (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+        t[name] = (1.0 + 0.1 * randn(n)).to(torch.bfloat16).cpu()
 
     h, p = c.hidden, c.kda_heads * c.kda_dim
-    t["model.embed_tokens.weight"] = torch.randn(c.vocab, h, generator=g).to(torch.bfloat16)
+    t["model.embed_tokens.weight"] = randn(c.vocab, h).to(torch.bfloat16).cpu()
     norm("model.norm.weight", h)
     norm("model.output_attn_res_norm.weight", h)
     proj("model.output_attn_res_proj.weight", 1, h)
@@ -60,12 +70,12 @@ def make(cfg_path: str, out: str, mxfp4: bool, seed: int) -> None:
             for n in ("q", "k", "v", "g"):
                 proj(a + n + "_proj.weight", p, h)
             for n in ("q", "k", "v"):
-                t[a + n + "_conv1d.weight"] = (torch.randn(p, 1, c.conv, generator=g) / math.sqrt(c.conv)).float()
+                t[a + n + "_conv1d.weight"] = (randn(p, 1, c.conv) / math.sqrt(c.conv)).float().cpu()
             proj(a + "b_proj.weight", c.kda_heads, h)
             proj(a + "f_a_proj.weight", c.kda_dim, h)
             proj(a + "f_b_proj.weight", p, c.kda_dim)
-            t[a + "A_log"] = torch.log(torch.empty(c.kda_heads).uniform_(1.0, 16.0, generator=g)).float()
-            t[a + "dt_bias"] = (0.1 * torch.randn(p, generator=g)).float()
+            t[a + "A_log"] = torch.log(torch.empty(c.kda_heads, device=dev).uniform_(1.0, 16.0, generator=g)).float().cpu()
+            t[a + "dt_bias"] = (0.1 * randn(p)).float().cpu()
             norm(a + "o_norm.weight", c.kda_dim)
             proj(a + "o_proj.weight", h, p)
         m = pre + "mlp."
@@ -75,7 +85,7 @@ def make(cfg_path: str, out: str, mxfp4: bool, seed: int) -> None:
             proj(m + "down_proj.weight", h, c.inter)
             continue
         proj(m + "gate.weight", c.experts, h)
-        t[m + "gate.e_score_correction_bias"] = (0.01 * torch.randn(c.experts, generator=g)).float()
+        t[m + "gate.e_score_correction_bias"] = (0.01 * randn(c.experts)).float().cpu()
         s = c.moe_inter * c.shared
         proj(m + "shared_experts.gate_proj.weight", s, h)
         proj(m + "shared_experts.up_proj.weight", s, h)
@@ -85,12 +95,19 @@ def make(cfg_path: str, out: str, mxfp4: bool, seed: int) -> None:
         proj(m + "routed_expert_up_proj.weight", h, c.latent)
         for e in range(c.experts):
             for name, rows, cols in (("w1", c.moe_inter, c.latent), ("w3", c.moe_inter, c.latent), ("w2", c.latent, c.moe_inter)):
-                w = torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+                w = randn(rows, cols) / math.sqrt(cols)
                 key = f"{m}experts.{e}.{name}."
                 if mxfp4:
-                    t[key + "weight_packed"], t[key + "weight_scale"] = mxfp4_quantize(w)
+                    packed, scale = mxfp4_quantize(w)
+                    t[key + "weight_packed"], t[key + "weight_scale"] = packed.cpu(), scale.cpu()
                 else:
-                    t[key + "weight"] = w.to(torch.bfloat16)
+                    t[key + "weight"] = w.to(torch.bfloat16).cpu()
+    for pattern in zero:
+        hits = [k for k in t if re.search(pattern, k)]
+        if not hits:
+            raise ValueError(f"--zero {pattern!r} matches no tensor of {cfg_path}")
+        for k in hits:
+            t[k] = torch.zeros_like(t[k])
     os.makedirs(out, exist_ok=True)
     save_file({PREFIX + k: v.contiguous() for k, v in sorted(t.items())}, os.path.join(out, "model.safetensors"),
               metadata={"format": "pt"})

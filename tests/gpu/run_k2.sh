@@ -28,10 +28,10 @@ for dir in target/models/*/; do
     kimi_k3_*) script=tests/gpu/k3_decode.py; config=model_graphs/kimi_k3/tiny.json; extra=() ;;
   esac
   if [ "$script" = tests/gpu/k3_decode.py ]; then
-    timeout 900 python3 "$script" --lib "$lib" --config "$config" --seeds $seeds --json "$out/$name.json" \
+    timeout "${MKC_LIB_TIMEOUT:-900}" python3 "$script" --lib "$lib" --config "$config" --seeds $seeds --json "$out/$name.json" \
       > "$out/$name.log" 2>&1 || status=1
   else
-    timeout 900 python3 "$script" --lib "$lib" --config "$config" --seeds $seeds \
+    timeout "${MKC_LIB_TIMEOUT:-900}" python3 "$script" --lib "$lib" --config "$config" --seeds $seeds \
       --json "$out/$name.json" ${MKC_DEBUG:+--debug} "${extra[@]}" > "$out/$name.log" 2>&1 || status=1
   fi
   summary+=("$(grep -v '^$' "$out/$name.log" | tail -n 12)")

@@ -98,9 +98,13 @@ class Engine {
 
   ~Engine() { release(); }
 
-  // Forgets every sequence: positions back to 0 (the cache rows past a
-  // position are never read).
-  void reset() { std::fill(pos_.begin(), pos_.end(), 0); }
+  // Forgets every sequence: positions back to 0 and every state zeroed (the
+  // KDA conv windows and recurrent states start each sequence from zero; the
+  // KV caches are zeroed too, though rows past a position are never read).
+  void reset() {
+    for (uint32_t s = 0; s < P::kStates; ++s) MKC_CUDA(cudaMemset(states_[s], 0, P::state_bytes[s] * P::kBatch));
+    std::fill(pos_.begin(), pos_.end(), 0);
+  }
 
   // One decode step for all kBatch sequences: tokens in, next tokens (and
   // logits, if asked) out.

@@ -48,8 +48,9 @@ int mkc_model_time_steps(mkc_model* m, const int32_t* tokens, int warmup, int n,
 int mkc_model_profile_step(mkc_model* m, const int32_t* tokens, int32_t* next, const char* trace_path, char* err,
                            size_t err_len);
 
-/* Every sequence back to position 0. */
-void mkc_model_reset(mkc_model* m);
+/* Every sequence back to position 0, its state (KV caches, conv windows,
+ * recurrent state) zeroed. */
+int mkc_model_reset(mkc_model* m, char* err, size_t err_len);
 
 /* Positions, KV caches and recurrent state, to restart a decode later. */
 int mkc_model_save_state(const mkc_model* m, void* dst, size_t len, char* err, size_t err_len);
