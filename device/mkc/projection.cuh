@@ -42,6 +42,7 @@ constexpr int kConsumerWarps = 8;
 constexpr int kPageRows = kConsumerWarps;
 constexpr int kPageK = 1024;
 constexpr int kPageBytes = kPageRows * kPageK * 2;
+static_assert(kPageRows <= 32, "rows_load copies a page's rows with one lane each");
 // 128 KiB in flight per SM (src/plan/specialize.rs, MAX_PAGES).
 constexpr int kPages = 8;
 // Who releases a page: every consumer thread after its own reads (each read
@@ -108,27 +109,31 @@ struct Rows {
 };
 
 // Loader: streams the task's rows into the page ring (kPageRows rows of up to
-// kPageK weights per page).
+// kPageK weights per page). Lane 0 waits for the slot and arms its barrier;
+// then lane j copies row j of the page, the page's copies issued side by side
+// (one lane issuing them all in turn streamed at two thirds of the rate:
+// device/tests/ring_bench.cu).
 __device__ inline void rows_load(const Rows& r, uint32_t& it) {
-  const int lane = threadIdx.x % 32;
+  const uint32_t lane = threadIdx.x % 32;
   const uint32_t cols = r.cols();
   for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
     const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
+    const __nv_bfloat16* src = lane < nr ? r.row(j0 + lane) : nullptr;
     for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK, ++it) {
       const uint32_t nk = min(uint32_t(kPageK), r.k - k0);
       const int slot = it % kPages;
-      const uint32_t phase = (it / kPages) & 1;
       if (lane == 0) {
-        Barrier::wait(&ring_ptr()->empty[slot], phase ^ 1);
+        Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
         Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * nk * 2);
-        for (uint32_t j = 0; j < nr; ++j) {
-          cute::SM90_BULK_COPY_G2S::copy(r.row(j0 + j) + k0, &ring_ptr()->full[slot], &ring_ptr()->page[slot][j * kPageK],
-                                         int32_t(nk * 2));
-        }
       }
       __syncwarp();
+      if (lane < nr) {
+        cute::SM90_BULK_COPY_G2S::copy(src + k0, &ring_ptr()->full[slot], &ring_ptr()->page[slot][lane * kPageK],
+                                       int32_t(nk * 2));
+      }
     }
   }
+  __syncwarp();
 }
 
 // Loader side of a ProjectionTask: its rows through the same loader; `it`

@@ -5,6 +5,7 @@
 //   rows:        rows_load (8 rows x 2 KiB bulk copies per page) + rows_pages (the projection consumer, batch 1)
 //   rows-idle:   rows_load, consumers only wait for and release each page
 //   packed:      one 16 KiB bulk copy per page (contiguous weights), consumers only wait and release
+//   pieces-8/rows_load: pieces-8's kernel with mkc::rows_load as its loader
 //   pieces-N:    N rows per page, one bulk copy of 8192/N columns from each (the row's last piece
 //                shorter), consumers only wait and release: how the copy size sets the rate
 // A measurement, not a test: nothing is asserted; the numbers go in docs/PERFORMANCE.md.
@@ -44,7 +45,7 @@ __device__ uint32_t pieces_load(const mkc::Rows& r, uint32_t& it) {
   return pages;
 }
 
-template <int N>
+template <int N, bool kRowsLoad = false>
 __global__ void __launch_bounds__(mkc::kThreads, 1) pieces(const __nv_bfloat16* w, uint32_t rows, float* out) {
   mkc::Ring& ring = *mkc::ring_ptr();
   if (threadIdx.x == 0) mkc::ring_init(ring);
@@ -54,7 +55,11 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) pieces(const __nv_bfloat16* 
   const mkc::Rows r{w, nullptr, blockIdx.x * per_sm, (blockIdx.x + 1) * per_sm, kK};
   uint32_t it = 0;
   if (warp == mkc::kConsumerWarps) {
-    pieces_load<N>(r, it);
+    if (kRowsLoad) {
+      mkc::rows_load(r, it);
+    } else {
+      pieces_load<N>(r, it);
+    }
   } else if (warp < mkc::kConsumerWarps) {
     const uint32_t n = (per_sm / N) * ((kK + 8192 / N - 1) / (8192 / N));
     float acc = 0.f;
@@ -165,6 +170,7 @@ int main() {
   run("pieces-4", pieces<4>, w, rows, out, sms);
   run("pieces-2", pieces<2>, w, rows, out, sms);
   run("pieces-1", pieces<1>, w, rows, out, sms);
+  run("pieces-8/rows_load", pieces<8, true>, w, rows, out, sms);
   }
   CHECK(cudaFree(w));
   CHECK(cudaFree(out));

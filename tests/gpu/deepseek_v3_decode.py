@@ -24,6 +24,7 @@ Exits 1 if any check fails; prints a table last.
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -65,7 +66,7 @@ def make_checkpoint(config_path, seed, out_dir):
             if name.endswith("A_log"):  # KDA decay rates exp(A_log) in [1, 16]
                 p.copy_(torch.empty(p.shape, device="cuda").uniform_(1, 16, generator=g).log())
             elif name.endswith("dt_bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g, device="cuda"))
+                p.copy_(kda_dt_bias(p.shape, g, "cuda"))
             elif "conv1d" in name:  # short convolutions: unit gain over the window
                 p.copy_(torch.randn(p.shape, generator=g, device="cuda") / p.shape[-1] ** 0.5)
             elif "norm" in name or name.endswith("layernorm.weight"):
@@ -79,9 +80,43 @@ def make_checkpoint(config_path, seed, out_dir):
                 if name.startswith("lm_head"):
                     # Rows of log-normal norms: the top logits stand apart.
                     p.mul_(torch.exp(torch.randn(p.shape[0], 1, generator=g, device="cuda")))
+        if align_kda_keys(dict(model.named_parameters()), g) == 0 and ARCH == "kimi_linear":
+            raise RuntimeError("no KDA q_proj/k_proj pair found to align: parameter names changed?")
     model.save_pretrained(out_dir)
     del model
     torch.cuda.empty_cache()
+
+
+def kda_dt_bias(shape, g, device):
+    """KDA's gate bias as flash-linear-attention initialises it: the inverse
+    softplus of dt, log-uniform in [1e-3, 1e-1]. (Drawn near 0 instead, the
+    gate's derivative exp(A_log) sigmoid(f + dt_bias) is up to 8 and a bf16
+    rounding of f moves the decay by percents: the comparison then measures
+    the test model's sensitivity, not the kernel.)"""
+    u = torch.rand(shape, generator=g, device=device)
+    dt = torch.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+def align_kda_keys(params, g, corr=0.8):
+    """KDA layers: keys drawn correlated with the queries (k = 0.8 q + 0.6
+    noise, the same short convolution). With independent random q and k, a
+    head's output early in a sequence is about v (k . q), and the per-head
+    gated RMSNorm keeps only the sign of k . q, which is near zero as often as
+    not: any rounding flips a head, and the comparison measures that, not the
+    kernel (tests/gpu/k3_bisect.py shows it as the noise floor). Returns how
+    many layers it aligned."""
+    aligned = 0
+    for name, q in params.items():
+        if name.endswith("self_attn.q_proj.weight") and name.replace("q_proj", "k_proj") in params:
+            k = params[name.replace("q_proj", "k_proj")]
+            noise = torch.randn(q.shape, generator=g, device=q.device) / q.shape[-1] ** 0.5
+            k.copy_(corr * q.float() + (1 - corr * corr) ** 0.5 * noise)
+            qc, kc = name.replace("q_proj", "q_conv1d"), name.replace("q_proj", "k_conv1d")
+            if qc in params and kc in params:
+                params[kc].copy_(params[qc])
+            aligned += 1
+    return aligned
 
 
 def reference(ckpt, prompts, n_gen):

@@ -7,6 +7,7 @@ logits' relative L2 error against tests/gpu/k3_reference.py per step. The
 part whose removal makes the error vanish is the one to look at.
 
     python3 tests/gpu/k3_bisect.py --lib LIB --config CONFIG [--seed 0] [--steps 8] [--variant NAME=REGEX,...]
+        [--only full "no KDA out" ...]
 """
 
 from __future__ import annotations
@@ -88,8 +89,11 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--variant", action="append", default=[], help="NAME=REGEX[,REGEX...]: tensors to zero")
+    ap.add_argument("--only", nargs="+", help="run only these of the default variants")
     args = ap.parse_args()
     variants = default_variants(Config.load(args.config))
+    if args.only:
+        variants = {k: v for k, v in variants.items() if k in args.only}
     for v in args.variant:
         name, _, pats = v.partition("=")
         variants[name] = [p for p in pats.split(",") if p]

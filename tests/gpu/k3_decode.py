@@ -116,10 +116,10 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"lib": os.path.basename(args.lib), "config": args.config, "seeds": rows}, f, indent=1)
-    print(f"{'lib':32} {'seed':>4} {'batch':>5} {'steps':>5} {'max rel L2':>11} {'median':>9} {'near-ties':>9} {'routing':>8} "
+    print(f"{'lib':32} {'seed':>4} {'batch':>5} {'steps':>5} {'max rel L2':>11} {'median':>9} {'bounded':>7} {'near-ties':>9} {'routing':>8} "
           f"{'state':>6}  free-running")
     for r in rows:
-        print(f"{os.path.basename(args.lib):32} {r['seed']:>4} {r['batch']:>5} {r['steps']:>5} {r['max_rel_l2']:>11.3e} {r['median_rel_l2']:>9.2e} "
+        print(f"{os.path.basename(args.lib):32} {r['seed']:>4} {r['batch']:>5} {r['steps']:>5} {r['max_rel_l2']:>11.3e} {r['median_rel_l2']:>9.2e} {r['steps_bounded']:>7} "
               f"{str(r['near_ties_excluded']):>9} {str(r['routing_near_ties_excluded']):>8} {'same' if r['state_restore_max_abs_diff'] == 0 else 'DIFF':>6}  "
               f"{'; '.join(sorted(set(r['free_running'])))}{'' if r['ok'] else '  FAIL: ' + '; '.join(r['mismatches'][:3])}")
     ok = all(r["ok"] for r in rows)

@@ -67,15 +67,21 @@ def make(cfg_path: str, out: str, mxfp4: bool, seed: int, zero: tuple[str, ...] 
             proj(a + "o_proj.weight", h, c.heads * c.v_dim)
             proj(a + "g_proj.weight", c.heads * c.v_dim, h)
         else:
-            for n in ("q", "k", "v", "g"):
+            for n in ("q", "v", "g"):
                 proj(a + n + "_proj.weight", p, h)
-            for n in ("q", "k", "v"):
+            # Keys correlated with the queries (tests/gpu/deepseek_v3_decode.py, align_kda_keys).
+            t[a + "k_proj.weight"] = (0.8 * t[a + "q_proj.weight"].float()
+                                      + 0.6 * randn(p, h).cpu() / math.sqrt(h)).to(torch.bfloat16)
+            for n in ("q", "v"):
                 t[a + n + "_conv1d.weight"] = (randn(p, 1, c.conv) / math.sqrt(c.conv)).float().cpu()
+            t[a + "k_conv1d.weight"] = t[a + "q_conv1d.weight"].clone()
             proj(a + "b_proj.weight", c.kda_heads, h)
             proj(a + "f_a_proj.weight", c.kda_dim, h)
             proj(a + "f_b_proj.weight", p, c.kda_dim)
             t[a + "A_log"] = torch.log(torch.empty(c.kda_heads, device=dev).uniform_(1.0, 16.0, generator=g)).float().cpu()
-            t[a + "dt_bias"] = (0.1 * randn(p)).float().cpu()
+            u = torch.rand(p, generator=g, device=dev)  # as flash-linear-attention initialises it (deepseek_v3_decode.kda_dt_bias)
+            dt = torch.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
+            t[a + "dt_bias"] = (dt + torch.log(-torch.expm1(-dt))).float().cpu()
             norm(a + "o_norm.weight", c.kda_dim)
             proj(a + "o_proj.weight", h, p)
         m = pre + "mlp."

@@ -185,27 +185,29 @@ __device__ __forceinline__ float e2m1(uint32_t c) {
 }
 __device__ __forceinline__ float e8m0(uint32_t byte) { return byte == 255u ? 0.f : ldexpf(1.f, int(byte) - 127); }
 
-// Loader: the codes of a task's rows into the page ring.
+// Loader: the codes of a task's rows into the page ring, a lane per row (as
+// rows_load).
 __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
-  const int lane = threadIdx.x % 32;
+  const uint32_t lane = threadIdx.x % 32;
   const uint32_t cols = r.cols();
   for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
     const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
+    const uint8_t* src = lane < nr ? r.codes(j0 + lane) : nullptr;
     for (uint32_t k0 = 0; k0 < r.k; k0 += kMxK, ++it) {
       const uint32_t bytes = min(kMxK, r.k - k0) / 2;
       const int slot = it % kPages;
       if (lane == 0) {
         Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
         Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * bytes);
-        auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
-        for (uint32_t j = 0; j < nr; ++j) {
-          cute::SM90_BULK_COPY_G2S::copy(r.codes(j0 + j) + k0 / 2, &ring_ptr()->full[slot], page + j * (kMxK / 2),
-                                         int32_t(bytes));
-        }
       }
       __syncwarp();
+      if (lane < nr) {
+        auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
+        cute::SM90_BULK_COPY_G2S::copy(src + k0 / 2, &ring_ptr()->full[slot], page + lane * (kMxK / 2), int32_t(bytes));
+      }
     }
   }
+  __syncwarp();
 }
 
 // Consumers: rows of y = x W^T into st [B, cols] (x fp32 [B, k], in shared
