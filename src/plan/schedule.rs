@@ -8,7 +8,8 @@
 //! fixed [`TASK_OVERHEAD_NS`]; each dependency hand-off costs the target's
 //! `sync_latency_ns`. A task's weights (and state) do not depend on
 //! activations, so the loader streams them as soon as the previous task's
-//! weights are in, before the task's dependencies are met; its math starts
+//! weights are in, before the task's dependencies are met, but at most a
+//! ring's worth ([`MAX_PAGES`] pages) ahead of the consumers; its math starts
 //! when the SM is free and its dependencies are met, and it ends when both
 //! the math and its weights are done.
 //!
@@ -27,13 +28,17 @@
 
 use serde::Serialize;
 
+use super::specialize::{MAX_PAGES, PAGE_BYTES};
 use super::tile::Tiling;
 use super::Options;
 use crate::diag::{Error, ErrorKind, Result};
 use crate::target::Target;
 
-/// Fixed cost of one task: decode, barrier, publish.
-pub const TASK_OVERHEAD_NS: f64 = 300.0;
+/// Fixed cost of one task: decode, waits, the first pages' latency,
+/// prologue and epilogue barriers, publish. Small tasks on the H200 reach
+/// about half the streaming rate of large ones (docs/PERFORMANCE.md,
+/// per-stage profile): several microseconds each.
+pub const TASK_OVERHEAD_NS: f64 = 5000.0;
 
 /// A wait on a counter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -132,6 +137,7 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     let tensor = target.flops.bf16_tensor * (width / 64.0).min(1.0);
     let rate = target.flops.fp32_cuda_core.max(tensor) / f64::from(target.sms) / 1e9;
     let sync = target.sync_latency_ns;
+    let ring = (MAX_PAGES * PAGE_BYTES) as f64 / bw_sm; // how far ahead the loader may stream, in ns
     let need = needs(tiling);
 
     let compute = |t: usize| {
@@ -158,8 +164,9 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
             let (mut best, mut best_end) = (0usize, f64::INFINITY);
             let (load_t, compute_t) = (load(t), compute(t));
             for m in 0..sms {
-                let load_end = load_free[m] + load_t;
-                let end = (compute_free[m].max(ready) + compute_t).max(load_end);
+                let start = compute_free[m].max(ready);
+                let load_end = (load_free[m] + load_t).max(start + load_t - ring);
+                let end = (start + compute_t).max(load_end);
                 if end < best_end - 1e-9 {
                     best = m;
                     best_end = end;
@@ -167,7 +174,7 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
             }
             let load_start = load_free[best];
             let start = compute_free[best].max(ready);
-            load_free[best] = load_start + load_t;
+            load_free[best] = (load_start + load_t).max(start + load_t - ring);
             compute_free[best] = best_end;
             finish[stage.id] = finish[stage.id].max(best_end);
             cp_stage = cp_stage.max(compute_t).max(load_t - cp_ready);

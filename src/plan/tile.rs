@@ -468,9 +468,15 @@ impl Builder<'_> {
         let sms = u64::from(self.target.sms);
         let up_row = 2 * wg.bytes() / (e * i);
         let down_row = wd.bytes() / (e * d);
-        let t_up = (2 * sms).div_ceil(slots).min(i.div_ceil(16));
+        // At most one task per SM in each expert stage (when the slots allow):
+        // a task's fixed cost is several microseconds on the H200 (the
+        // per-stage profile in docs/PERFORMANCE.md), so two half-size tasks
+        // on one SM take longer than one whole one, and a stage waits for
+        // its slowest SM.
+        let per_slot = (sms / slots).max(1);
+        let t_up = per_slot.min(i.div_ceil(16));
         let up_tile = round_up(i.div_ceil(t_up), 16);
-        let t_down = (2 * sms).div_ceil(slots).min(d.div_ceil(16));
+        let t_down = per_slot.min(d.div_ceil(16));
         let down_tile = round_up(d.div_ceil(t_down), 16);
         let x_bytes = self.external_inputs(nodes) * b;
         let mut parts = vec![];
