@@ -69,13 +69,15 @@ def run(lib, config, seed, steps, zero, work, noise_floor=False):
     if noise_floor:  # the same steps through the reference with bf16 projection outputs
         ref = K3Reference(ckpt, batch=b, max_ctx=steps + 8, device="cuda")
         rounded = K3Reference(ckpt, batch=b, max_ctx=steps + 8, device="cuda", round_bf16=True)
-        floor = []
+        floor, score_noise = [], []
         with torch.no_grad():
             for t in range(steps):
                 tok = torch.tensor(tokens[t], device="cuda")
                 want, got = ref.step(tok).float(), rounded.step(tok).float()
                 floor.append(float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()))
-        errs = (errs, floor)
+                score_noise.append(max((float((rounded.router_scores[l] - ref.router_scores[l]).abs().max())
+                                        for l in ref.router_scores), default=0.0))
+        errs = (errs, floor, score_noise)
         del ref, rounded
     torch.cuda.empty_cache()
     shutil.rmtree(ckpt, ignore_errors=True)
@@ -102,12 +104,15 @@ def main():
     for name, zero in variants.items():
         errs = run(args.lib, args.config, args.seed, args.steps, zero, work, noise_floor=name == "full")
         if name == "full":
-            errs, floor = errs
+            errs, floor, score_noise = errs
             rows.append(("reference, bf16 outs", floor))
+            rows.append(("  its router scores", score_noise))
         rows.append((name, errs))
     shutil.rmtree(work, ignore_errors=True)
     print(f"{os.path.basename(args.lib)}, seed {args.seed}: max over the batch of the logits' relative L2 error per step "
-          "(the first row: the fp32 reference against itself with bf16 projection outputs, the noise floor)")
+          "(the first row: the fp32 reference against itself with bf16 projection outputs, the noise floor; "
+          "the second: the largest change that makes in a router's selection scores, against which a "
+          "routing near-tie threshold is set)")
     for name, errs in rows:
         print(f"  {name:20} " + " ".join(f"{e:8.2e}" for e in errs))
 

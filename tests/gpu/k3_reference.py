@@ -16,6 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -239,6 +240,7 @@ class K3Reference:
             g = sel.reshape(-1, c.n_group, c.experts // c.n_group).topk(2, dim=-1).values.sum(-1)
             keep = torch.zeros_like(g).scatter_(1, g.topk(c.topk_group, dim=-1).indices, 1.0)
             sel = sel.masked_fill(keep.repeat_interleave(c.experts // c.n_group, 1) == 0, float("-inf"))
+        self.router_scores[l] = sel
         top = sel.topk(min(c.top_k + 1, c.experts), dim=-1)
         ids = top.indices[:, : c.top_k]
         if c.top_k < c.experts:  # the routing gap: how close the (k+1)-th choice came
@@ -277,6 +279,7 @@ class K3Reference:
         the MoE layers between the k-th and (k+1)-th expert choice scores."""
         c = self.cfg
         self.routing_gap = torch.full((tokens.shape[0],), float("inf"))
+        self.router_scores: dict[int, torch.Tensor] = {}  # per MoE layer, the selection scores [B, E]
         cvec = self.W("model.embed_tokens.weight")[tokens.to(self.dev)]
         P = None
         bank: list[torch.Tensor] = []
@@ -306,6 +309,38 @@ class K3Reference:
     def state(self) -> dict:
         return {"seq_len": self.seq_len, "kv": {k: v.clone() for k, v in self.kv.items()},
                 "conv": {k: v.clone() for k, v in self.conv.items()}, "ssm": {k: v.clone() for k, v in self.ssm.items()}}
+
+    def kernel_state(self, total_bytes: int) -> bytes:
+        """This reference's state in the compiled runtime's save format
+        (mkc_model_save_state): int32 positions [B], then each state of the
+        graph in order, [B][...] each: per KDA layer the q, k, v conv windows
+        (bf16 [W-1][P], oldest first) and the recurrent state (fp32 [heads][d
+        (v)][d (k)]), per MLA layer the latent KV cache (bf16 [ctx][c + rope]).
+        The runtime's context is whatever makes the sizes add up to
+        `total_bytes` (the runtime's state_bytes)."""
+        c, b = self.cfg, self.batch
+        p = c.kda_heads * c.kda_dim
+        kda = sum(1 for l in range(c.layers) if not c.is_mla(l))
+        mla = c.layers - kda
+        fixed = 4 * b + b * kda * (3 * (c.conv - 1) * p * 2 + c.kda_heads * c.kda_dim * c.kda_dim * 4)
+        row = (c.kv_lora + c.rope) * 2
+        ctx = (total_bytes - fixed) // (b * mla * row) if mla else 0
+        if fixed + b * mla * row * ctx != total_bytes or (mla and ctx < self.seq_len):
+            raise ValueError(f"the runtime's state ({total_bytes} bytes) does not match this config's layers")
+        parts = [np.full(b, self.seq_len, dtype=np.int32).tobytes()]
+        for l in range(c.layers):
+            if c.is_mla(l):
+                cache = torch.zeros(b, ctx, c.kv_lora + c.rope, dtype=torch.bfloat16)
+                cache[:, : self.seq_len] = self.kv[l][:, : self.seq_len].to(torch.bfloat16).cpu()
+                parts.append(cache.view(torch.int16).numpy().tobytes())
+            else:
+                for i in range(3):  # q, k, v
+                    win = self.conv[l][:, :, i * p : (i + 1) * p].to(torch.bfloat16).cpu().contiguous()
+                    parts.append(win.view(torch.int16).numpy().tobytes())
+                parts.append(self.ssm[l].float().cpu().contiguous().numpy().tobytes())
+        out = b"".join(parts)
+        assert len(out) == total_bytes
+        return out
 
     def restore(self, s: dict) -> None:
         self.seq_len = s["seq_len"]
