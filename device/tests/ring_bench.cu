@@ -21,6 +21,19 @@ constexpr uint32_t kK = 7168;
 
 enum Mode { kRows, kRowsIdle, kPacked };
 
+// Idle consumers: wait for each of n pages, read one element, release it.
+__device__ void idle_consume(uint32_t n, uint32_t& it, float* out) {
+  mkc::Ring& ring = *mkc::ring_ptr();
+  float acc = 0.f;
+  for (uint32_t i = 0; i < n; ++i, ++it) {
+    const int slot = it % mkc::kPages;
+    mkc::Barrier::wait(&ring.full[slot], (it / mkc::kPages) & 1);
+    acc += __bfloat162float(ring.page[slot][threadIdx.x]);
+    mkc::release_page(&ring.empty[slot]);
+  }
+  if (acc == 12345.f) out[blockIdx.x] = acc;  // keeps the reads
+}
+
 // Loader of the pieces-N variants: N rows per page, 8192/N columns from each.
 template <int N>
 __device__ uint32_t pieces_load(const mkc::Rows& r, uint32_t& it) {
@@ -62,14 +75,7 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) pieces(const __nv_bfloat16* 
     }
   } else if (warp < mkc::kConsumerWarps) {
     const uint32_t n = (per_sm / N) * ((kK + 8192 / N - 1) / (8192 / N));
-    float acc = 0.f;
-    for (uint32_t i = 0; i < n; ++i, ++it) {
-      const int slot = it % mkc::kPages;
-      mkc::Barrier::wait(&ring.full[slot], (it / mkc::kPages) & 1);
-      acc += __bfloat162float(ring.page[slot][threadIdx.x]);
-      mkc::release_page(&ring.empty[slot]);
-    }
-    if (acc == 12345.f) out[blockIdx.x] = acc;  // keeps the reads
+    idle_consume(n, it, out);
   }
 }
 
@@ -114,14 +120,7 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* 
       }
     } else {
       const uint32_t n = M == kPacked ? pages : uint32_t((per_sm + mkc::kPageRows - 1) / mkc::kPageRows) * 7;
-      float acc = 0.f;
-      for (uint32_t i = 0; i < n; ++i, ++it) {
-        const int slot = it % mkc::kPages;
-        mkc::Barrier::wait(&ring.full[slot], (it / mkc::kPages) & 1);
-        acc += __bfloat162float(ring.page[slot][threadIdx.x]);
-        mkc::release_page(&ring.empty[slot]);
-      }
-      if (acc == 12345.f) out[blockIdx.x] = acc;  // keeps the reads
+      idle_consume(n, it, out);
     }
   }
 }
