@@ -139,6 +139,47 @@ def situ_glu(gate, up, beta, beta_lin):
     return g * u
 
 
+def state_context(c: Config, batch: int, total_bytes: int) -> int:
+    """The context length of a compiled runtime whose state (mkc_model_save_state
+    format, see pack_state) has `total_bytes`: what makes the sizes add up."""
+    p = c.kda_heads * c.kda_dim
+    kda = sum(1 for l in range(c.layers) if not c.is_mla(l))
+    mla = c.layers - kda
+    fixed = 4 * batch + batch * kda * (3 * (c.conv - 1) * p * 2 + c.kda_heads * c.kda_dim * c.kda_dim * 4)
+    row = (c.kv_lora + c.rope) * 2
+    ctx = (total_bytes - fixed) // (batch * mla * row) if mla else 0
+    if fixed + batch * mla * row * ctx != total_bytes:
+        raise ValueError(f"the runtime's state ({total_bytes} bytes) does not match this config's layers")
+    return ctx
+
+
+def pack_state(c: Config, batch: int, seq_len: int, kv: dict, conv: dict, ssm: dict, total_bytes: int) -> bytes:
+    """A K3 state in the compiled runtime's save format (mkc_model_save_state):
+    int32 positions [B], then each state of the graph in order, [B][...] each:
+    per KDA layer the q, k, v conv windows (bf16 [W-1][P], oldest first; from
+    conv[l] [B, W-1, 3P]) and the recurrent state (fp32 [heads][d (v)][d (k)];
+    ssm[l]), per MLA layer the latent KV cache (bf16 [ctx][c + rope]; the first
+    seq_len rows of kv[l]), ctx from state_context."""
+    p = c.kda_heads * c.kda_dim
+    ctx = state_context(c, batch, total_bytes)
+    if any(c.is_mla(l) for l in range(c.layers)) and ctx < seq_len:
+        raise ValueError(f"position {seq_len} is past the runtime's context ({ctx})")
+    parts = [np.full(batch, seq_len, dtype=np.int32).tobytes()]
+    for l in range(c.layers):
+        if c.is_mla(l):
+            cache = torch.zeros(batch, ctx, c.kv_lora + c.rope, dtype=torch.bfloat16)
+            cache[:, :seq_len] = kv[l][:, :seq_len].to(torch.bfloat16).cpu()
+            parts.append(cache.view(torch.int16).numpy().tobytes())
+        else:
+            for i in range(3):  # q, k, v
+                win = conv[l][:, :, i * p : (i + 1) * p].to(torch.bfloat16).cpu().contiguous()
+                parts.append(win.view(torch.int16).numpy().tobytes())
+            parts.append(ssm[l].float().cpu().contiguous().numpy().tobytes())
+    out = b"".join(parts)
+    assert len(out) == total_bytes
+    return out
+
+
 class K3Reference:
     def __init__(self, ckpt_dir: str, batch: int, max_ctx: int, device="cpu", prefix="language_model.",
                  round_bf16: bool = False):
@@ -311,36 +352,8 @@ class K3Reference:
                 "conv": {k: v.clone() for k, v in self.conv.items()}, "ssm": {k: v.clone() for k, v in self.ssm.items()}}
 
     def kernel_state(self, total_bytes: int) -> bytes:
-        """This reference's state in the compiled runtime's save format
-        (mkc_model_save_state): int32 positions [B], then each state of the
-        graph in order, [B][...] each: per KDA layer the q, k, v conv windows
-        (bf16 [W-1][P], oldest first) and the recurrent state (fp32 [heads][d
-        (v)][d (k)]), per MLA layer the latent KV cache (bf16 [ctx][c + rope]).
-        The runtime's context is whatever makes the sizes add up to
-        `total_bytes` (the runtime's state_bytes)."""
-        c, b = self.cfg, self.batch
-        p = c.kda_heads * c.kda_dim
-        kda = sum(1 for l in range(c.layers) if not c.is_mla(l))
-        mla = c.layers - kda
-        fixed = 4 * b + b * kda * (3 * (c.conv - 1) * p * 2 + c.kda_heads * c.kda_dim * c.kda_dim * 4)
-        row = (c.kv_lora + c.rope) * 2
-        ctx = (total_bytes - fixed) // (b * mla * row) if mla else 0
-        if fixed + b * mla * row * ctx != total_bytes or (mla and ctx < self.seq_len):
-            raise ValueError(f"the runtime's state ({total_bytes} bytes) does not match this config's layers")
-        parts = [np.full(b, self.seq_len, dtype=np.int32).tobytes()]
-        for l in range(c.layers):
-            if c.is_mla(l):
-                cache = torch.zeros(b, ctx, c.kv_lora + c.rope, dtype=torch.bfloat16)
-                cache[:, : self.seq_len] = self.kv[l][:, : self.seq_len].to(torch.bfloat16).cpu()
-                parts.append(cache.view(torch.int16).numpy().tobytes())
-            else:
-                for i in range(3):  # q, k, v
-                    win = self.conv[l][:, :, i * p : (i + 1) * p].to(torch.bfloat16).cpu().contiguous()
-                    parts.append(win.view(torch.int16).numpy().tobytes())
-                parts.append(self.ssm[l].float().cpu().contiguous().numpy().tobytes())
-        out = b"".join(parts)
-        assert len(out) == total_bytes
-        return out
+        """This reference's state in the compiled runtime's save format (pack_state)."""
+        return pack_state(self.cfg, self.batch, self.seq_len, self.kv, self.conv, self.ssm, total_bytes)
 
     def restore(self, s: dict) -> None:
         self.seq_len = s["seq_len"]

@@ -1,0 +1,399 @@
+"""Benchmark on the H200: the K3 megakernel against a PyTorch decode step of the
+same Kimi K3 model and weights, in one process.
+
+The weights are a random K3 checkpoint in K3's naming with MXFP4 routed
+experts (tests/gpu/make_k3_checkpoint.py); both load it. The peer is the best
+PyTorch step we can write: merged projections (KDA's q/k/v/g/f_a/b, MLA's
+q_a/kv_a/gate, the router with the shared gate/up and the latent down), the
+KDA recurrence in fp32 in place, weight-absorbed MLA over the latent cache,
+routed experts through `torch._grouped_mm` on bf16 copies of the experts
+(the H200 has no FP4 math; dequantising the chosen experts every step would
+cost more than reading the bf16 copies), the whole step captured in a CUDA
+graph. Both start from the same state: `--pos` random rows in every MLA
+cache, random KDA conv windows and recurrent state.
+
+Reported per library: time per step (median of CUDA-event timings), tokens/s
+per user, the bytes the step must move (every non-expert weight once, the
+distinct routed experts this step selects in MXFP4, the KV rows up to the
+position, the KDA state read and written), the floor (bytes / measured HBM
+read bandwidth) and each one's fraction of it; the two's next tokens and the
+logits' relative L2 difference from the same state (a sanity check: the
+correctness tests are in tests/gpu/).
+
+    python3 bench/k3_bench.py --config model_graphs/kimi_k3/test_8l96e.json \\
+        --lib target/models/kimi_k3_dims_8l96e_h200/libkimi_k3_dims_8l96e_h200.so --json OUT [--trace DIR]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "gpu"))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+from k2_bench import print_trace_summary, read_bandwidth  # noqa: E402
+from k3_reference import Config, load_checkpoint, mxfp4_dequant, pack_state, state_context  # noqa: E402
+from make_k3_checkpoint import PREFIX, make  # noqa: E402
+from mkc_runtime import Model  # noqa: E402
+
+BF = torch.bfloat16
+
+
+def situ(gate, up, c):
+    """SiTU-GLU in fp32 (spec section 2)."""
+    gate, up = gate.float(), up.float()
+    g = c.beta * torch.tanh(gate / c.beta) * torch.sigmoid(gate)
+    return g * (up if c.beta_lin is None else c.beta_lin * torch.tanh(up / c.beta_lin))
+
+
+class Peer:
+    """The PyTorch K3 decode step (bf16 activations, fp32 where the spec
+    keeps fp32), captured in a CUDA graph. `state` holds its KV caches, conv
+    windows and recurrent state, which the step updates in place."""
+
+    def __init__(self, c, w, batch, ctx, pos, state):
+        self.c, self.b, self.ctx = c, batch, ctx
+        self.kv, self.conv, self.ssm = state
+        h, d, p = c.kda_heads, c.kda_dim, c.kda_heads * c.kda_dim
+        self.layers = []
+        for l in range(c.layers):
+            pre = f"model.layers.{l}."
+            a, m = pre + "self_attn.", pre + "mlp."
+            L = {"n_in": w[pre + "input_layernorm.weight"], "n_post": w[pre + "post_attention_layernorm.weight"],
+                 "cw_attn": (w[pre + "self_attention_res_norm.weight"].float()
+                             * w[pre + "self_attention_res_proj.weight"].float().reshape(-1)),
+                 "cw_mlp": w[pre + "mlp_res_norm.weight"].float() * w[pre + "mlp_res_proj.weight"].float().reshape(-1),
+                 "mla": c.is_mla(l), "dense": l < c.first_dense, "wo": w[a + "o_proj.weight"]}
+            if L["mla"]:
+                kvb = w[a + "kv_b_proj.weight"].view(c.heads, c.nope + c.v_dim, c.kv_lora)
+                L.update(w_in=torch.cat([w[a + "q_a_proj.weight"], w[a + "kv_a_proj_with_mqa.weight"],
+                                         w[a + "g_proj.weight"]]),
+                         n_qa=w[a + "q_a_layernorm.weight"], wqb=w[a + "q_b_proj.weight"],
+                         n_kva=w[a + "kv_a_layernorm.weight"], w_uk=kvb[:, : c.nope].contiguous(),
+                         w_uv=kvb[:, c.nope:].contiguous())
+            else:
+                L.update(w_in=torch.cat([w[a + n + "_proj.weight"] for n in ("q", "k", "v", "g", "f_a", "b")]),
+                         wconv=torch.cat([w[a + n + "_conv1d.weight"].squeeze(1) for n in ("q", "k", "v")]).t().float(),
+                         f_b=w[a + "f_b_proj.weight"], a=torch.exp(w[a + "A_log"].float().reshape(-1)[:h])[None, :, None],
+                         dt=w[a + "dt_bias"].float().reshape(1, h, d), o_norm=w[a + "o_norm.weight"].float())
+            if L["dense"]:
+                L.update(w_gu=torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]), w_d=w[m + "down_proj.weight"])
+            else:
+                s = m + "shared_experts."
+                L.update(w_moe=torch.cat([w[m + "gate.weight"], w[s + "gate_proj.weight"], w[s + "up_proj.weight"],
+                                          w[m + "routed_expert_down_proj.weight"]]),
+                         bias=w[m + "gate.e_score_correction_bias"].float(), w_sd=w[s + "down_proj.weight"],
+                         n_lat=w[m + "routed_expert_norm.weight"], w_up=w[m + "routed_expert_up_proj.weight"],
+                         gu_t=w["experts_gu_t", l], dn_t=w["experts_dn_t", l])
+            self.layers.append(L)
+        self.embed, self.n_f = w["model.embed_tokens.weight"], w["model.norm.weight"]
+        self.lm = w["model.embed_tokens.weight"] if c.tied else w["lm_head.weight"]
+        self.cw_out = w["model.output_attn_res_norm.weight"].float() * w["model.output_attn_res_proj.weight"].float().reshape(-1)
+        self.tokens = torch.zeros(batch, dtype=torch.long, device="cuda")
+        self.pos = torch.full((batch,), pos, dtype=torch.long, device="cuda")
+        self.valid = torch.arange(ctx, device="cuda")[None, :] <= self.pos[:, None]
+        self.grouped = True
+        self.graph = None
+        self.ids = {}
+
+    def rms(self, x, w, eps=None):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + (self.c.eps if eps is None else eps))).to(BF) * w
+
+    def mix(self, u, bank, cw):
+        rows = torch.stack(bank + [u], 1).float()  # [B, n + 1, H]
+        s = (rows @ cw) * torch.rsqrt(rows.pow(2).mean(-1) + self.c.eps)
+        return (torch.softmax(s, -1)[..., None] * rows).sum(1).to(BF)
+
+    def kda(self, l, x, L):
+        c, b = self.c, self.b
+        h, d = c.kda_heads, c.kda_dim
+        p = h * d
+        y = x @ L["w_in"].T
+        z, gate_in, fa, braw = y[:, : 3 * p], y[:, 3 * p: 4 * p], y[:, 4 * p: 4 * p + d], y[:, 4 * p + d:]
+        st = self.conv[l]  # [B, W-1, 3P] bf16, oldest first
+        win = torch.cat([st, z[:, None]], 1)
+        conv = F.silu((win.float() * L["wconv"][None]).sum(1))
+        st.copy_(win[:, 1:])
+        q, k, v = (t.reshape(b, h, d) for t in conv.split(p, -1))
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * d ** -0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        f = (fa @ L["f_b"].T).float().view(b, h, d)
+        if c.lower_bound is not None:
+            g = c.lower_bound * torch.sigmoid(L["a"] * (f + L["dt"]))
+        else:
+            g = -L["a"] * F.softplus(f + L["dt"], threshold=20.0)
+        beta = torch.sigmoid(braw.float())
+        S = self.ssm[l]  # [B, h, d (v), d (k)] fp32
+        S.mul_(torch.exp(g)[:, :, None, :])
+        u = beta[..., None] * (v - torch.einsum("bhvk,bhk->bhv", S, k))
+        S.add_(u[..., :, None] * k[..., None, :])
+        o = torch.einsum("bhvk,bhk->bhv", S, q)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * L["o_norm"]
+        o = o * torch.sigmoid(gate_in.float().view(b, h, d))
+        return o.reshape(b, p).to(BF) @ L["wo"].T
+
+    def mla(self, l, x, L):
+        c, b = self.c, self.b
+        y = x @ L["w_in"].T
+        qa, kva, gg = y[:, : c.q_lora], y[:, c.q_lora: c.q_lora + c.kv_lora + c.rope], y[:, c.q_lora + c.kv_lora + c.rope:]
+        q = (self.rms(qa, L["n_qa"]) @ L["wqb"].T).view(b, c.heads, c.nope + c.rope)
+        q_nope, q_pe = q[..., : c.nope], q[..., c.nope:]
+        ckv = self.rms(kva[:, : c.kv_lora], L["n_kva"])
+        cache = self.kv[l]
+        cache.index_put_((torch.arange(b, device="cuda"), self.pos), torch.cat([ckv, kva[:, c.kv_lora:]], -1))
+        q_lat = torch.einsum("bhn,hnc->bhc", q_nope, L["w_uk"])
+        s = torch.bmm(q_lat, cache[:, :, : c.kv_lora].transpose(1, 2))
+        s = s + torch.bmm(q_pe, cache[:, :, c.kv_lora:].transpose(1, 2))
+        s = (s.float() * (c.nope + c.rope) ** -0.5).masked_fill(~self.valid[:, None, :], float("-inf"))
+        o_lat = torch.bmm(torch.softmax(s, -1).to(BF), cache[:, :, : c.kv_lora])
+        o = torch.einsum("bhc,hvc->bhv", o_lat, L["w_uv"]).reshape(b, -1)
+        return (o.float() * torch.sigmoid(gg.float())).to(BF) @ L["wo"].T
+
+    def moe(self, l, x, L):
+        c, b = self.c, self.b
+        sh = c.moe_inter * c.shared
+        r = x @ L["w_moe"].T
+        logits, sg, su, z = r[:, : c.experts], r[:, c.experts: c.experts + sh], r[:, c.experts + sh: c.experts + 2 * sh], \
+            r[:, c.experts + 2 * sh:]
+        scores = torch.sigmoid(logits.float())
+        ids = (scores + L["bias"]).topk(c.top_k, dim=-1)[1]  # num_expert_group 1 in K3
+        wts = scores.gather(1, ids)
+        if c.renorm:
+            wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
+        wts = wts * c.scaling
+        self.ids[l] = ids
+        flat = ids.flatten()
+        if self.grouped:
+            order = torch.argsort(flat)
+            tok = order // c.top_k
+            counts = torch.zeros(c.experts, dtype=torch.int32, device="cuda").index_add_(
+                0, flat, torch.ones_like(flat, dtype=torch.int32))
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            gu = torch._grouped_mm(z[tok], L["gu_t"], offs)
+            act = situ(gu[:, : c.moe_inter], gu[:, c.moe_inter:], c).to(BF)
+            y = torch._grouped_mm(act, L["dn_t"], offs).float() * wts.flatten()[order, None]
+            out = torch.zeros(b, c.latent, device="cuda").index_add_(0, tok, y)
+        else:
+            zz = z.repeat_interleave(c.top_k, 0)[:, :, None]
+            gu = torch.bmm(L["gu_t"][flat].transpose(1, 2), zz)[..., 0]
+            act = situ(gu[:, : c.moe_inter], gu[:, c.moe_inter:], c).to(BF)
+            y = torch.bmm(L["dn_t"][flat].transpose(1, 2), act[:, :, None])[..., 0].float()
+            out = (y * wts.flatten()[:, None]).view(b, c.top_k, -1).sum(1)
+        if c.latent_norm:
+            out = self.rms(out, L["n_lat"])
+        out = out.to(BF) @ L["w_up"].T
+        return out + situ(sg, su, c).to(BF) @ L["w_sd"].T
+
+    def step(self):
+        c = self.c
+        cvec = self.embed[self.tokens]
+        bank, P = [], None
+        for l, L in enumerate(self.layers):
+            u = cvec if P is None else P + cvec
+            m = u if not bank else self.mix(u, bank, L["cw_attn"])
+            if l % c.block == 0:
+                bank.append(u)
+                P = None
+            else:
+                P = u
+            x = self.rms(m, L["n_in"])
+            a = self.mla(l, x, L) if L["mla"] else self.kda(l, x, L)
+            u = a if P is None else P + a
+            m = self.mix(u, bank, L["cw_mlp"])
+            P = u
+            x = self.rms(m, L["n_post"])
+            if L["dense"]:
+                gu = x @ L["w_gu"].T
+                cvec = situ(gu[:, : c.inter], gu[:, c.inter:], c).to(BF) @ L["w_d"].T
+            else:
+                cvec = self.moe(l, x, L)
+        h = self.rms(self.mix(P + cvec, bank, self.cw_out), self.n_f)
+        logits = (h @ self.lm.T).float() * c.logit_scale
+        return logits, torch.argmax(logits, -1)
+
+    def capture(self):
+        try:
+            self.step()
+        except RuntimeError as e:  # torch._grouped_mm unavailable for these shapes: gather the experts
+            print(f"peer: torch._grouped_mm failed ({str(e).splitlines()[0]}); gathering expert weights instead")
+            self.grouped = False
+            self.step()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                self.step()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self.step()
+
+    def time(self, n=100):
+        for _ in range(10):
+            self.graph.replay()
+        times = []
+        for _ in range(n):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self.graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return float(np.median(times))
+
+
+def peer_weights(c, raw):
+    """The checkpoint's tensors on the GPU (prefix dropped), with each MoE
+    layer's MXFP4 experts dequantised to bf16 and stacked for _grouped_mm:
+    gate/up as [E, latent, 2 I] and down as [E, I, latent] (transposed views)."""
+    w = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in raw.items() if ".experts." not in k}
+    w = {k: v.cuda() for k, v in w.items()}
+    for l in range(c.first_dense, c.layers):
+        pre = f"{PREFIX}model.layers.{l}.mlp.experts."
+
+        def expert(e, name):
+            key = f"{pre}{e}.{name}."
+            if key + "weight_packed" in raw:
+                return mxfp4_dequant(raw[key + "weight_packed"].cuda(), raw[key + "weight_scale"].cuda()).to(BF)
+            return raw[key + "weight"].cuda()
+
+        # Stacked as stored ([E, 2I, latent], [E, latent, I]) and read transposed, as _grouped_mm wants them.
+        w["experts_gu_t", l] = torch.stack([torch.cat([expert(e, "w1"), expert(e, "w3")]) for e in range(c.experts)]
+                                           ).transpose(1, 2)
+        w["experts_dn_t", l] = torch.stack([expert(e, "w2") for e in range(c.experts)]).transpose(1, 2)
+    return w
+
+
+def step_bytes(c, raw, ids, batch, pos):
+    """Bytes one step must move: every non-expert weight once (the embedding:
+    its rows), the distinct routed experts used (as stored: MXFP4 codes and
+    scales), KV cache rows 0..pos, the KDA conv windows and recurrent state
+    read and written."""
+    total = 0
+    for k, t in raw.items():
+        if ".experts." in k or k.endswith("model.embed_tokens.weight"):
+            continue
+        total += t.numel() * t.element_size()
+    total += batch * c.hidden * 2
+    for l, chosen in ids.items():
+        pre = f"{PREFIX}model.layers.{l}.mlp.experts."
+        for e in set(chosen.flatten().tolist()):
+            total += sum(t.numel() * t.element_size() for k, t in raw.items() if k.startswith(f"{pre}{e}."))
+    p = c.kda_heads * c.kda_dim
+    for l in range(c.layers):
+        if c.is_mla(l):
+            total += batch * (pos + 1) * (c.kv_lora + c.rope) * 2
+        else:
+            total += 2 * batch * (c.kda_heads * c.kda_dim * c.kda_dim * 4 + (c.conv - 1) * 3 * p * 2)
+    return total
+
+
+def random_state(c, batch, ctx, pos, seed):
+    """MLA caches with `pos` random rows, random KDA conv windows and recurrent state."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    p = c.kda_heads * c.kda_dim
+    kv, conv, ssm = {}, {}, {}
+    for l in range(c.layers):
+        if c.is_mla(l):
+            kv[l] = torch.zeros(batch, ctx, c.kv_lora + c.rope, dtype=BF, device="cuda")
+            kv[l][:, :pos] = torch.randn(batch, pos, c.kv_lora + c.rope, generator=g, device="cuda").to(BF)
+        else:
+            conv[l] = torch.randn(batch, c.conv - 1, 3 * p, generator=g, device="cuda").to(BF)
+            ssm[l] = 0.1 * torch.randn(batch, c.kda_heads, c.kda_dim, c.kda_dim, generator=g, device="cuda")
+    return kv, conv, ssm
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--lib", action="append", required=True, help="one per batch size, built from this config")
+    ap.add_argument("--pos", type=int, default=4000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    ap.add_argument("--trace", help="folder: one profiled step per library as Chrome trace JSON, and a per-stage table")
+    args = ap.parse_args()
+    c = Config.load(args.config)
+    bw = read_bandwidth()
+    work = tempfile.mkdtemp(prefix="mkc_k3_bench_")
+    ckpt = os.path.join(work, "ckpt")
+    t0 = time.time()
+    make(args.config, ckpt, True, args.seed)
+    raw = load_checkpoint(ckpt)
+    w = peer_weights(c, raw)
+    print(f"checkpoint written and loaded in {time.time() - t0:.1f} s; HBM read bandwidth {bw / 1e12:.2f} TB/s",
+          flush=True)
+    rows = []
+    for lib in args.lib:
+        t0 = time.time()
+        model = Model(lib, ckpt)
+        load_s = time.time() - t0
+        b = model.batch
+        ctx = state_context(c, b, model.state_bytes)
+        kv0, conv0, ssm0 = random_state(c, b, ctx, args.pos, args.seed + 1)
+        state = np.frombuffer(pack_state(c, b, args.pos, kv0, conv0, ssm0, model.state_bytes), dtype=np.uint8)
+        g = torch.Generator(device="cuda").manual_seed(args.seed + 2)
+        tokens = torch.randint(0, c.vocab, (b,), generator=g, device="cuda")
+        model.load_state(state)
+        nxt, logits = model.step(tokens.cpu().numpy())
+        model.load_state(state)  # time at the same position
+        ours_ms = model.time_steps(tokens.cpu().numpy(), warmup=10, n=100)
+        ours_ms2 = model.time_steps(tokens.cpu().numpy(), warmup=5, n=100)
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            path = os.path.join(args.trace, os.path.basename(lib).replace(".so", ".trace.json"))
+            model.load_state(state)
+            model.profile_step(tokens.cpu().numpy(), path)
+            print_trace_summary(path)
+        model.close()
+        st = ({l: t.clone() for l, t in kv0.items()}, {l: t.clone() for l, t in conv0.items()},
+              {l: t.clone() for l, t in ssm0.items()})
+        peer = Peer(c, w, b, ctx, args.pos, st)
+        peer.tokens.copy_(tokens)
+        peer.capture()
+        for mine, first in zip(st, (kv0, conv0, ssm0)):  # capturing ran steps: back to the same state
+            for l in mine:
+                mine[l].copy_(first[l])
+        peer.graph.replay()
+        torch.cuda.synchronize()
+        p_logits, p_next = peer.out
+        rel = float((torch.from_numpy(logits).cuda() - p_logits).norm() / p_logits.norm())
+        ids = {l: t.cpu() for l, t in peer.ids.items()}
+        peer_ms = peer.time()
+        nbytes = step_bytes(c, raw, ids, b, args.pos)
+        floor_ms = nbytes / bw * 1e3
+        rows.append({
+            "lib": os.path.basename(lib), "batch": b, "pos": args.pos, "load_s": round(load_s, 1),
+            "mkc_ms": ours_ms, "mkc_ms_repeat": ours_ms2, "peer_ms": peer_ms, "peer_grouped_mm": peer.grouped,
+            "bytes": nbytes, "floor_ms": floor_ms, "mkc_floor_fraction": floor_ms / ours_ms,
+            "peer_floor_fraction": floor_ms / peer_ms, "mkc_tokens_per_s_per_user": 1e3 / ours_ms,
+            "peer_tokens_per_s_per_user": 1e3 / peer_ms,
+            "next_equal": bool((torch.from_numpy(nxt).cuda() == p_next).all()), "logits_rel_l2_vs_peer": rel,
+        })
+        del peer, st, kv0, conv0, ssm0
+        torch.cuda.empty_cache()
+    shutil.rmtree(work, ignore_errors=True)
+    report = {"config": args.config, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+              "read_bandwidth_TBps": bw / 1e12, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    print(f"{'library':36} {'B':>2} {'mkc ms':>8} {'peer ms':>8} {'floor ms':>8} {'mkc %floor':>10} {'peer %floor':>11} "
+          f"{'mkc tok/s/u':>11} {'rel L2':>8} next=")
+    for r in rows:
+        print(f"{r['lib']:36} {r['batch']:>2} {r['mkc_ms']:>8.3f} {r['peer_ms']:>8.3f} {r['floor_ms']:>8.3f} "
+              f"{100 * r['mkc_floor_fraction']:>9.1f}% {100 * r['peer_floor_fraction']:>10.1f}% "
+              f"{r['mkc_tokens_per_s_per_user']:>11.1f} {r['logits_rel_l2_vs_peer']:>8.2e} {r['next_equal']}")
+
+
+if __name__ == "__main__":
+    main()
