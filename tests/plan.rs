@@ -97,6 +97,40 @@ fn batch_8_and_the_peer_configuration_plan() {
     }
 }
 
+/// A stage waits for its slowest SM, and a task's fixed cost is several
+/// microseconds: where a stage has no more tasks than SMs, no SM may run two
+/// of them (the H200 profile in docs/PERFORMANCE.md measured what two or three
+/// cost). Checked on the benchmark plan at batch 1 and 8 and on K3.
+#[test]
+fn no_sm_runs_two_tasks_of_a_stage_that_fits() {
+    let t = Target::load("h200").unwrap();
+    for (model, config, batch) in
+        [("kimi_k2", "bench_4l64e.json", 1), ("kimi_k2", "bench_4l64e.json", 8), ("kimi_k3", "test_8l96e.json", 1)]
+    {
+        let v = compile(model, config);
+        let p = plan::plan(&v, &t, Options { batch, context: 4096, ..Options::default() }).unwrap();
+        let mut per_sm = std::collections::HashMap::new();
+        for (m, list) in p.schedule.sms.iter().enumerate() {
+            for ins in list {
+                *per_sm.entry((ins.stage, m)).or_insert(0u32) += 1;
+            }
+        }
+        for stage in &p.tiling.stages {
+            if stage.tasks.len() > p.schedule.sms.len() {
+                continue;
+            }
+            let most = (0..p.schedule.sms.len()).map(|m| per_sm.get(&(stage.id, m)).copied().unwrap_or(0)).max();
+            assert_eq!(
+                most,
+                Some(1),
+                "{model} {config} batch {batch}: stage {} has {} tasks and an SM with {most:?}",
+                stage.id,
+                stage.tasks.len()
+            );
+        }
+    }
+}
+
 /// Every wait of a real plan is necessary: deleting it, or lowering its
 /// target by one, must make the verifier fail.
 fn mutate_every_wait(p: &Plan) -> usize {
