@@ -74,8 +74,12 @@ class TeacherForced:
                                            f"margin {margin(w):.3g}")
 
     def ok(self) -> bool:
-        return (self.worst <= MAX_REL_L2 and not self.mismatches and max(self.excluded) <= 2
-                and max(self.routing_excluded) <= 2)
+        # Steps excused for a routing near-tie: at most 2 per sequence when a
+        # flip ends the comparison (cascade), any number in the one-step check,
+        # where each is independent (a wrong router shows at the steps that
+        # are not near-ties, which are always held to the bound).
+        routing_ok = not self.cascade or max(self.routing_excluded) <= 2
+        return self.worst <= MAX_REL_L2 and not self.mismatches and max(self.excluded) <= 2 and routing_ok
 
     def report(self) -> dict:
         return {
