@@ -193,7 +193,46 @@ def softmax_scale(d):
     return scale
 
 
-class Peer:
+class CapturedStep:
+    """A PyTorch decode step captured in a CUDA graph (the benchmarks' peers):
+    a subclass defines `step()`, returning what `out` holds after a replay,
+    and the fallback it takes when `torch._grouped_mm` fails (`grouped`)."""
+
+    grouped = True
+    graph = None
+
+    def capture(self):
+        try:
+            self.step()
+        except RuntimeError as e:  # torch._grouped_mm unavailable for these shapes: gather the experts
+            print(f"peer: torch._grouped_mm failed ({str(e).splitlines()[0]}); gathering expert weights instead")
+            self.grouped = False
+            self.step()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                self.step()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self.step()
+
+    def time(self, n=100):
+        for _ in range(10):
+            self.graph.replay()
+        times = []
+        for _ in range(n):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self.graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return float(np.median(times))
+
+
+class Peer(CapturedStep):
     """The PyTorch decode step (bf16 activations), captured in a CUDA graph."""
 
     def __init__(self, d, w, merged, batch, ctx, caches, pos):
@@ -231,8 +270,6 @@ class Peer:
         self.embed, self.n_f, self.lm = w["model.embed_tokens.weight"], w["model.norm.weight"], w["lm_head.weight"]
         self.tokens = torch.zeros(batch, dtype=torch.long, device="cuda")
         self.pos = torch.full((batch,), pos, dtype=torch.long, device="cuda")
-        self.grouped = True
-        self.graph = None
 
     def rms(self, x, w):
         xf = x.float()
@@ -318,36 +355,6 @@ class Peer:
         logits = self.rms(h, self.n_f) @ self.lm.T
         return logits.float(), torch.argmax(logits, -1)
 
-    def capture(self):
-        try:
-            self.step()
-        except RuntimeError as e:  # torch._grouped_mm unavailable for these shapes: gather the experts
-            print(f"peer: torch._grouped_mm failed ({str(e).splitlines()[0]}); gathering expert weights instead")
-            self.grouped = False
-            self.step()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                self.step()
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self.step()
-
-    def time(self, n=100):
-        for _ in range(10):
-            self.graph.replay()
-        times = []
-        for _ in range(n):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            self.graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return float(np.median(times))
-
 
 def step_bytes(d, w, ids_per_layer, batch, pos):
     """Bytes one step must move: every non-expert weight once, the distinct experts used, cache rows 0..pos."""
@@ -383,6 +390,29 @@ def print_trace_summary(path):
     for name, s in sorted(stages.items(), key=lambda kv: kv[1]["start"]):
         print(f"  {name[:40]:40} {s['n']:>5} {s['start']:>9.1f} {s['end']:>9.1f} {s['end'] - s['start']:>8.1f} "
               f"{s['max']:>8.1f} {s['busy']:>9.1f}")
+
+
+def print_table(rows):
+    """The benchmarks' last lines: a row per library."""
+    print(f"{'library':36} {'B':>2} {'mkc ms':>8} {'peer ms':>8} {'floor ms':>8} {'mkc %floor':>10} {'peer %floor':>11} "
+          f"{'mkc tok/s/u':>11} {'rel L2':>8} next=")
+    for r in rows:
+        print(f"{r['lib']:36} {r['batch']:>2} {r['mkc_ms']:>8.3f} {r['peer_ms']:>8.3f} {r['floor_ms']:>8.3f} "
+              f"{100 * r['mkc_floor_fraction']:>9.1f}% {100 * r['peer_floor_fraction']:>10.1f}% "
+              f"{r['mkc_tokens_per_s_per_user']:>11.1f} {r['logits_rel_l2_vs_peer']:>8.2e} {r['next_equal']}")
+
+
+def result_row(lib, batch, pos, load_s, mkc_ms, mkc_ms_repeat, peer, peer_ms, nbytes, bw, nxt, p_next, rel):
+    """One library's measurement, as the JSON report and print_table have it."""
+    floor_ms = nbytes / bw * 1e3
+    return {
+        "lib": os.path.basename(lib), "batch": batch, "pos": pos, "load_s": round(load_s, 1),
+        "mkc_ms": mkc_ms, "mkc_ms_repeat": mkc_ms_repeat, "peer_ms": peer_ms, "peer_grouped_mm": peer.grouped,
+        "bytes": nbytes, "floor_ms": floor_ms, "mkc_floor_fraction": floor_ms / mkc_ms,
+        "peer_floor_fraction": floor_ms / peer_ms, "mkc_tokens_per_s_per_user": 1e3 / mkc_ms,
+        "peer_tokens_per_s_per_user": 1e3 / peer_ms,
+        "next_equal": bool((torch.from_numpy(nxt).cuda() == p_next).all()), "logits_rel_l2_vs_peer": rel,
+    }
 
 
 def main():
@@ -437,15 +467,7 @@ def main():
         ids = [L["ids"].cpu() for L in peer.layers if "ids" in L]
         peer_ms = peer.time()
         nbytes = step_bytes(d, w, ids, b, args.pos)
-        floor_ms = nbytes / bw * 1e3
-        rows.append({
-            "lib": os.path.basename(lib), "batch": b, "pos": args.pos, "load_s": round(load_s, 1),
-            "mkc_ms": ours_ms, "mkc_ms_repeat": ours_ms2, "peer_ms": peer_ms, "peer_grouped_mm": peer.grouped,
-            "bytes": nbytes, "floor_ms": floor_ms, "mkc_floor_fraction": floor_ms / ours_ms,
-            "peer_floor_fraction": floor_ms / peer_ms, "mkc_tokens_per_s_per_user": 1e3 / ours_ms,
-            "peer_tokens_per_s_per_user": 1e3 / peer_ms, "next_equal": bool((torch.from_numpy(nxt).cuda() == p_next).all()),
-            "logits_rel_l2_vs_peer": rel,
-        })
+        rows.append(result_row(lib, b, args.pos, load_s, ours_ms, ours_ms2, peer, peer_ms, nbytes, bw, nxt, p_next, rel))
         del peer, caches
         torch.cuda.empty_cache()
     shutil.rmtree(work, ignore_errors=True)
@@ -454,12 +476,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-    print(f"{'library':36} {'B':>2} {'mkc ms':>8} {'peer ms':>8} {'floor ms':>8} {'mkc %floor':>10} {'peer %floor':>11} "
-          f"{'mkc tok/s/u':>11} {'rel L2':>8} next=")
-    for r in rows:
-        print(f"{r['lib']:36} {r['batch']:>2} {r['mkc_ms']:>8.3f} {r['peer_ms']:>8.3f} {r['floor_ms']:>8.3f} "
-              f"{100 * r['mkc_floor_fraction']:>9.1f}% {100 * r['peer_floor_fraction']:>10.1f}% "
-              f"{r['mkc_tokens_per_s_per_user']:>11.1f} {r['logits_rel_l2_vs_peer']:>8.2e} {r['next_equal']}")
+    print_table(rows)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "gpu"))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
-from k2_bench import print_trace_summary, read_bandwidth  # noqa: E402
+from k2_bench import CapturedStep, print_table, print_trace_summary, read_bandwidth, result_row  # noqa: E402
 from k3_reference import Config, load_checkpoint, mxfp4_dequant, pack_state, state_context  # noqa: E402
 from make_k3_checkpoint import PREFIX, make  # noqa: E402
 from mkc_runtime import Model  # noqa: E402
@@ -55,7 +55,7 @@ def situ(gate, up, c):
     return g * (up if c.beta_lin is None else c.beta_lin * torch.tanh(up / c.beta_lin))
 
 
-class Peer:
+class Peer(CapturedStep):
     """The PyTorch K3 decode step (bf16 activations, fp32 where the spec
     keeps fp32), captured in a CUDA graph. `state` holds its KV caches, conv
     windows and recurrent state, which the step updates in place."""
@@ -101,8 +101,6 @@ class Peer:
         self.tokens = torch.zeros(batch, dtype=torch.long, device="cuda")
         self.pos = torch.full((batch,), pos, dtype=torch.long, device="cuda")
         self.valid = torch.arange(ctx, device="cuda")[None, :] <= self.pos[:, None]
-        self.grouped = True
-        self.graph = None
         self.ids = {}
 
     def rms(self, x, w, eps=None):
@@ -220,36 +218,6 @@ class Peer:
         h = self.rms(self.mix(P + cvec, bank, self.cw_out), self.n_f)
         logits = (h @ self.lm.T).float() * c.logit_scale
         return logits, torch.argmax(logits, -1)
-
-    def capture(self):
-        try:
-            self.step()
-        except RuntimeError as e:  # torch._grouped_mm unavailable for these shapes: gather the experts
-            print(f"peer: torch._grouped_mm failed ({str(e).splitlines()[0]}); gathering expert weights instead")
-            self.grouped = False
-            self.step()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                self.step()
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self.step()
-
-    def time(self, n=100):
-        for _ in range(10):
-            self.graph.replay()
-        times = []
-        for _ in range(n):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            self.graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return float(np.median(times))
 
 
 def peer_weights(c, raw):
@@ -370,15 +338,7 @@ def main():
         ids = {l: t.cpu() for l, t in peer.ids.items()}
         peer_ms = peer.time()
         nbytes = step_bytes(c, raw, ids, b, args.pos)
-        floor_ms = nbytes / bw * 1e3
-        rows.append({
-            "lib": os.path.basename(lib), "batch": b, "pos": args.pos, "load_s": round(load_s, 1),
-            "mkc_ms": ours_ms, "mkc_ms_repeat": ours_ms2, "peer_ms": peer_ms, "peer_grouped_mm": peer.grouped,
-            "bytes": nbytes, "floor_ms": floor_ms, "mkc_floor_fraction": floor_ms / ours_ms,
-            "peer_floor_fraction": floor_ms / peer_ms, "mkc_tokens_per_s_per_user": 1e3 / ours_ms,
-            "peer_tokens_per_s_per_user": 1e3 / peer_ms,
-            "next_equal": bool((torch.from_numpy(nxt).cuda() == p_next).all()), "logits_rel_l2_vs_peer": rel,
-        })
+        rows.append(result_row(lib, b, args.pos, load_s, ours_ms, ours_ms2, peer, peer_ms, nbytes, bw, nxt, p_next, rel))
         del peer, st, kv0, conv0, ssm0
         torch.cuda.empty_cache()
     shutil.rmtree(work, ignore_errors=True)
@@ -387,13 +347,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-    print(f"{'library':36} {'B':>2} {'mkc ms':>8} {'peer ms':>8} {'floor ms':>8} {'mkc %floor':>10} {'peer %floor':>11} "
-          f"{'mkc tok/s/u':>11} {'rel L2':>8} next=")
-    for r in rows:
-        print(f"{r['lib']:36} {r['batch']:>2} {r['mkc_ms']:>8.3f} {r['peer_ms']:>8.3f} {r['floor_ms']:>8.3f} "
-              f"{100 * r['mkc_floor_fraction']:>9.1f}% {100 * r['peer_floor_fraction']:>10.1f}% "
-              f"{r['mkc_tokens_per_s_per_user']:>11.1f} {r['logits_rel_l2_vs_peer']:>8.2e} {r['next_equal']}")
-
+    print_table(rows)
 
 if __name__ == "__main__":
     main()
