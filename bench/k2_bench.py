@@ -402,6 +402,26 @@ def print_table(rows):
               f"{r['mkc_tokens_per_s_per_user']:>11.1f} {r['logits_rel_l2_vs_peer']:>8.2e} {r['next_equal']}")
 
 
+def measure(model, lib, state, tokens, trace):
+    """The megakernel from `state`: one step's next tokens and logits, then
+    milliseconds per step twice (back to back at the same position), then
+    (with a trace folder) one profiled step and its per-stage table; closes
+    the model. Returns (next, logits, ms, ms_repeat)."""
+    model.load_state(state)
+    nxt, logits = model.step(tokens)
+    model.load_state(state)  # time at the same position
+    ms = model.time_steps(tokens, warmup=10, n=100)
+    ms2 = model.time_steps(tokens, warmup=5, n=100)
+    if trace:
+        os.makedirs(trace, exist_ok=True)
+        path = os.path.join(trace, os.path.basename(lib).replace(".so", ".trace.json"))
+        model.load_state(state)
+        model.profile_step(tokens, path)
+        print_trace_summary(path)
+    model.close()
+    return nxt, logits, ms, ms2
+
+
 def result_row(lib, batch, pos, load_s, mkc_ms, mkc_ms_repeat, peer, peer_ms, nbytes, bw, nxt, p_next, rel):
     """One library's measurement, as the JSON report and print_table have it."""
     floor_ms = nbytes / bw * 1e3
@@ -444,19 +464,8 @@ def main():
         caches = [torch.randn(b, args.ctx, d.kv_lora + d.rope, generator=g, device="cuda").to(BF) for _ in range(d.layers)]
         state = np.concatenate([np.full(b, args.pos, dtype=np.int32).view(np.uint8)]
                                + [c.cpu().view(torch.int16).numpy().view(np.uint8).ravel() for c in caches])
-        model.load_state(state)
         tokens = torch.randint(0, d.vocab, (b,), generator=g, device="cuda")
-        nxt, logits = model.step(tokens.cpu().numpy())
-        model.load_state(state)  # time at the same position
-        ours_ms = model.time_steps(tokens.cpu().numpy(), warmup=10, n=100)
-        ours_ms2 = model.time_steps(tokens.cpu().numpy(), warmup=5, n=100)
-        if args.trace:
-            os.makedirs(args.trace, exist_ok=True)
-            path = os.path.join(args.trace, os.path.basename(lib).replace(".so", ".trace.json"))
-            model.load_state(state)
-            model.profile_step(tokens.cpu().numpy(), path)
-            print_trace_summary(path)
-        model.close()
+        nxt, logits, ours_ms, ours_ms2 = measure(model, lib, state, tokens.cpu().numpy(), args.trace)
         peer = Peer(d, w, merged, b, args.ctx, caches, args.pos)
         peer.tokens.copy_(tokens)
         peer.capture()

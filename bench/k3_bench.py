@@ -40,7 +40,7 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "gpu"))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
-from k2_bench import CapturedStep, print_table, print_trace_summary, read_bandwidth, result_row  # noqa: E402
+from k2_bench import CapturedStep, measure, print_table, read_bandwidth, result_row  # noqa: E402
 from k3_reference import Config, load_checkpoint, mxfp4_dequant, pack_state, state_context  # noqa: E402
 from make_k3_checkpoint import PREFIX, make  # noqa: E402
 from mkc_runtime import Model  # noqa: E402
@@ -311,18 +311,7 @@ def main():
         state = np.frombuffer(pack_state(c, b, args.pos, kv0, conv0, ssm0, model.state_bytes), dtype=np.uint8)
         g = torch.Generator(device="cuda").manual_seed(args.seed + 2)
         tokens = torch.randint(0, c.vocab, (b,), generator=g, device="cuda")
-        model.load_state(state)
-        nxt, logits = model.step(tokens.cpu().numpy())
-        model.load_state(state)  # time at the same position
-        ours_ms = model.time_steps(tokens.cpu().numpy(), warmup=10, n=100)
-        ours_ms2 = model.time_steps(tokens.cpu().numpy(), warmup=5, n=100)
-        if args.trace:
-            os.makedirs(args.trace, exist_ok=True)
-            path = os.path.join(args.trace, os.path.basename(lib).replace(".so", ".trace.json"))
-            model.load_state(state)
-            model.profile_step(tokens.cpu().numpy(), path)
-            print_trace_summary(path)
-        model.close()
+        nxt, logits, ours_ms, ours_ms2 = measure(model, lib, state, tokens.cpu().numpy(), args.trace)
         st = ({l: t.clone() for l, t in kv0.items()}, {l: t.clone() for l, t in conv0.items()},
               {l: t.clone() for l, t in ssm0.items()})
         peer = Peer(c, w, b, ctx, args.pos, st)
