@@ -392,6 +392,16 @@ def print_trace_summary(path):
               f"{s['max']:>8.1f} {s['busy']:>9.1f}")
 
 
+def report(config, bw, rows, json_path):
+    """The JSON report (with the GPU, the date and the read bandwidth) and the table."""
+    out = {"config": config, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+           "read_bandwidth_TBps": bw / 1e12, "rows": rows}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
+    print_table(rows)
+
+
 def print_table(rows):
     """The benchmarks' last lines: a row per library."""
     print(f"{'library':36} {'B':>2} {'mkc ms':>8} {'peer ms':>8} {'floor ms':>8} {'mkc %floor':>10} {'peer %floor':>11} "
@@ -480,12 +490,7 @@ def main():
         del peer, caches
         torch.cuda.empty_cache()
     shutil.rmtree(work, ignore_errors=True)
-    report = {"config": args.config, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-              "read_bandwidth_TBps": bw / 1e12, "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    print_table(rows)
+    report(args.config, bw, rows, args.json)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ correctness tests are in tests/gpu/).
 """
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -40,7 +39,7 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "gpu"))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
-from k2_bench import CapturedStep, measure, print_table, read_bandwidth, result_row  # noqa: E402
+from k2_bench import CapturedStep, measure, read_bandwidth, report, result_row  # noqa: E402
 from k3_reference import Config, load_checkpoint, mxfp4_dequant, pack_state, state_context  # noqa: E402
 from make_k3_checkpoint import PREFIX, make  # noqa: E402
 from mkc_runtime import Model  # noqa: E402
@@ -331,12 +330,8 @@ def main():
         del peer, st, kv0, conv0, ssm0
         torch.cuda.empty_cache()
     shutil.rmtree(work, ignore_errors=True)
-    report = {"config": args.config, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-              "read_bandwidth_TBps": bw / 1e12, "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    print_table(rows)
+    report(args.config, bw, rows, args.json)
+
 
 if __name__ == "__main__":
     main()
