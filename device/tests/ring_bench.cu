@@ -58,14 +58,19 @@ __device__ uint32_t pieces_load(const mkc::Rows& r, uint32_t& it) {
   return pages;
 }
 
+// Every variant's start: the ring set up, this SM's contiguous share of the rows.
+__device__ mkc::Rows sm_share(const __nv_bfloat16* w, uint32_t rows) {
+  if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
+  __syncthreads();
+  const uint32_t per_sm = rows / gridDim.x;
+  return mkc::Rows{w, nullptr, blockIdx.x * per_sm, (blockIdx.x + 1) * per_sm, kK};
+}
+
 template <int N, bool kRowsLoad = false>
 __global__ void __launch_bounds__(mkc::kThreads, 1) pieces(const __nv_bfloat16* w, uint32_t rows, float* out) {
-  mkc::Ring& ring = *mkc::ring_ptr();
-  if (threadIdx.x == 0) mkc::ring_init(ring);
-  __syncthreads();
+  const mkc::Rows r = sm_share(w, rows);
   const int warp = threadIdx.x / 32;
-  const uint32_t per_sm = rows / gridDim.x;
-  const mkc::Rows r{w, nullptr, blockIdx.x * per_sm, (blockIdx.x + 1) * per_sm, kK};
+  const uint32_t per_sm = r.r1 - r.r0;
   uint32_t it = 0;
   if (warp == mkc::kConsumerWarps) {
     if (kRowsLoad) {
@@ -82,11 +87,9 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) pieces(const __nv_bfloat16* 
 template <int M>
 __global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* w, uint32_t rows, float* out) {
   mkc::Ring& ring = *mkc::ring_ptr();
-  if (threadIdx.x == 0) mkc::ring_init(ring);
-  __syncthreads();
+  const mkc::Rows r = sm_share(w, rows);
   const int warp = threadIdx.x / 32;
-  const uint32_t per_sm = rows / gridDim.x;
-  const mkc::Rows r{w, nullptr, blockIdx.x * per_sm, (blockIdx.x + 1) * per_sm, kK};
+  const uint32_t per_sm = r.r1 - r.r0;
   const uint32_t pages = uint32_t(size_t(per_sm) * kK * 2 / mkc::kPageBytes);
   uint32_t it = 0;
   if (warp == mkc::kConsumerWarps) {

@@ -48,6 +48,19 @@ void copy_message(const std::string& msg, char* dst, size_t len) {
   dst[n] = '\0';
 }
 
+// Runs f, turning an mkc::Failure into -1 and its message in err (the C
+// ABI's convention); 0 when f returns.
+template <class F>
+int guarded(char* err, size_t err_len, F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const mkc::Failure& e) {
+    copy_message(e.message, err, err_len);
+    return -1;
+  }
+}
+
 }  // namespace
 
 struct mkc_model {
@@ -80,65 +93,29 @@ void mkc_model_get_info(const mkc_model* m, mkc_model_info* info) {
 
 int mkc_model_step(mkc_model* m, const int32_t* tokens, int32_t* next, float* logits, int debug, char* err,
                    size_t err_len) {
-  try {
-    m->engine.step(tokens, next, logits, debug != 0);
-    return 0;
-  } catch (const mkc::Failure& f) {
-    copy_message(f.message, err, err_len);
-    return -1;
-  }
+  return guarded(err, err_len, [&] { m->engine.step(tokens, next, logits, debug != 0); });
 }
 
 int mkc_model_time_steps(mkc_model* m, const int32_t* tokens, int warmup, int n, float* ms_per_step, char* err,
                          size_t err_len) {
-  try {
-    *ms_per_step = m->engine.time_steps(tokens, warmup, n);
-    return 0;
-  } catch (const mkc::Failure& f) {
-    copy_message(f.message, err, err_len);
-    return -1;
-  }
+  return guarded(err, err_len, [&] { *ms_per_step = m->engine.time_steps(tokens, warmup, n); });
 }
 
 int mkc_model_profile_step(mkc_model* m, const int32_t* tokens, int32_t* next, const char* trace_path, char* err,
                            size_t err_len) {
-  try {
-    m->engine.profile_step(tokens, next, trace_path);
-    return 0;
-  } catch (const mkc::Failure& f) {
-    copy_message(f.message, err, err_len);
-    return -1;
-  }
+  return guarded(err, err_len, [&] { m->engine.profile_step(tokens, next, trace_path); });
 }
 
 int mkc_model_reset(mkc_model* m, char* err, size_t err_len) {
-  try {
-    m->engine.reset();
-    return 0;
-  } catch (const mkc::Failure& f) {
-    copy_message(f.message, err, err_len);
-    return -1;
-  }
+  return guarded(err, err_len, [&] { m->engine.reset(); });
 }
 
 int mkc_model_save_state(const mkc_model* m, void* dst, size_t len, char* err, size_t err_len) {
-  try {
-    m->engine.save(static_cast<char*>(dst), len);
-    return 0;
-  } catch (const mkc::Failure& f) {
-    copy_message(f.message, err, err_len);
-    return -1;
-  }
+  return guarded(err, err_len, [&] { m->engine.save(static_cast<char*>(dst), len); });
 }
 
 int mkc_model_load_state(mkc_model* m, const void* src, size_t len, char* err, size_t err_len) {
-  try {
-    m->engine.restore(static_cast<const char*>(src), len);
-    return 0;
-  } catch (const mkc::Failure& f) {
-    copy_message(f.message, err, err_len);
-    return -1;
-  }
+  return guarded(err, err_len, [&] { m->engine.restore(static_cast<const char*>(src), len); });
 }
 
 void mkc_model_close(mkc_model* m) { delete m; }

@@ -161,20 +161,19 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
         order.sort_by(|a, b| load(*b).total_cmp(&load(*a)).then(a.cmp(b)));
         let mut cp_stage = 0f64;
         for t in order {
-            let (mut best, mut best_end) = (0usize, f64::INFINITY);
+            let (mut best, mut best_end, mut best_load_end) = (0usize, f64::INFINITY, 0f64);
             let (load_t, compute_t) = (load(t), compute(t));
             for m in 0..sms {
                 let start = compute_free[m].max(ready);
                 let load_end = (load_free[m] + load_t).max(start + load_t - ring);
                 let end = (start + compute_t).max(load_end);
                 if end < best_end - 1e-9 {
-                    best = m;
-                    best_end = end;
+                    (best, best_end, best_load_end) = (m, end, load_end);
                 }
             }
             let load_start = load_free[best];
             let start = compute_free[best].max(ready);
-            load_free[best] = (load_start + load_t).max(start + load_t - ring);
+            load_free[best] = best_load_end;
             compute_free[best] = best_end;
             finish[stage.id] = finish[stage.id].max(best_end);
             cp_stage = cp_stage.max(compute_t).max(load_t - cp_ready);

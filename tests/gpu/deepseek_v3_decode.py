@@ -24,7 +24,6 @@ Exits 1 if any check fails; prints a table last.
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -37,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 from compare import TeacherForced, free_running  # noqa: E402
+from make_k3_checkpoint import kda_dt_bias  # noqa: E402
 from mkc_runtime import MkcError, Model  # noqa: E402
 
 
@@ -85,17 +85,6 @@ def make_checkpoint(config_path, seed, out_dir):
     model.save_pretrained(out_dir)
     del model
     torch.cuda.empty_cache()
-
-
-def kda_dt_bias(shape, g, device):
-    """KDA's gate bias as flash-linear-attention initialises it: the inverse
-    softplus of dt, log-uniform in [1e-3, 1e-1]. (Drawn near 0 instead, the
-    gate's derivative exp(A_log) sigmoid(f + dt_bias) is up to 8 and a bf16
-    rounding of f moves the decay by percents: the comparison then measures
-    the test model's sensitivity, not the kernel.)"""
-    u = torch.rand(shape, generator=g, device=device)
-    dt = torch.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
-    return dt + torch.log(-torch.expm1(-dt))
 
 
 def align_kda_keys(params, g, corr=0.8):

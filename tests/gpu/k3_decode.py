@@ -42,18 +42,24 @@ from k3_reference import K3Reference  # noqa: E402
 from make_k3_checkpoint import make  # noqa: E402
 from mkc_runtime import Model  # noqa: E402
 
-def reference(ckpt, prompts, n_gen, ctx):
-    """Greedy tokens, teacher-forced logits and routing gaps, all sequences in lockstep."""
+def reference(ckpt, prompts, n_gen, ctx, model, one):
+    """Greedy tokens, teacher-forced logits and routing gaps, all sequences in
+    lockstep. On the way, the one-step check: before each reference step its
+    state (KV caches, conv windows, recurrent state) is written into the
+    runtime, which takes the same step; `one` compares the two."""
     b = len(prompts)
     ref = K3Reference(ckpt, batch=b, max_ctx=ctx, device="cuda")
     seqs = [list(p) for p in prompts]
     logits, gaps = [], []
     with torch.no_grad():
         for t in range(len(prompts[0]) + n_gen - 1):
-            tok = torch.tensor([s[t] for s in seqs], device="cuda")
-            out = ref.step(tok).float().cpu().numpy()
+            tokens = [s[t] for s in seqs]
+            model.load_state(np.frombuffer(ref.kernel_state(model.state_bytes), dtype=np.uint8))
+            nxt, got = model.step(tokens)
+            out = ref.step(torch.tensor(tokens, device="cuda")).float().cpu().numpy()
             logits.append(out)
             gaps.append(ref.routing_gap.numpy())
+            one.step(t, nxt, got, out, gaps[-1])
             if t >= len(prompts[0]) - 1:
                 for i in range(b):
                     seqs[i].append(int(np.argmax(out[i])))
@@ -69,7 +75,11 @@ def run_seed(lib, config, seed, prompt_len, n_gen, mxfp4, work):
     b = model.batch
     rng = np.random.default_rng(1000 + seed)
     prompts = [list(rng.integers(0, model.vocab, prompt_len)) for _ in range(b)]
-    seqs, want, gaps = reference(ckpt, prompts, n_gen, ctx=prompt_len + n_gen + 8)
+    # One step at a time from the reference's own state: every step compared
+    # from the same state, so a routing near-tie excuses only its own step
+    # and nothing cascades.
+    one = TeacherForced(b, cascade=False)
+    seqs, want, gaps = reference(ckpt, prompts, n_gen, prompt_len + n_gen + 8, model, one)
     steps = prompt_len + n_gen - 1
     model.reset()
     tf = TeacherForced(b)
@@ -97,20 +107,6 @@ def run_seed(lib, config, seed, prompt_len, n_gen, mxfp4, work):
             for s in range(b):
                 gen[s].append(int(nxt[s]))
     free, free_mismatches = free_running(gen, [sq[prompt_len:] for sq in seqs], want, gaps, prompt_len, n_gen)
-    # One step at a time from the reference's own state (written into the
-    # runtime before each step): every step compared from the same state, so
-    # a routing near-tie excuses only its own step and nothing cascades.
-    one = TeacherForced(b, cascade=False)
-    ref = K3Reference(ckpt, batch=b, max_ctx=prompt_len + n_gen + 8, device="cuda")
-    with torch.no_grad():
-        for t in range(steps):
-            model.load_state(np.frombuffer(ref.kernel_state(model.state_bytes), dtype=np.uint8))
-            tokens = [seqs[s][t] for s in range(b)]
-            ref_logits = ref.step(torch.tensor(tokens, device="cuda")).float().cpu().numpy()
-            nxt, logits = model.step(tokens)
-            one.step(t, nxt, logits, ref_logits, ref.routing_gap.numpy())
-    del ref
-    torch.cuda.empty_cache()
     model.close()
     shutil.rmtree(ckpt, ignore_errors=True)  # real widths: gigabytes per seed
     return {"seed": seed, "batch": b, "steps": steps, **tf.report(), "state_restore_max_abs_diff": state_err,

@@ -23,6 +23,17 @@ from k3_reference import Config, mxfp4_quantize
 PREFIX = "language_model."
 
 
+def kda_dt_bias(shape, g, device):
+    """KDA's gate bias as flash-linear-attention initialises it: the inverse
+    softplus of dt, log-uniform in [1e-3, 1e-1]. (Drawn near 0 instead, the
+    gate's derivative exp(A_log) sigmoid(f + dt_bias) is up to 8 and a bf16
+    rounding of f moves the decay by percents: a comparison then measures the
+    test model's sensitivity, not the kernel.)"""
+    u = torch.rand(shape, generator=g, device=device)
+    dt = torch.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
+    return dt + torch.log(-torch.expm1(-dt))
+
+
 def make(cfg_path: str, out: str, mxfp4: bool, seed: int, zero: tuple[str, ...] = ()) -> None:
     """Draws on the GPU when there is one (K3's real widths: gigabytes of
     experts to quantise), on the CPU otherwise; the same seed gives the same
@@ -79,9 +90,7 @@ def make(cfg_path: str, out: str, mxfp4: bool, seed: int, zero: tuple[str, ...] 
             proj(a + "f_a_proj.weight", c.kda_dim, h)
             proj(a + "f_b_proj.weight", p, c.kda_dim)
             t[a + "A_log"] = torch.log(torch.empty(c.kda_heads, device=dev).uniform_(1.0, 16.0, generator=g)).float().cpu()
-            u = torch.rand(p, generator=g, device=dev)  # as flash-linear-attention initialises it (deepseek_v3_decode.kda_dt_bias)
-            dt = torch.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
-            t[a + "dt_bias"] = (dt + torch.log(-torch.expm1(-dt))).float().cpu()
+            t[a + "dt_bias"] = kda_dt_bias(p, g, dev).float().cpu()
             norm(a + "o_norm.weight", c.kda_dim)
             proj(a + "o_proj.weight", h, p)
         m = pre + "mlp."
