@@ -7,19 +7,21 @@
 #   kimi_linear_tiny_h200, kimi_linear_tiny_b4_h200   Kimi Linear's tiny config, batch 1 and 4
 #   kimi_k3_tiny_h200, kimi_k3_tiny_b4_h200           K3's tiny config (MXFP4 experts), batch 1 and 4
 #   kimi_k3_dims_8l96e_h200                           K3's per-layer dimensions, 8 layers, 96 experts, batch 1
-# Usage: scripts/build_gpu_libs.sh [PATTERN]   only the names matching the shell
+# Usage: [MKC_MODELS_DIR=DIR] scripts/build_gpu_libs.sh [PATTERN]   into DIR (default
+# target/models), only the names matching the shell
 # pattern (e.g. 'kimi_k3_*'): each library is a few MB and a device call
 # carries at most 64 MiB, so carry subsets when all of them do not fit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pattern=${1:-*}
+models=${MKC_MODELS_DIR:-target/models}
 cargo build --release --locked --quiet
 while IFS=: read -r model name config batch; do
   # shellcheck disable=SC2254
   case "$name" in $pattern) ;; *) continue ;; esac
   ./target/release/mkc codegen "model_graphs/$model/graph.mkc" --config "model_graphs/$model/$config" \
     --target h200 --batch "$batch" -o "target/gen/$name" > /dev/null
-  scripts/build_model.sh "target/gen/$name" "target/models/$name"
+  scripts/build_model.sh "target/gen/$name" "$models/$name"
 done <<'LIST'
 kimi_k2:kimi_k2_tiny_h200:tiny.json:1
 kimi_k2:kimi_k2_tiny_b4_h200:tiny.json:4

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <vector>
 
@@ -20,7 +21,7 @@
 template <class T>
 T* upload(const std::vector<T>& v) {
   T* d = nullptr;
-  CHECK(cudaMalloc(&d, v.size() * sizeof(T)));
+  CHECK(cudaMalloc(&d, std::max<size_t>(v.size(), 1) * sizeof(T)));  // a zero-width tensor: a valid pointer
   CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
   return d;
 }

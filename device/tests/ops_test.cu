@@ -434,7 +434,7 @@ __global__ void mla_split_kernel() {
   __syncthreads();
   uint32_t it = 0;
   if (threadIdx.x / 32 == mkc::kConsumerWarps) {
-    mkc::mla_split_load<kMB>(g_mla, g_split, g_cache, g_mpos, it);
+    mkc::mla_split_load<kMB>(g_mla, g_hg, g_split, g_wkvb, g_cache, g_mpos, it);
   } else {
     mkc::mla_split<kMB>(g_mla, g_hg, g_split, g_q, g_ckv, g_norm, 1e-6f, g_kpe, g_wkvb, g_cache, g_mpos, g_part, it);
   }
@@ -445,9 +445,9 @@ __global__ void mla_combine_kernel() {
   uint32_t it = 0;
   const int warp = threadIdx.x / 32;
   if (warp == mkc::kConsumerWarps) {
-    mkc::mla_combine_load(g_mla, g_hg, g_wkvb, it);
+    mkc::mla_combine_load(g_mla, g_hg, g_hg + 1, g_wkvb, it);
   } else {
-    mkc::mla_combine<kMB>(g_mla, g_hg, g_part, g_wkvb, g_out, it, warp);
+    mkc::mla_combine<kMB>(g_mla, g_hg, g_hg + 1, g_part, g_wkvb, g_out, it, warp);
   }
 }
 
@@ -498,8 +498,8 @@ static void test_mla(std::mt19937& rng, const MlaDims& d) {
       launch_with_loader(mla_split_kernel);
     }
   }
-  for (uint32_t hg = 0; hg < groups; ++hg) {
-    CHECK(cudaMemcpyToSymbol(g_hg, &hg, sizeof hg));
+  for (uint32_t h = 0; h < heads; ++h) {  // a head per combine task, as the planner tiles it
+    CHECK(cudaMemcpyToSymbol(g_hg, &h, sizeof h));
     launch_with_loader(mla_combine_kernel);
   }
   const auto out = download(d_out, kMB * heads * v);
@@ -841,6 +841,8 @@ int main() {
   // The current row in split 1 and in the last split; small dims, then K2's per-head dims.
   test_mla(rng, MlaDims{6, 2, 3, 4, 64, 32, 16, 8, 16, {20, 63}, 0.2f});
   test_mla(rng, MlaDims{8, 4, 2, 3, 200, 512, 128, 64, 128, {150, 7}, 0.0722f});
+  // K3's form (no RoPE part), six heads per task: two register passes of the query.
+  test_mla(rng, MlaDims{12, 6, 2, 2, 300, 512, 128, 0, 128, {299, 64}, 0.0884f});
   test_conv_l2(rng);
   test_kda(rng, 4, 16, false);   // Kimi Linear tiny: softplus gate
   test_kda(rng, 4, 128, true);   // K3's head size and safe gate

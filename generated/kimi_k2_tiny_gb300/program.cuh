@@ -116,10 +116,10 @@ __device__ const TaskArgs task_args[kTasks] = {
     { 3, 61, { 3, 13, 0, 0 } },
     { 3, 62, { 3, 14, 0, 0 } },
     { 3, 63, { 3, 15, 0, 0 } },
-    { 4, 0, { 0, 0, 0, 0 } },
-    { 4, 1, { 1, 0, 0, 0 } },
-    { 4, 2, { 2, 0, 0, 0 } },
-    { 4, 3, { 3, 0, 0, 0 } },
+    { 4, 0, { 0, 1, 0, 0 } },
+    { 4, 1, { 1, 2, 0, 0 } },
+    { 4, 2, { 2, 3, 0, 0 } },
+    { 4, 3, { 3, 4, 0, 0 } },
     { 5, 0, { 25, 4294967295, 0, 64 } },
     { 6, 0, { 31, 32, 0, 128 } },
     { 7, 0, { 34, 4294967295, 0, 64 } },
@@ -190,10 +190,10 @@ __device__ const TaskArgs task_args[kTasks] = {
     { 10, 61, { 3, 13, 0, 0 } },
     { 10, 62, { 3, 14, 0, 0 } },
     { 10, 63, { 3, 15, 0, 0 } },
-    { 11, 0, { 0, 0, 0, 0 } },
-    { 11, 1, { 1, 0, 0, 0 } },
-    { 11, 2, { 2, 0, 0, 0 } },
-    { 11, 3, { 3, 0, 0, 0 } },
+    { 11, 0, { 0, 1, 0, 0 } },
+    { 11, 1, { 1, 2, 0, 0 } },
+    { 11, 2, { 2, 3, 0, 0 } },
+    { 11, 3, { 3, 4, 0, 0 } },
     { 12, 0, { 56, 4294967295, 0, 64 } },
     { 13, 0, { 64, 4294967295, 0, 8 } },
     { 13, 1, { 70, 71, 0, 32 } },
@@ -279,10 +279,10 @@ __device__ const TaskArgs task_args[kTasks] = {
     { 21, 61, { 3, 13, 0, 0 } },
     { 21, 62, { 3, 14, 0, 0 } },
     { 21, 63, { 3, 15, 0, 0 } },
-    { 22, 0, { 0, 0, 0, 0 } },
-    { 22, 1, { 1, 0, 0, 0 } },
-    { 22, 2, { 2, 0, 0, 0 } },
-    { 22, 3, { 3, 0, 0, 0 } },
+    { 22, 0, { 0, 1, 0, 0 } },
+    { 22, 1, { 1, 2, 0, 0 } },
+    { 22, 2, { 2, 3, 0, 0 } },
+    { 22, 3, { 3, 4, 0, 0 } },
     { 23, 0, { 96, 4294967295, 0, 64 } },
     { 24, 0, { 104, 4294967295, 0, 8 } },
     { 24, 1, { 110, 111, 0, 32 } },
@@ -435,7 +435,7 @@ __device__ constexpr MlaShape mla_24{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415
 //   rms_norm layer.0/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.0/decoder_layer/mla/o (84:7)
 __device__ inline void stage_3_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_split_load<kBatch>(mla_24, t.a[1], static_cast<__nv_bfloat16*>(m.state[0]), m.pos, it);
+  mla_split_load<kBatch>(mla_24, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[10]), static_cast<__nv_bfloat16*>(m.state[0]), m.pos, it);
 }
 __device__ inline void stage_3(const TaskArgs& t, const Memory& m, uint32_t& it, int) {
   mla_split<kBatch>(mla_24, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 128), static_cast<const __nv_bfloat16*>(m.w[9]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer1 + 256), static_cast<const __nv_bfloat16*>(m.w[10]), static_cast<__nv_bfloat16*>(m.state[0]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), it);
@@ -445,10 +445,10 @@ __device__ inline void stage_3(const TaskArgs& t, const Memory& m, uint32_t& it,
 //   rms_norm layer.0/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.0/decoder_layer/mla/o (84:7)
 __device__ inline void stage_4_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_combine_load(mla_24, t.a[0], static_cast<const __nv_bfloat16*>(m.w[10]), it);
+  mla_combine_load(mla_24, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[10]), it);
 }
 __device__ inline void stage_4(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
-  mla_combine<kBatch>(mla_24, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer3 + 0), static_cast<const __nv_bfloat16*>(m.w[10]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
+  mla_combine<kBatch>(mla_24, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer3 + 0), static_cast<const __nv_bfloat16*>(m.w[10]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
 }
 
 // Stage 5: output rows of fused operation 4, layer.0/decoder_layer/mla/proj(out)
@@ -604,7 +604,7 @@ __device__ constexpr MlaShape mla_55{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415
 //   rms_norm layer.1/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.1/decoder_layer/mla/o (84:7)
 __device__ inline void stage_10_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_split_load<kBatch>(mla_55, t.a[1], static_cast<__nv_bfloat16*>(m.state[1]), m.pos, it);
+  mla_split_load<kBatch>(mla_55, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[22]), static_cast<__nv_bfloat16*>(m.state[1]), m.pos, it);
 }
 __device__ inline void stage_10(const TaskArgs& t, const Memory& m, uint32_t& it, int) {
   mla_split<kBatch>(mla_55, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 128), static_cast<const __nv_bfloat16*>(m.w[21]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer2 + 256), static_cast<const __nv_bfloat16*>(m.w[22]), static_cast<__nv_bfloat16*>(m.state[1]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer5 + 0), it);
@@ -614,10 +614,10 @@ __device__ inline void stage_10(const TaskArgs& t, const Memory& m, uint32_t& it
 //   rms_norm layer.1/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.1/decoder_layer/mla/o (84:7)
 __device__ inline void stage_11_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_combine_load(mla_55, t.a[0], static_cast<const __nv_bfloat16*>(m.w[22]), it);
+  mla_combine_load(mla_55, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[22]), it);
 }
 __device__ inline void stage_11(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
-  mla_combine<kBatch>(mla_55, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer5 + 0), static_cast<const __nv_bfloat16*>(m.w[22]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
+  mla_combine<kBatch>(mla_55, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer5 + 0), static_cast<const __nv_bfloat16*>(m.w[22]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
 }
 
 // Stage 12: output rows of fused operation 10, layer.1/decoder_layer/mla/proj(out)
@@ -830,7 +830,7 @@ __device__ constexpr MlaShape mla_95{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415
 //   rms_norm layer.2/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.2/decoder_layer/mla/o (84:7)
 __device__ inline void stage_21_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_split_load<kBatch>(mla_95, t.a[1], static_cast<__nv_bfloat16*>(m.state[2]), m.pos, it);
+  mla_split_load<kBatch>(mla_95, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[60]), static_cast<__nv_bfloat16*>(m.state[2]), m.pos, it);
 }
 __device__ inline void stage_21(const TaskArgs& t, const Memory& m, uint32_t& it, int) {
   mla_split<kBatch>(mla_95, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer3 + 128), static_cast<const __nv_bfloat16*>(m.w[59]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer3 + 256), static_cast<const __nv_bfloat16*>(m.w[60]), static_cast<__nv_bfloat16*>(m.state[2]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer5 + 0), it);
@@ -840,10 +840,10 @@ __device__ inline void stage_21(const TaskArgs& t, const Memory& m, uint32_t& it
 //   rms_norm layer.2/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.2/decoder_layer/mla/o (84:7)
 __device__ inline void stage_22_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_combine_load(mla_95, t.a[0], static_cast<const __nv_bfloat16*>(m.w[60]), it);
+  mla_combine_load(mla_95, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[60]), it);
 }
 __device__ inline void stage_22(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
-  mla_combine<kBatch>(mla_95, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer5 + 0), static_cast<const __nv_bfloat16*>(m.w[60]), reinterpret_cast<float*>(m.arena + kBuffer0 + 0), it, warp);
+  mla_combine<kBatch>(mla_95, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer5 + 0), static_cast<const __nv_bfloat16*>(m.w[60]), reinterpret_cast<float*>(m.arena + kBuffer0 + 0), it, warp);
 }
 
 // Stage 23: output rows of fused operation 18, layer.2/decoder_layer/mla/proj(out)

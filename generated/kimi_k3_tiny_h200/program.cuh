@@ -181,10 +181,10 @@ __device__ const TaskArgs task_args[kTasks] = {
     { 24, 61, { 3, 13, 0, 0 } },
     { 24, 62, { 3, 14, 0, 0 } },
     { 24, 63, { 3, 15, 0, 0 } },
-    { 25, 0, { 0, 0, 0, 0 } },
-    { 25, 1, { 1, 0, 0, 0 } },
-    { 25, 2, { 2, 0, 0, 0 } },
-    { 25, 3, { 3, 0, 0, 0 } },
+    { 25, 0, { 0, 1, 0, 0 } },
+    { 25, 1, { 1, 2, 0, 0 } },
+    { 25, 2, { 2, 3, 0, 0 } },
+    { 25, 3, { 3, 4, 0, 0 } },
     { 26, 0, { 152, 4294967295, 0, 64 } },
     { 27, 0, { 0, 0, 0, 0 } },
     { 28, 0, { 166, 4294967295, 0, 8 } },
@@ -337,10 +337,10 @@ __device__ const TaskArgs task_args[kTasks] = {
     { 64, 61, { 3, 13, 0, 0 } },
     { 64, 62, { 3, 14, 0, 0 } },
     { 64, 63, { 3, 15, 0, 0 } },
-    { 65, 0, { 0, 0, 0, 0 } },
-    { 65, 1, { 1, 0, 0, 0 } },
-    { 65, 2, { 2, 0, 0, 0 } },
-    { 65, 3, { 3, 0, 0, 0 } },
+    { 65, 0, { 0, 1, 0, 0 } },
+    { 65, 1, { 1, 2, 0, 0 } },
+    { 65, 2, { 2, 3, 0, 0 } },
+    { 65, 3, { 3, 4, 0, 0 } },
     { 66, 0, { 342, 4294967295, 0, 64 } },
     { 67, 0, { 0, 0, 0, 0 } },
     { 68, 0, { 356, 4294967295, 0, 8 } },
@@ -1003,7 +1003,7 @@ __device__ constexpr MlaShape mla_147{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.041241
 //   rms_norm l.2/layer/mla/c_kv#2 (126:10)
 //   mla_decode l.2/layer/mla/o (128:7)
 __device__ inline void stage_24_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_split_load<kBatch>(mla_147, t.a[1], static_cast<__nv_bfloat16*>(m.state[8]), m.pos, it);
+  mla_split_load<kBatch>(mla_147, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[113]), static_cast<__nv_bfloat16*>(m.state[8]), m.pos, it);
 }
 __device__ inline void stage_24(const TaskArgs& t, const Memory& m, uint32_t& it, int) {
   mla_split<kBatch>(mla_147, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer8 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 128), static_cast<const __nv_bfloat16*>(m.w[112]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer1 + 256), static_cast<const __nv_bfloat16*>(m.w[113]), static_cast<__nv_bfloat16*>(m.state[8]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer9 + 0), it);
@@ -1013,10 +1013,10 @@ __device__ inline void stage_24(const TaskArgs& t, const Memory& m, uint32_t& it
 //   rms_norm l.2/layer/mla/c_kv#2 (126:10)
 //   mla_decode l.2/layer/mla/o (128:7)
 __device__ inline void stage_25_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_combine_load(mla_147, t.a[0], static_cast<const __nv_bfloat16*>(m.w[113]), it);
+  mla_combine_load(mla_147, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[113]), it);
 }
 __device__ inline void stage_25(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
-  mla_combine<kBatch>(mla_147, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer9 + 0), static_cast<const __nv_bfloat16*>(m.w[113]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
+  mla_combine<kBatch>(mla_147, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer9 + 0), static_cast<const __nv_bfloat16*>(m.w[113]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
 }
 
 // Stage 26: output rows of fused operation 23, l.2/layer/mla/proj(out)
@@ -1810,7 +1810,7 @@ __device__ constexpr MlaShape mla_337{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.041241
 //   rms_norm l.5/layer/mla/c_kv#2 (126:10)
 //   mla_decode l.5/layer/mla/o (128:7)
 __device__ inline void stage_64_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_split_load<kBatch>(mla_337, t.a[1], static_cast<__nv_bfloat16*>(m.state[17]), m.pos, it);
+  mla_split_load<kBatch>(mla_337, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[335]), static_cast<__nv_bfloat16*>(m.state[17]), m.pos, it);
 }
 __device__ inline void stage_64(const TaskArgs& t, const Memory& m, uint32_t& it, int) {
   mla_split<kBatch>(mla_337, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 128), static_cast<const __nv_bfloat16*>(m.w[334]), 1e-6f, reinterpret_cast<float*>(m.arena + kBuffer1 + 256), static_cast<const __nv_bfloat16*>(m.w[335]), static_cast<__nv_bfloat16*>(m.state[17]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer9 + 0), it);
@@ -1820,10 +1820,10 @@ __device__ inline void stage_64(const TaskArgs& t, const Memory& m, uint32_t& it
 //   rms_norm l.5/layer/mla/c_kv#2 (126:10)
 //   mla_decode l.5/layer/mla/o (128:7)
 __device__ inline void stage_65_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_combine_load(mla_337, t.a[0], static_cast<const __nv_bfloat16*>(m.w[335]), it);
+  mla_combine_load(mla_337, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[335]), it);
 }
 __device__ inline void stage_65(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
-  mla_combine<kBatch>(mla_337, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer9 + 0), static_cast<const __nv_bfloat16*>(m.w[335]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
+  mla_combine<kBatch>(mla_337, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer9 + 0), static_cast<const __nv_bfloat16*>(m.w[335]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
 }
 
 // Stage 66: output rows of fused operation 56, l.5/layer/mla/proj(out)

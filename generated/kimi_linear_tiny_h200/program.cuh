@@ -197,10 +197,10 @@ __device__ const TaskArgs task_args[kTasks] = {
     { 31, 61, { 3, 13, 0, 0 } },
     { 31, 62, { 3, 14, 0, 0 } },
     { 31, 63, { 3, 15, 0, 0 } },
-    { 32, 0, { 0, 0, 0, 0 } },
-    { 32, 1, { 1, 0, 0, 0 } },
-    { 32, 2, { 2, 0, 0, 0 } },
-    { 32, 3, { 3, 0, 0, 0 } },
+    { 32, 0, { 0, 1, 0, 0 } },
+    { 32, 1, { 1, 2, 0, 0 } },
+    { 32, 2, { 2, 3, 0, 0 } },
+    { 32, 3, { 3, 4, 0, 0 } },
     { 33, 0, { 184, 4294967295, 0, 64 } },
     { 34, 0, { 192, 4294967295, 0, 8 } },
     { 34, 1, { 198, 199, 0, 32 } },
@@ -1040,7 +1040,7 @@ __device__ constexpr MlaShape mla_183{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.041241
 //   rms_norm layer.3/decoder_layer/mla/c_kv#2 (96:10)
 //   mla_decode layer.3/decoder_layer/mla/o (98:7)
 __device__ inline void stage_31_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_split_load<kBatch>(mla_183, t.a[1], static_cast<__nv_bfloat16*>(m.state[12]), m.pos, it);
+  mla_split_load<kBatch>(mla_183, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[120]), static_cast<__nv_bfloat16*>(m.state[12]), m.pos, it);
 }
 __device__ inline void stage_31(const TaskArgs& t, const Memory& m, uint32_t& it, int) {
   mla_split<kBatch>(mla_183, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer7 + 0), reinterpret_cast<float*>(m.arena + kBuffer7 + 384), static_cast<const __nv_bfloat16*>(m.w[119]), 1e-5f, reinterpret_cast<float*>(m.arena + kBuffer7 + 512), static_cast<const __nv_bfloat16*>(m.w[120]), static_cast<__nv_bfloat16*>(m.state[12]), m.pos, reinterpret_cast<float*>(m.arena + kBuffer8 + 0), it);
@@ -1050,10 +1050,10 @@ __device__ inline void stage_31(const TaskArgs& t, const Memory& m, uint32_t& it
 //   rms_norm layer.3/decoder_layer/mla/c_kv#2 (96:10)
 //   mla_decode layer.3/decoder_layer/mla/o (98:7)
 __device__ inline void stage_32_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_combine_load(mla_183, t.a[0], static_cast<const __nv_bfloat16*>(m.w[120]), it);
+  mla_combine_load(mla_183, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[120]), it);
 }
 __device__ inline void stage_32(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
-  mla_combine<kBatch>(mla_183, t.a[0], reinterpret_cast<float*>(m.arena + kBuffer8 + 0), static_cast<const __nv_bfloat16*>(m.w[120]), reinterpret_cast<float*>(m.arena + kBuffer5 + 0), it, warp);
+  mla_combine<kBatch>(mla_183, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer8 + 0), static_cast<const __nv_bfloat16*>(m.w[120]), reinterpret_cast<float*>(m.arena + kBuffer5 + 0), it, warp);
 }
 
 // Stage 33: output rows of fused operation 28, layer.3/decoder_layer/mla/proj(out)

@@ -408,16 +408,20 @@ impl Builder<'_> {
         }
         let split = self.add_stage(op, TaskKind::MlaSplit, reads, parts);
         let out = self.external_outputs(nodes) * b;
+        // The combine takes a head per task (fewer when the heads outnumber the
+        // SMs): its W_UV block and its splits' partials.
+        let per = heads.div_ceil(u64::from(self.target.sms).min(heads).max(1));
         let mut parts = vec![];
-        for hg in 0..groups {
-            let partials = splits * hpt * (c + 2) * 4 * b;
+        for h0 in (0..heads).step_by(per as usize) {
+            let h1 = (h0 + per).min(heads);
+            let n = h1 - h0;
             parts.push((
-                format!("heads[{}..{}]", hg * hpt, ((hg + 1) * hpt).min(heads)),
-                wv,
-                partials + out / groups,
+                format!("heads[{h0}..{h1}]"),
+                wv / hpt * n,
+                splits * n * (c + 2) * 4 * b + out * n / heads,
                 0,
-                2 * hpt * v_dim * c * b,
-                [hg as u32, 0, 0, 0],
+                2 * n * v_dim * c * b,
+                [h0 as u32, h1 as u32, 0, 0],
             ));
         }
         let combine = self.add_stage(op, TaskKind::MlaCombine, vec![split], parts);

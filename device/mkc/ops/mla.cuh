@@ -38,94 +38,158 @@ __device__ inline Rows mla_cache_rows(const MlaShape& s, uint32_t split, const _
   return Rows{cache + size_t(b) * s.ctx * (s.c + s.rope), nullptr, p0, end, s.c + s.rope};
 }
 
-// Cache rows are contiguous: a page holds as many whole rows as fit (14 of
-// K2's 576-element rows), packed, one bulk copy per page.
+// Contiguous rows (cache rows, a head's W_UK block) travel packed: a page
+// holds as many whole rows as fit (14 of K2's 576-element cache rows, 16 of
+// its 512-element W_UK rows), one bulk copy per page.
 constexpr uint32_t kMaxPackedRows = 16;
 __device__ inline uint32_t packed_rows(uint32_t row) { return min(kMaxPackedRows, uint32_t(kPageBytes) / (2 * row)); }
 
-// Loader side of a split task: its cache rows, token by token, packed pages.
-template <int B>
-__device__ void mla_split_load(const MlaShape& s, uint32_t split, const __nv_bfloat16* cache, const int32_t* pos,
-                               uint32_t& it) {
-  const int lane = threadIdx.x % 32;
-  const uint32_t per = packed_rows(s.c + s.rope);
-  for (int b = 0; b < B; ++b) {
-    const Rows r = mla_cache_rows(s, split, cache, b, uint32_t(pos[b]));
-    for (uint32_t j0 = r.r0; j0 < r.r1; j0 += per, ++it) {
-      const uint32_t bytes = min(per, r.r1 - j0) * r.k * 2;
-      const int slot = it % kPages;
-      if (lane == 0) {
-        Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
-        Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], bytes);
-        cute::SM90_BULK_COPY_G2S::copy(r.row(j0 - r.r0), &ring_ptr()->full[slot], ring_ptr()->page[slot], int32_t(bytes));
-      }
-      __syncwarp();
+// Loader: rows [0, n) of `row` elements from `base`, packed pages.
+__device__ inline void packed_load(const __nv_bfloat16* base, uint32_t n, uint32_t row, uint32_t& it) {
+  const uint32_t per = packed_rows(row);
+  for (uint32_t j0 = 0; j0 < n; j0 += per, ++it) {
+    const uint32_t bytes = min(per, n - j0) * row * 2;
+    const int slot = it % kPages;
+    if (threadIdx.x % 32 == 0) {
+      Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+      Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], bytes);
+      cute::SM90_BULK_COPY_G2S::copy(base + size_t(j0) * row, &ring_ptr()->full[slot], ring_ptr()->page[slot],
+                                     int32_t(bytes));
     }
+    __syncwarp();
   }
 }
 
-// Online-softmax state of a split task's heads, in shared memory.
+// The W_UK block of head h: the first nope rows of its block of kv_b
+// [heads (nope + v), c], contiguous.
+__device__ inline const __nv_bfloat16* mla_key_block(const MlaShape& s, const __nv_bfloat16* wkvb, uint32_t h) {
+  return wkvb + size_t(h) * (s.nope + s.v_dim) * s.c;
+}
+
+// Loader side of a split task, token by token: the W_UK block of each head
+// of the group (the query's absorption; L2-resident, every split of the
+// group reads it), then the split's cache rows.
+template <int B>
+__device__ void mla_split_load(const MlaShape& s, uint32_t hg, uint32_t split, const __nv_bfloat16* wkvb,
+                               const __nv_bfloat16* cache, const int32_t* pos, uint32_t& it) {
+  const uint32_t h0 = hg * s.hpt, nh = min(s.hpt, s.heads - h0);
+  for (int b = 0; b < B; ++b) {
+    for (uint32_t h = h0; h < h0 + nh; ++h) packed_load(mla_key_block(s, wkvb, h), s.nope, s.c, it);
+    const Rows r = mla_cache_rows(s, split, cache, b, uint32_t(pos[b]));
+    packed_load(r.w0 + size_t(r.r0) * r.k, r.r1 - r.r0, r.k, it);
+  }
+}
+
+// The fold: pages of cache rows taken kMlaFoldPages at a time (plus, in the
+// last fold, the current row), two consumer barriers per fold. A lane holds
+// kMlaLanePairs column pairs of a row (rows of at most 576 elements) and the
+// absorbed query of up to kMlaQuad heads at those columns in registers.
+constexpr uint32_t kMlaFoldPages = 4;
+constexpr uint32_t kMlaFoldRows = kMlaFoldPages * kMaxPackedRows + 1;
+constexpr uint32_t kMlaLanePairs = 9;
+constexpr uint32_t kMlaQuad = 4;
+static_assert(kMaxMlaHeads <= kConsumerWarps, "the softmax takes a warp per head");
+static_assert(kMlaFoldRows <= 96, "the softmax takes three rows per lane");
+static_assert(2 * kMlaFoldPages <= kPages, "the loader fills a fold's pages while the last fold is computed");
+
+// Online-softmax state of a split task's heads (in the activation staging
+// area, which a split task does not otherwise use): the fold's scores,
+// overwritten by its probabilities, [row][head], and the rescale of the
+// running sums, both by fold parity (the next fold's scores may be written
+// while a slower warp still reads this fold's probabilities).
 struct MlaRunning {
-  float score[2][kMaxMlaHeads][kMaxPackedRows];  // by page parity
-  float prob[2][kMaxMlaHeads][kMaxPackedRows];
+  float prob[2][kMlaFoldRows][kMaxMlaHeads];
   float rescale[2][kMaxMlaHeads];
   float max[kMaxMlaHeads], sum[kMaxMlaHeads];
 };
+static_assert(sizeof(MlaRunning) <= size_t(kActivationBytes), "the MLA softmax state fits the staging area");
 
-// Folds n (<= kMaxPackedRows) cache rows into the running attention of the
-// nh heads: scores (a warp per row, 16-byte chunks of the row for every head),
-// then the new maximum, probabilities and rescale per head (a thread per
-// head), then the weighted latent sums (a thread per pair of latent columns,
-// acc[h] rescaled once per page). Two consumer barriers; the shared arrays
-// alternate by `parity` so the next page may start before every thread has
-// read this one's probabilities.
-__device__ inline void mla_fold_rows(const MlaShape& s, uint32_t nh, const __nv_bfloat16* rows, uint32_t stride,
-                                     uint32_t n, const float* qlat, const float* qpe, MlaRunning& run, int parity,
-                                     float (&acc)[kMaxMlaHeads][2]) {
+// Folds n rows (row(j), j < n) into the running attention of the nh heads:
+//  1. scores: a warp per row, a lane per kMlaLanePairs column pairs, the
+//     query of kMlaQuad heads at a time in registers, a warp sum per head;
+//  2. per head (a warp each): the fold's maximum, the new running maximum,
+//     the probabilities (in place), the running sum and its rescale;
+//  3. the weighted latent sums: a thread per pair of latent columns,
+//     acc[h] rescaled once per fold.
+// The rows of one fold: up to kMlaFoldPages ring pages of `per` packed rows
+// (cache_n rows in all), then, in a split's last fold, the current row.
+struct FoldRows {
+  uint32_t first;            // ring position of the fold's first page
+  const __nv_bfloat16* cur;  // nullptr: no current row in this fold
+  uint32_t per, cache_n, row;
+  __device__ uint32_t n() const { return cache_n + (cur != nullptr ? 1 : 0); }
+  __device__ const __nv_bfloat16* page(uint32_t k) const { return ring_ptr()->page[(first + k) % kPages]; }
+  __device__ const __nv_bfloat16* at(uint32_t j) const {
+    return j == cache_n ? cur : page(j / per) + (j % per) * row;
+  }
+};
+
+__device__ void mla_fold(const MlaShape& s, uint32_t nh, const FoldRows& f, const float* qlat, const float* qpe,
+                         MlaRunning& run, int parity, float (&acc)[kMaxMlaHeads][2]) {
+  const uint32_t n = f.n();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint32_t row = s.c + s.rope;
-  for (uint32_t jr = warp; jr < n; jr += kConsumerWarps) {
-    const __nv_bfloat16* r = rows + size_t(jr) * stride;
-    float dot[kMaxMlaHeads] = {};
-    for (uint32_t j = lane * 8; j < row; j += 256) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(r + j);
-      const __nv_bfloat162* r2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-      float kv[8];
+  const uint32_t pairs = (s.c + s.rope) / 2;
+  float(*prob)[kMaxMlaHeads] = run.prob[parity];
+  for (uint32_t h0 = 0; h0 < nh; h0 += kMlaQuad) {
+    float2 q[kMlaQuad][kMlaLanePairs];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float2 f = __bfloat1622float2(r2[u]);
-        kv[2 * u] = f.x, kv[2 * u + 1] = f.y;
-      }
+    for (uint32_t hq = 0; hq < kMlaQuad; ++hq) {
 #pragma unroll
-      for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
-        if (h >= nh) break;
-        const float* qv = j < s.c ? qlat + h * s.c + j : qpe + h * s.rope + (j - s.c);
-#pragma unroll
-        for (int u = 0; u < 8; ++u) dot[h] = fmaf(qv[u], kv[u], dot[h]);
+      for (uint32_t i = 0; i < kMlaLanePairs; ++i) {
+        const uint32_t p = lane + 32 * i, h = h0 + hq;
+        q[hq][i] = h >= nh || p >= pairs ? make_float2(0.f, 0.f)
+                   : 2 * p < s.c         ? load_pair(qlat + h * s.c + 2 * p)
+                                         : load_pair(qpe + h * s.rope + 2 * p - s.c);
       }
     }
+    for (uint32_t j = warp; j < n; j += kConsumerWarps) {
+      const __nv_bfloat16* r = f.at(j);
+      float dot[kMlaQuad] = {};
 #pragma unroll
-    for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
-      if (h >= nh) break;
-      const float v = warp_sum(dot[h]);
-      if (lane == 0) run.score[parity][h][jr] = v * s.scale;
+      for (uint32_t i = 0; i < kMlaLanePairs; ++i) {
+        const uint32_t p = lane + 32 * i;
+        if (p < pairs) {
+          const float2 kv = load_pair(r + 2 * p);
+#pragma unroll
+          for (uint32_t hq = 0; hq < kMlaQuad; ++hq) dot[hq] = fmaf(q[hq][i].x, kv.x, fmaf(q[hq][i].y, kv.y, dot[hq]));
+        }
+      }
+#pragma unroll
+      for (uint32_t hq = 0; hq < kMlaQuad; ++hq) {
+        const float v = warp_sum(dot[hq]);
+        if (lane == 0 && h0 + hq < nh) prob[j][h0 + hq] = v * s.scale;
+      }
     }
   }
   consumer_sync();
-  if (threadIdx.x < nh) {
-    const uint32_t h = threadIdx.x;
+  if (uint32_t(warp) < nh) {
+    const uint32_t h = warp;
+    float sc[3];
     float m = run.max[h];
-    for (uint32_t j = 0; j < n; ++j) m = fmaxf(m, run.score[parity][h][j]);
-    const float rescale = expf(run.max[h] - m);  // 0 on the first rows (max -inf)
-    float l = run.sum[h] * rescale;
-    for (uint32_t j = 0; j < n; ++j) {
-      const float e = expf(run.score[parity][h][j] - m);
-      run.prob[parity][h][j] = e;
-      l += e;
+#pragma unroll
+    for (int u = 0; u < 3; ++u) {
+      const uint32_t j = lane + 32 * u;
+      sc[u] = j < n ? prob[j][h] : -INFINITY;
+      m = fmaxf(m, sc[u]);
     }
-    run.max[h] = m;
-    run.sum[h] = l;
-    run.rescale[parity][h] = rescale;
+    m = warp_max(m);
+    float l = 0.f;
+#pragma unroll
+    for (int u = 0; u < 3; ++u) {
+      const uint32_t j = lane + 32 * u;
+      if (j < n) {
+        const float e = expf(sc[u] - m);
+        prob[j][h] = e;
+        l += e;
+      }
+    }
+    l = warp_sum(l);
+    if (lane == 0) {
+      const float rescale = expf(run.max[h] - m);  // 0 on the first rows (max -inf)
+      run.rescale[parity][h] = rescale;
+      run.sum[h] = run.sum[h] * rescale + l;
+      run.max[h] = m;
+    }
   }
   consumer_sync();
   const uint32_t pair = threadIdx.x;  // c <= 2 * kConsumerThreads (checked at codegen)
@@ -136,14 +200,27 @@ __device__ inline void mla_fold_rows(const MlaShape& s, uint32_t nh, const __nv_
       acc[h][0] *= run.rescale[parity][h];
       acc[h][1] *= run.rescale[parity][h];
     }
-    for (uint32_t j = 0; j < n; ++j) {
-      const float2 kv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(rows + size_t(j) * stride + 2 * pair));
+    for (uint32_t j = 0, k = 0, jj = 0; j < n; ++j) {
+      const __nv_bfloat16* r = j == f.cache_n ? f.cur : f.page(k) + jj * f.row;
+      if (++jj == f.per) jj = 0, ++k;
+      const float2 kv = load_pair(r + 2 * pair);
+      const float4 pa = *reinterpret_cast<const float4*>(&prob[j][0]);
+      const float p4[4] = {pa.x, pa.y, pa.z, pa.w};
 #pragma unroll
-      for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
+      for (uint32_t h = 0; h < 4; ++h) {
         if (h >= nh) break;
-        const float p = run.prob[parity][h][j];
-        acc[h][0] = fmaf(p, kv.x, acc[h][0]);
-        acc[h][1] = fmaf(p, kv.y, acc[h][1]);
+        acc[h][0] = fmaf(p4[h], kv.x, acc[h][0]);
+        acc[h][1] = fmaf(p4[h], kv.y, acc[h][1]);
+      }
+      if (nh > 4) {
+        const float4 pb = *reinterpret_cast<const float4*>(&prob[j][4]);
+        const float p8[4] = {pb.x, pb.y, pb.z, pb.w};
+#pragma unroll
+        for (uint32_t h = 4; h < kMaxMlaHeads; ++h) {
+          if (h >= nh) break;
+          acc[h][0] = fmaf(p8[h - 4], kv.x, acc[h][0]);
+          acc[h][1] = fmaf(p8[h - 4], kv.y, acc[h][1]);
+        }
       }
     }
   }
@@ -151,10 +228,12 @@ __device__ inline void mla_fold_rows(const MlaShape& s, uint32_t nh, const __nv_
 
 // One (head group, KV split) task: partials [B, heads, splits, 2 + c] of
 // (max, sum of exp, sum of exp * c_kv), by online softmax over the split's
-// cache rows, which the loader streams through the page ring
-// (mla_split_load), then the current row. The split holding the current
-// position appends the new row to the cache (head group 0 writes it; the
-// others use their own copy in shared memory).
+// cache rows, then the current row. Per token: the query absorbed into the
+// latent space (qlat[h] = q_nope[h] W_UK[h], W_UK streamed through the page
+// ring, a thread per pair of latent columns), then the cache rows through the
+// ring, kMlaFoldPages pages per fold (mla_split_load streams both). The split
+// holding the current position appends the new row to the cache (head group 0
+// writes it; the others use their own copy in shared memory).
 template <int B, class T>
 __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const T* q, const T* ckv_raw,
                           const __nv_bfloat16* norm, float eps, const T* kpe, const __nv_bfloat16* wkvb,
@@ -167,7 +246,8 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
   float* qpe = qlat + s.hpt * s.c;                         // [hpt, rope]
   float* qn = qpe + s.hpt * s.rope;                        // [hpt, nope]
   __nv_bfloat16* cur = reinterpret_cast<__nv_bfloat16*>(qn + s.hpt * s.nope);  // [c + rope], 16-byte aligned
-  __shared__ MlaRunning run;
+  MlaRunning& run = *reinterpret_cast<MlaRunning*>(activation_ptr());
+  const uint32_t pair = threadIdx.x;  // a thread per pair of latent columns (absorption, weighted sums)
   int parity = 0;
   for (int b = 0; b < B; ++b) {
     const uint32_t p_now = uint32_t(pos[b]);
@@ -193,10 +273,6 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
         if (hg == 0) dst[j] = stored;
       }
     }
-    // q absorbed into the latent space: qlat[h] = q_nope[h] W_UK[h], W_UK[h]
-    // the first nope rows of head h's block of kv_b [heads (nope + v), c].
-    // A thread takes eight latent columns of a head and reads W_UK in
-    // 16-byte chunks, eight rows in flight.
     for (uint32_t i = threadIdx.x; i < nh * s.nope; i += kConsumerThreads) {
       const uint32_t h = i / s.nope, n = i % s.nope;
       qn[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + n]);
@@ -207,41 +283,45 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
     }
     if (threadIdx.x < kMaxMlaHeads) run.max[threadIdx.x] = -INFINITY, run.sum[threadIdx.x] = 0.f;
     consumer_sync();
-    for (uint32_t u = threadIdx.x; u < nh * (s.c / 8); u += kConsumerThreads) {
-      const uint32_t h = u / (s.c / 8), c8 = (u % (s.c / 8)) * 8;
-      const __nv_bfloat16* w = wkvb + size_t(h0 + h) * (s.nope + s.v_dim) * s.c + c8;
-      const float* qh = qn + h * s.nope;
-      float a[8] = {};
-#pragma unroll 8
-      for (uint32_t n = 0; n < s.nope; ++n) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(w + size_t(n) * s.c);
-        const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-        const float qv = qh[n];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(w2[j]);
-          a[2 * j] = fmaf(qv, f.x, a[2 * j]);
-          a[2 * j + 1] = fmaf(qv, f.y, a[2 * j + 1]);
+    // Absorption, head by head: W_UK's rows (nope of them, c wide) in packed pages.
+    const uint32_t per_k = packed_rows(s.c);
+    for (uint32_t h = 0; h < nh; ++h) {
+      float a0 = 0.f, a1 = 0.f;
+      for (uint32_t n0 = 0; n0 < s.nope; n0 += per_k, ++it) {
+        const int slot = it % kPages;
+        Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+        if (pair < s.c / 2) {
+          const __nv_bfloat16* page = ring_ptr()->page[slot];
+          const uint32_t cnt = min(per_k, s.nope - n0);
+          for (uint32_t j = 0; j < cnt; ++j) {
+            const float2 w = load_pair(page + j * s.c + 2 * pair);
+            const float qv = qn[h * s.nope + n0 + j];
+            a0 = fmaf(qv, w.x, a0);
+            a1 = fmaf(qv, w.y, a1);
+          }
         }
+        release_page(&ring_ptr()->empty[slot]);
       }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) qlat[h * s.c + c8 + j] = a[j];
+      if (pair < s.c / 2) qlat[h * s.c + 2 * pair] = a0, qlat[h * s.c + 2 * pair + 1] = a1;
     }
     consumer_sync();
+    // The cache rows, kMlaFoldPages pages per fold; the current row joins the last fold.
     float acc[kMaxMlaHeads][2] = {};
     const Rows cr = mla_cache_rows(s, split, cache, b, p_now);
-    const uint32_t per = packed_rows(row);
-    for (uint32_t j0 = cr.r0; j0 < cr.r1; j0 += per, ++it, parity ^= 1) {
-      const int slot = it % kPages;
-      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
-      mla_fold_rows(s, nh, ring_ptr()->page[slot], row, min(per, cr.r1 - j0), qlat, qpe, run, parity, acc);
-      release_page(&ring_ptr()->empty[slot]);
-    }
-    if (has_now) {
-      mla_fold_rows(s, nh, cur, row, 1, qlat, qpe, run, parity, acc);
+    const uint32_t per = packed_rows(row), rows = cr.r1 - cr.r0;
+    const uint32_t pages = (rows + per - 1) / per;
+    for (uint32_t pg = 0; pg < pages || (pg == 0 && has_now);) {
+      const uint32_t np = min(kMlaFoldPages, pages - pg);
+      FoldRows f{it, nullptr, per, min(np * per, rows - pg * per), row};
+      for (uint32_t k = 0; k < np; ++k) Barrier::wait(&ring_ptr()->full[(it + k) % kPages], ((it + k) / kPages) & 1);
+      if (pg + np == pages && has_now) f.cur = cur;
+      mla_fold(s, nh, f, qlat, qpe, run, parity, acc);
+      for (uint32_t k = 0; k < np; ++k) release_page(&ring_ptr()->empty[(it + k) % kPages]);
+      it += np;
+      pg += np;
       parity ^= 1;
+      if (np == 0) break;  // the current row alone (no cache rows before it in this split)
     }
-    const uint32_t pair = threadIdx.x;
     if (pair < s.c / 2) {
       const uint32_t cc = 2 * pair;
 #pragma unroll
@@ -267,23 +347,22 @@ __device__ inline Rows mla_value_rows(const MlaShape& s, const __nv_bfloat16* wk
   return Rows{wkvb, nullptr, r0, r0 + s.v_dim, s.c};
 }
 
-// Loader side of a combine task: W_UV of each head of the group, in order.
-__device__ inline void mla_combine_load(const MlaShape& s, uint32_t hg, const __nv_bfloat16* wkvb, uint32_t& it) {
-  const uint32_t h0 = hg * s.hpt, nh = min(s.hpt, s.heads - h0);
-  for (uint32_t h = h0; h < h0 + nh; ++h) rows_load(mla_value_rows(s, wkvb, h), it);
+// Loader side of a combine task: W_UV of each of its heads [h0, h1), in order.
+__device__ inline void mla_combine_load(const MlaShape& s, uint32_t h0, uint32_t h1, const __nv_bfloat16* wkvb,
+                                        uint32_t& it) {
+  for (uint32_t h = h0; h < h1; ++h) rows_load(mla_value_rows(s, wkvb, h), it);
 }
 
-// One head group, a head at a time: merges the splits by log-sum-exp into
-// the latent output olat [B, c] (scratch), then applies W_UV, its rows
-// streamed through the page ring (rows_compute; staging [B, v_dim] in scratch
-// after olat).
+// Heads [h0, h1), one at a time: merges the splits by log-sum-exp into the
+// latent output olat [B, c] (scratch), then applies W_UV, its rows streamed
+// through the page ring (rows_compute; staging [B, v_dim] in scratch after
+// olat).
 template <int B, class T>
-__device__ void mla_combine(const MlaShape& s, uint32_t hg, const float* partials, const __nv_bfloat16* wkvb, T* out,
-                            uint32_t& it, int warp) {
-  const uint32_t h0 = hg * s.hpt, nh = min(s.hpt, s.heads - h0);
+__device__ void mla_combine(const MlaShape& s, uint32_t h0, uint32_t h1, const float* partials,
+                            const __nv_bfloat16* wkvb, T* out, uint32_t& it, int warp) {
   float* olat = reinterpret_cast<float*>(scratch_ptr());  // [B, c]
   float* st = olat + B * s.c;                             // [B, v_dim]
-  for (uint32_t h = h0; h < h0 + nh; ++h) {
+  for (uint32_t h = h0; h < h1; ++h) {
     for (uint32_t i = threadIdx.x; i < B * s.c; i += kConsumerThreads) {
       const uint32_t b = i / s.c, cc = i % s.c;
       const float* part = partials + (size_t(b) * s.heads + h) * s.splits * (2 + s.c);

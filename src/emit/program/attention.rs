@@ -39,11 +39,12 @@ impl Gen<'_> {
             || combine_scratch > SCRATCH_BYTES
             || !c.is_multiple_of(8)
             || c > 512
+            || c + rope as u64 > 576
             || rope % 8 != 0
             || nope % 4 != 0
             || hpt > 8
         {
-            return Err(unsupported(op, &format!("MLA scratch of {scratch} and {combine_scratch} bytes (at most {SCRATCH_BYTES}) a latent width (at most 512) and RoPE width that are multiples of 8, a no-PE width that is a multiple of 4, at most 8 heads per task")));
+            return Err(unsupported(op, &format!("MLA scratch of {scratch} and {combine_scratch} bytes (at most {SCRATCH_BYTES}) a latent width (at most 512) and RoPE width that are multiples of 8 and together at most 576 (the split's lanes hold a cache row in registers), a no-PE width that is a multiple of 4, at most 8 heads per task")));
         }
         self.check_reads(split, &[ops[0], raw, ops[2]])?;
         let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
@@ -59,7 +60,7 @@ impl Gen<'_> {
         let _ = writeln!(
             self.code,
             "__device__ inline void stage_{split}_load(const TaskArgs& t, const Memory& m, uint32_t& it) {{\n  \
-             mla_split_load<kBatch>(mla_{i}, t.a[1], {cache}, m.pos, it);\n}}\n\
+             mla_split_load<kBatch>(mla_{i}, t.a[0], t.a[1], {wkvb}, {cache}, m.pos, it);\n}}\n\
              __device__ inline void stage_{split}(const TaskArgs& t, const Memory& m, uint32_t& it, int) {{\n  \
              mla_split<kBatch>(mla_{i}, t.a[0], t.a[1], {q}, {ckv}, {norm}, {}, {kpe}, {wkvb}, {cache}, m.pos, {partials}, it);\n}}",
             float(eps),
@@ -69,9 +70,9 @@ impl Gen<'_> {
         let _ = writeln!(
             self.code,
             "__device__ inline void stage_{combine}_load(const TaskArgs& t, const Memory& m, uint32_t& it) {{\n  \
-             mla_combine_load(mla_{i}, t.a[0], {wkvb}, it);\n}}\n\
+             mla_combine_load(mla_{i}, t.a[0], t.a[1], {wkvb}, it);\n}}\n\
              __device__ inline void stage_{combine}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
-             mla_combine<kBatch>(mla_{i}, t.a[0], {partials}, {wkvb}, {out}, it, warp);\n}}",
+             mla_combine<kBatch>(mla_{i}, t.a[0], t.a[1], {partials}, {wkvb}, {out}, it, warp);\n}}",
             i = n.index()
         );
         self.load_cases.push(format!("case {split}: stage_{split}_load(t, m, it); break;"));
