@@ -4,7 +4,7 @@ same Kimi K3 model and weights, in one process.
 The weights are a random K3 checkpoint in K3's naming with MXFP4 routed
 experts (tests/gpu/make_k3_checkpoint.py); both load it. The peer is the best
 PyTorch step we can write: merged projections (KDA's q/k/v/g/f_a/b, MLA's
-q_a/kv_a/gate, the router with the shared gate/up and the latent down), the
+q_a/kv_a/gate, the shared gate/up with the latent down; the router in fp32), the
 KDA recurrence in fp32 in place, weight-absorbed MLA over the latent cache,
 routed experts through `torch._grouped_mm` on bf16 copies of the experts
 (the H200 has no FP4 math; dequantising the chosen experts every step would
@@ -88,7 +88,8 @@ class Peer(CapturedStep):
                 L.update(w_gu=torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]), w_d=w[m + "down_proj.weight"])
             else:
                 s = m + "shared_experts."
-                L.update(w_moe=torch.cat([w[m + "gate.weight"], w[s + "gate_proj.weight"], w[s + "up_proj.weight"],
+                L.update(w_gate=w[m + "gate.weight"].float(),
+                         w_moe=torch.cat([w[s + "gate_proj.weight"], w[s + "up_proj.weight"],
                                           w[m + "routed_expert_down_proj.weight"]]),
                          bias=w[m + "gate.e_score_correction_bias"].float(), w_sd=w[s + "down_proj.weight"],
                          n_lat=w[m + "routed_expert_norm.weight"], w_up=w[m + "routed_expert_up_proj.weight"],
@@ -160,9 +161,10 @@ class Peer(CapturedStep):
         c, b = self.c, self.b
         sh = c.moe_inter * c.shared
         r = x @ L["w_moe"].T
-        logits, sg, su, z = r[:, : c.experts], r[:, c.experts: c.experts + sh], r[:, c.experts + sh: c.experts + 2 * sh], \
-            r[:, c.experts + 2 * sh:]
-        scores = torch.sigmoid(logits.float())
+        sg, su, z = r[:, :sh], r[:, sh: 2 * sh], r[:, 2 * sh:]
+        # The router in fp32 (as the kernel's and the reference's): in bf16 its
+        # near-tied scores would pick other experts than the kernel at random.
+        scores = torch.sigmoid(x.float() @ L["w_gate"].T)
         ids = (scores + L["bias"]).topk(c.top_k, dim=-1)[1]  # num_expert_group 1 in K3
         wts = scores.gather(1, ids)
         if c.renorm:

@@ -186,6 +186,10 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
     std::vector<uint8_t> v(size_t(n_rows) * k / 32);
     for (auto& x : v) x = uint8_t(sbyte(rng));
     v[0] = 255;  // the NaN sentinel reads as 0
+    for (size_t row = 0; row < n_rows && k / 32 > 2; ++row) {
+      v[row * (k / 32) + 1] = 0;    // 2^-127, a subnormal float
+      v[row * (k / 32) + 2] = 133;  // 2^6
+    }
     return v;
   };
   const auto c0 = codes(), c1 = codes();

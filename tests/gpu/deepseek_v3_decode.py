@@ -109,9 +109,13 @@ def align_kda_keys(params, g, corr=0.8):
 
 
 def reference(ckpt, prompts, n_gen):
-    """Greedy tokens and teacher-forced logits per prompt, fp32, no cache."""
+    """Greedy tokens, teacher-forced logits and routing gaps per prompt, fp32,
+    no cache; and the router noise per position: the largest change of any
+    selection score when the same checkpoint runs in bf16 (transformers'
+    routers compute in fp32 from the bf16 hidden state, as the kernel's)."""
     _, model_cls = model_classes()
     ref = model_cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").cuda().eval()
+    low = model_cls.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
     out = []
     with torch.no_grad():
         for prompt in prompts:
@@ -119,35 +123,52 @@ def reference(ckpt, prompts, n_gen):
             for _ in range(n_gen):
                 logits = ref(torch.tensor([seq], device="cuda"), use_cache=False).logits[0, -1]
                 seq.append(int(torch.argmax(logits)))
-            captured = []
-            hooks = [moe.gate.register_forward_hook(lambda mod, inp, o: captured.append((mod, o)))
-                     for moe in (getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
-                                 for layer in ref.model.layers) if hasattr(moe, "gate")]
-            full = ref(torch.tensor([seq], device="cuda"), use_cache=False).logits[0].float().cpu().numpy()
-            for h in hooks:
-                h.remove()
-            out.append((seq, full, routing_gaps(captured, ref.config, len(seq))))
-    del ref
+            full, scores = routed(ref, seq)
+            _, scores_bf16 = routed(low, seq)
+            noise = np.zeros(len(seq))
+            for a, b in zip(scores, scores_bf16):
+                noise = np.maximum(noise, (a - b).abs().nan_to_num(nan=0.0).amax(-1).cpu().numpy())
+            out.append((seq, full, routing_gaps(scores, ref.config, len(seq)), noise))
+    del ref, low
     torch.cuda.empty_cache()
     return out
 
 
-def routing_gaps(captured, config, n):
+def routed(model, seq):
+    """The model's logits over the whole sequence [n, V] and its routers'
+    selection scores, one [n, E] per MoE layer (choice_scores)."""
+    captured = []
+    hooks = [moe.gate.register_forward_hook(lambda mod, inp, o: captured.append((mod, o)))
+             for moe in (getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+                         for layer in model.model.layers) if hasattr(moe, "gate")]
+    full = model(torch.tensor([seq], device="cuda"), use_cache=False).logits[0].float().cpu().numpy()
+    for h in hooks:
+        h.remove()
+    return full, [choice_scores(mod, o, model.config, len(seq)) for mod, o in captured]
+
+
+def choice_scores(mod, o, config, n):
+    """A router's selection scores [n, E]: sigmoid of its logits plus the
+    correction bias, the experts of dropped groups at 0 (as the router ranks them)."""
+    logits = (o[0] if isinstance(o, tuple) else o).float().reshape(n, -1)
+    choice = torch.sigmoid(logits) + mod.e_score_correction_bias.float()
+    ng = getattr(config, "n_group", None) or getattr(config, "num_expert_group", 1) or 1
+    tg = getattr(config, "topk_group", 1) or 1
+    if ng > 1:
+        gs = choice.view(n, ng, -1).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(gs).scatter_(1, gs.topk(tg, dim=-1)[1], 1)
+        mask = keep.unsqueeze(-1).expand(n, ng, choice.shape[1] // ng).reshape(n, -1)
+        choice = choice.masked_fill(mask == 0, 0.0)
+    return choice
+
+
+def routing_gaps(scores, config, n):
     """Per position, the smallest gap (over MoE layers) between the k-th and
     (k+1)-th expert choice scores of the reference's router: where it is tiny,
     rounding anywhere upstream may swap an expert (a routing near-tie)."""
-    gaps = np.full(n, np.inf)
     k = getattr(config, "num_experts_per_tok", None) or config.num_experts_per_token
-    for mod, o in captured:
-        logits = (o[0] if isinstance(o, tuple) else o).float().reshape(n, -1)
-        choice = torch.sigmoid(logits) + mod.e_score_correction_bias.float()
-        ng = getattr(config, "n_group", None) or getattr(config, "num_expert_group", 1) or 1
-        tg = getattr(config, "topk_group", 1) or 1
-        if ng > 1:
-            gs = choice.view(n, ng, -1).topk(2, dim=-1)[0].sum(-1)
-            keep = torch.zeros_like(gs).scatter_(1, gs.topk(tg, dim=-1)[1], 1)
-            mask = keep.unsqueeze(-1).expand(n, ng, choice.shape[1] // ng).reshape(n, -1)
-            choice = choice.masked_fill(mask == 0, 0.0)
+    gaps = np.full(n, np.inf)
+    for choice in scores:
         top = choice.topk(k + 1, dim=-1)[0]
         gaps = np.minimum(gaps, (top[:, k - 1] - top[:, k]).cpu().numpy())
     return gaps
@@ -173,7 +194,8 @@ def run_seed(lib, config, seed, prompt_len, n_gen, work):
     t0 = time.time()
     for t in range(steps):
         nxt, logits = model.step([refs[s][0][t] for s in range(b)], debug=DEBUG)
-        tf.step(t, nxt, logits, [refs[s][1][t] for s in range(b)], [refs[s][2][t] for s in range(b)])
+        tf.step(t, nxt, logits, [refs[s][1][t] for s in range(b)], [refs[s][2][t] for s in range(b)],
+                [refs[s][3][t] for s in range(b)])
     tf_time = time.time() - t0
     # Free-running greedy decode.
     model.reset()
@@ -186,7 +208,7 @@ def run_seed(lib, config, seed, prompt_len, n_gen, work):
             for s in range(b):
                 gen[s].append(int(nxt[s]))
     free, free_mismatches = free_running(gen, [r[0][prompt_len:] for r in refs], [r[1] for r in refs],
-                                         [r[2] for r in refs], prompt_len, n_gen)
+                                         [r[2] for r in refs], prompt_len, n_gen, [r[3] for r in refs])
     model.close()
     return {
         "seed": seed,
@@ -196,6 +218,7 @@ def run_seed(lib, config, seed, prompt_len, n_gen, work):
         "mismatches": (tf.mismatches + free_mismatches)[:10],
         "free_running": free,
         "teacher_forced_s": round(tf_time, 2),
+        "router_noise_median": float(np.median(np.concatenate([r[3] for r in refs]))) if refs[0][3].size else 0.0,
         "ok": tf.ok() and not free_mismatches,
     }, ckpt
 

@@ -347,6 +347,25 @@ class K3Reference:
         self.seq_len += 1
         return (h @ self.W(head).t()) * c.logit_scale
 
+    @torch.no_grad()
+    def step_with_noise(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """step(), and the router noise [B] at this step: the largest change of
+        any expert's selection score, over the MoE layers, when the same step
+        is taken from the same state with every projection's output rounded to
+        bf16 (round_bf16, as an implementation storing bf16 activations)."""
+        before = self.state()
+        keep, self.round_bf16 = self.round_bf16, True
+        self.step(tokens)
+        rounded = self.router_scores
+        self.restore(before)
+        self.round_bf16 = keep
+        out = self.step(tokens)
+        noise = torch.zeros(tokens.shape[0])
+        for l, scores in self.router_scores.items():
+            d = (rounded[l] - scores).abs().nan_to_num(nan=0.0)  # both -inf: a dropped group, no change
+            noise = torch.maximum(noise, d.amax(-1).cpu())
+        return out, noise
+
     def state(self) -> dict:
         return {"seq_len": self.seq_len, "kv": {k: v.clone() for k, v in self.kv.items()},
                 "conv": {k: v.clone() for k, v in self.conv.items()}, "ssm": {k: v.clone() for k, v in self.ssm.items()}}

@@ -183,7 +183,10 @@ __device__ __forceinline__ float e2m1(uint32_t c) {
   const float v = e == 0 ? 0.5f * float(m) : __int_as_float(int((e + 126u) << 23)) * (1.f + 0.5f * float(m));
   return (c & 8u) ? -v : v;
 }
-__device__ __forceinline__ float e8m0(uint32_t byte) { return byte == 255u ? 0.f : ldexpf(1.f, int(byte) - 127); }
+// 2^(byte - 127) by its bit pattern (byte 0: 2^-127, a subnormal); 255 read as 0.
+__device__ __forceinline__ float e8m0(uint32_t byte) {
+  return byte == 255u ? 0.f : __int_as_float(byte == 0u ? 0x00400000 : int(byte << 23));
+}
 
 // Loader: the codes of a task's rows into the page ring, a lane per row (as
 // rows_load).
@@ -212,11 +215,16 @@ __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
 
 // Consumers: rows of y = x W^T into st [B, cols] (x fp32 [B, k], in shared
 // memory or global). Warp w takes elements [256 w, 256 w + 256) of each row
-// chunk, eight per lane (four code bytes, one scale).
+// chunk, eight per lane (four code bytes, one scale): the codes decoded
+// through a 16-entry table in shared memory, the eight products summed before
+// the block's scale multiplies them once.
 template <int B>
 __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int warp, float* st) {
   const int lane = threadIdx.x % 32;
   __shared__ float part[2][kConsumerWarps][kPageRows * B];
+  __shared__ float lut[16];
+  if (threadIdx.x < 16) lut[threadIdx.x] = e2m1(threadIdx.x);
+  consumer_sync();
   const uint32_t cols = r.cols();
   const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
   const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
@@ -254,12 +262,15 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
         for (int j = 0; j < kPageRows; ++j) {
           if (uint32_t(j) >= nr) break;
           const uint32_t codes = *reinterpret_cast<const uint32_t*>(page + j * (kMxK / 2) + e / 2);
+          float p[B] = {};
 #pragma unroll
           for (int u = 0; u < 8; ++u) {
-            const float wv = e2m1(codes >> (4 * u)) * sc[j];
+            const float wv = lut[(codes >> (4 * u)) & 15u];
 #pragma unroll
-            for (int b = 0; b < B; ++b) acc[j][b] = fmaf(wv, xv[b][u], acc[j][b]);
+            for (int b = 0; b < B; ++b) p[b] = fmaf(wv, xv[b][u], p[b]);
           }
+#pragma unroll
+          for (int b = 0; b < B; ++b) acc[j][b] = fmaf(sc[j], p[b], acc[j][b]);
         }
       }
       release_page(&ring_ptr()->empty[slot]);
