@@ -61,6 +61,11 @@ def make(cfg_path: str, out: str, mxfp4: bool, seed: int, zero: tuple[str, ...] 
     proj("model.output_attn_res_proj.weight", 1, h)
     if not c.tied:
         proj("lm_head.weight", c.vocab, h)
+        # Rows of varied scale (as tests/gpu/deepseek_v3_decode.py draws them), so that the logits'
+        # top two are rarely near-tied; from a generator of their own, the rest of the draw unchanged.
+        gs = torch.Generator(device=dev).manual_seed(seed + 7919)
+        row = torch.exp(torch.randn(c.vocab, 1, generator=gs, device=dev)).cpu()
+        t["lm_head.weight"] = (t["lm_head.weight"].float() * row).to(torch.bfloat16)
     for l in range(c.layers):
         pre = f"model.layers.{l}."
         for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):

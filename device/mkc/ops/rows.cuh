@@ -174,9 +174,11 @@ struct MxRows {
   }
 };
 
-// A page holds the codes of kPageRows rows for kMxK elements (1 KiB a row);
-// the consumers read the scales from global memory, a page ahead.
+// A page holds the codes of kPageRows rows for kMxK elements (1 KiB a row)
+// and, after them, the rows' scales for those elements (64 bytes a row).
 constexpr uint32_t kMxK = 2048;
+constexpr uint32_t kMxScales = kPageRows * (kMxK / 2);  // byte offset of the scales in a page
+static_assert(kMxScales + kPageRows * (kMxK / 32) <= uint32_t(kPageBytes), "an MXFP4 page holds codes and scales");
 
 __device__ __forceinline__ float e2m1(uint32_t c) {
   const uint32_t m = c & 1u, e = (c >> 1) & 3u;
@@ -188,25 +190,37 @@ __device__ __forceinline__ float e8m0(uint32_t byte) {
   return byte == 255u ? 0.f : __int_as_float(byte == 0u ? 0x00400000 : int(byte << 23));
 }
 
-// Loader: the codes of a task's rows into the page ring, a lane per row (as
-// rows_load).
+// Loader: the codes and scales of a task's rows into the page ring, a lane
+// per row (as rows_load). A row's scales for a chunk are one bulk copy when
+// they come in whole 16-byte units (k a multiple of 512, as every real
+// width); otherwise (small test shapes) the lanes store them byte by byte
+// before the page's barrier is armed.
 __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t cols = r.cols();
+  const bool bulk_scales = (r.k / 32) % 16 == 0;
   for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
     const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
     const uint8_t* src = lane < nr ? r.codes(j0 + lane) : nullptr;
+    const uint8_t* ssrc = lane < nr ? r.scales(j0 + lane) : nullptr;
     for (uint32_t k0 = 0; k0 < r.k; k0 += kMxK, ++it) {
-      const uint32_t bytes = min(kMxK, r.k - k0) / 2;
+      const uint32_t nk = min(kMxK, r.k - k0), bytes = nk / 2, sbytes = nk / 32;
       const int slot = it % kPages;
-      if (lane == 0) {
-        Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
-        Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * bytes);
+      auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
+      uint8_t* sdst = page + kMxScales + lane * (kMxK / 32);
+      if (lane == 0) Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+      __syncwarp();
+      if (!bulk_scales && lane < nr) {
+        for (uint32_t i = 0; i < sbytes; ++i) sdst[i] = ssrc[k0 / 32 + i];
+        // Ordered before a later round's bulk copy into the same bytes.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       }
+      __syncwarp();  // the stores above, before lane 0's arrive (release)
+      if (lane == 0) Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * (bytes + (bulk_scales ? sbytes : 0)));
       __syncwarp();
       if (lane < nr) {
-        auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
         cute::SM90_BULK_COPY_G2S::copy(src + k0 / 2, &ring_ptr()->full[slot], page + lane * (kMxK / 2), int32_t(bytes));
+        if (bulk_scales) cute::SM90_BULK_COPY_G2S::copy(ssrc + k0 / 32, &ring_ptr()->full[slot], sdst, int32_t(sbytes));
       }
     }
   }
@@ -229,27 +243,19 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
   const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
   const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
   const uint32_t e = uint32_t(warp) * 256 + uint32_t(lane) * 8;  // this lane's elements within a chunk
-  // The scales of page q (row block q / chunks, chunk q % chunks), one per row.
-  auto scales = [&](uint32_t q, float (&sc)[kPageRows]) {
-    const uint32_t j0 = (q / chunks) * kPageRows, k0 = (q % chunks) * kMxK;
-    const uint32_t nr = min(uint32_t(kPageRows), cols - j0), nk = min(kMxK, r.k - k0);
-#pragma unroll
-    for (int j = 0; j < kPageRows; ++j) sc[j] = (uint32_t(j) < nr && e < nk) ? e8m0(r.scales(j0 + j)[(k0 + e) / 32]) : 0.f;
-  };
-  float next[kPageRows];
-  if (blocks > 0) scales(0, next);
   for (uint32_t blk = 0; blk < blocks; ++blk) {
     const uint32_t j0 = blk * kPageRows, nr = min(uint32_t(kPageRows), cols - j0);
     float acc[kPageRows][B] = {};
     for (uint32_t ch = 0; ch < chunks; ++ch, ++it) {
-      const uint32_t q = blk * chunks + ch, k0 = ch * kMxK, nk = min(kMxK, r.k - k0);
-      float sc[kPageRows];
-#pragma unroll
-      for (int j = 0; j < kPageRows; ++j) sc[j] = next[j];
-      if (q + 1 < blocks * chunks) scales(q + 1, next);
+      const uint32_t k0 = ch * kMxK, nk = min(kMxK, r.k - k0);
       const int slot = it % kPages;
       Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
       if (e < nk) {
+        // The scale of this lane's block of 32, per row, from the page.
+        const auto* scales = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]) + kMxScales + e / 32;
+        float sc[kPageRows];
+#pragma unroll
+        for (int j = 0; j < kPageRows; ++j) sc[j] = uint32_t(j) < nr ? e8m0(scales[j * (kMxK / 32)]) : 0.f;
         float xv[B][8];
 #pragma unroll
         for (int b = 0; b < B; ++b) {
