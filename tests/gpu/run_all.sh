@@ -7,11 +7,11 @@
 #                                   (tests/gpu/check_and_bench.sh)
 #   tests/gpu/run_all.sh sanitize   compute-sanitizer memcheck and racecheck on the tiny config, and
 #                                   the page ring's streaming rate on its own (ring_bench)
-#   tests/gpu/run_all.sh k3         Kimi Linear and K3: where the K3 programs part from the reference
-#                                   and the noise floor (k3_bisect, tiny and per-layer dims), every
-#                                   kimi_linear_* / kimi_k3_* library against its reference (seeds
-#                                   0 1 2); the K3 benchmark is its own call (bench/k3_bench.py, or
-#                                   bench/run.sh with the K3 library carried)
+#   tests/gpu/run_all.sh k3         Kimi Linear and K3: the K3 benchmark at K3's per-layer dimensions
+#                                   (bench/k3_bench.py, a profiled step), then every kimi_linear_* /
+#                                   kimi_k3_* library against its reference (seeds 0 1 2)
+#   tests/gpu/run_all.sh bisect     where the K3 programs part from the reference, and the noise
+#                                   floor (k3_bisect, tiny and per-layer dims)
 # Logs under $OUT; a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,20 +34,31 @@ case "${1:-}" in
     ;;
   k3)
     summary=()
-    for cfg in tiny:kimi_k3_tiny_h200:60 test_8l96e:kimi_k3_dims_8l96e_h200:150; do
+    k3=target/models/kimi_k3_dims_8l96e_h200/libkimi_k3_dims_8l96e_h200.so
+    if [ -f "$k3" ]; then
+      timeout 150 python3 bench/k3_bench.py --config model_graphs/kimi_k3/test_8l96e.json --lib "$k3" \
+        --trace "$out/trace" --json "$out/bench_k3.json" > "$out/bench_k3.txt" 2>&1
+      summary+=("k3 bench rc=$?")
+    fi
+    mkdir -p "$out/libs"
+    OUT="$out/libs" MKC_LIB_TIMEOUT=250 timeout 400 tests/gpu/run_k2.sh 0 1 2 > "$out/correctness.txt" 2>&1
+    summary+=("correctness rc=$?")
+    grep -E "^library|\.so " "$out/bench_k3.txt" 2>/dev/null
+    grep -E "^lib|\.so |PASS|FAIL" "$out/correctness.txt"
+    printf '%s\n' "${summary[@]}"
+    ;;
+  bisect)
+    summary=()
+    for cfg in tiny:kimi_k3_tiny_h200:150 test_8l96e:kimi_k3_dims_8l96e_h200:400; do
       name=${cfg#*:}; name=${name%%:*}
       lib=target/models/$name/lib$name.so
       [ -f "$lib" ] || continue
       timeout "${cfg##*:}" python3 tests/gpu/k3_bisect.py --lib "$lib" --config "model_graphs/kimi_k3/${cfg%%:*}.json" \
-        --steps 6 --only full "no KDA out" "none of them" > "$out/bisect_${cfg%%:*}.txt" 2>&1
+        --steps 6 > "$out/bisect_${cfg%%:*}.txt" 2>&1
       summary+=("bisect ${cfg%%:*} rc=$?")
     done
-    mkdir -p "$out/libs"
-    OUT="$out/libs" MKC_LIB_TIMEOUT=250 timeout 330 tests/gpu/run_k2.sh 0 1 2 > "$out/correctness.txt" 2>&1
-    summary+=("correctness rc=$?")
     tail -n 12 "$out"/bisect_*.txt 2>/dev/null
-    grep -E "^lib|\.so |PASS|FAIL" "$out/correctness.txt"
     printf '%s\n' "${summary[@]}"
     ;;
-  *) echo "usage: tests/gpu/run_all.sh check|sanitize|k3" >&2; exit 2 ;;
+  *) echo "usage: tests/gpu/run_all.sh check|sanitize|k3|bisect" >&2; exit 2 ;;
 esac
