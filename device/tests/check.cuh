@@ -4,8 +4,8 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdio>
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <vector>
 

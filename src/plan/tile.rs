@@ -388,7 +388,6 @@ impl Builder<'_> {
         let w = self.weight_of(n, 3);
         let per_row = w.bytes() / w.shape[0].max(1);
         let wk = hpt * nope * per_row;
-        let wv = hpt * v_dim * per_row;
         let in_bytes = self.external_inputs(nodes) * b;
         let mut parts = vec![];
         for hg in 0..groups {
@@ -417,7 +416,7 @@ impl Builder<'_> {
             let n = h1 - h0;
             parts.push((
                 format!("heads[{h0}..{h1}]"),
-                wv / hpt * n,
+                n * v_dim * per_row,
                 splits * n * (c + 2) * 4 * b + out * n / heads,
                 0,
                 2 * n * v_dim * c * b,

@@ -104,13 +104,6 @@ struct MlaRunning {
 };
 static_assert(sizeof(MlaRunning) <= size_t(kActivationBytes), "the MLA softmax state fits the staging area");
 
-// Folds n rows (row(j), j < n) into the running attention of the nh heads:
-//  1. scores: a warp per row, a lane per kMlaLanePairs column pairs, the
-//     query of kMlaQuad heads at a time in registers, a warp sum per head;
-//  2. per head (a warp each): the fold's maximum, the new running maximum,
-//     the probabilities (in place), the running sum and its rescale;
-//  3. the weighted latent sums: a thread per pair of latent columns,
-//     acc[h] rescaled once per fold.
 // The rows of one fold: up to kMlaFoldPages ring pages of `per` packed rows
 // (cache_n rows in all), then, in a split's last fold, the current row.
 struct FoldRows {
@@ -124,6 +117,13 @@ struct FoldRows {
   }
 };
 
+// Folds the rows of f into the running attention of the nh heads:
+//  1. scores: a warp per row, a lane per kMlaLanePairs column pairs, the
+//     query of kMlaQuad heads at a time in registers, a warp sum per head;
+//  2. per head (a warp each): the fold's maximum, the new running maximum,
+//     the probabilities (in place), the running sum and its rescale;
+//  3. the weighted latent sums: a thread per pair of latent columns,
+//     acc[h] rescaled once per fold.
 __device__ void mla_fold(const MlaShape& s, uint32_t nh, const FoldRows& f, const float* qlat, const float* qpe,
                          MlaRunning& run, int parity, float (&acc)[kMaxMlaHeads][2]) {
   const uint32_t n = f.n();
@@ -310,7 +310,8 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
     const Rows cr = mla_cache_rows(s, split, cache, b, p_now);
     const uint32_t per = packed_rows(row), rows = cr.r1 - cr.r0;
     const uint32_t pages = (rows + per - 1) / per;
-    for (uint32_t pg = 0; pg < pages || (pg == 0 && has_now);) {
+    // With no cache rows before it in this split, one fold of the current row alone.
+    for (uint32_t pg = 0, alone = has_now; alone || pg < pages; alone = 0) {
       const uint32_t np = min(kMlaFoldPages, pages - pg);
       FoldRows f{it, nullptr, per, min(np * per, rows - pg * per), row};
       for (uint32_t k = 0; k < np; ++k) Barrier::wait(&ring_ptr()->full[(it + k) % kPages], ((it + k) / kPages) & 1);
@@ -320,7 +321,6 @@ __device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const 
       it += np;
       pg += np;
       parity ^= 1;
-      if (np == 0) break;  // the current row alone (no cache rows before it in this split)
     }
     if (pair < s.c / 2) {
       const uint32_t cc = 2 * pair;
