@@ -24,6 +24,7 @@ import torch
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+import k3_noise_floor  # noqa: E402
 from k3_reference import Config, K3Reference  # noqa: E402
 from make_k3_checkpoint import make  # noqa: E402
 from mkc_runtime import Model  # noqa: E402
@@ -67,18 +68,8 @@ def run(lib, config, seed, steps, zero, work, noise_floor=False):
     model.close()
     del ref
     if noise_floor:  # the same steps through the reference with bf16 projection outputs
-        ref = K3Reference(ckpt, batch=b, max_ctx=steps + 8, device="cuda")
-        rounded = K3Reference(ckpt, batch=b, max_ctx=steps + 8, device="cuda", round_bf16=True)
-        floor, score_noise = [], []
-        with torch.no_grad():
-            for t in range(steps):
-                tok = torch.tensor(tokens[t], device="cuda")
-                want, got = ref.step(tok).float(), rounded.step(tok).float()
-                floor.append(float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()))
-                score_noise.append(max((float((rounded.router_scores[l] - ref.router_scores[l]).abs().max())
-                                        for l in ref.router_scores), default=0.0))
+        floor, score_noise = k3_noise_floor.noise_floor(ckpt, steps, b, lambda t, _: [int(x) for x in tokens[t]], "cuda")
         errs = (errs, floor, score_noise)
-        del ref, rounded
     torch.cuda.empty_cache()
     shutil.rmtree(ckpt, ignore_errors=True)
     return errs

@@ -180,6 +180,16 @@ def pack_state(c: Config, batch: int, seq_len: int, kv: dict, conv: dict, ssm: d
     return out
 
 
+def score_change(a: dict, b: dict, batch: int) -> torch.Tensor:
+    """[B]: the largest change of any expert's selection score between two
+    steps' `router_scores` (per MoE layer, [B, E]), over the layers."""
+    change = torch.zeros(batch)
+    for l, scores in b.items():
+        d = (a[l] - scores).abs().nan_to_num(nan=0.0)  # both -inf: a dropped group, no change
+        change = torch.maximum(change, d.amax(-1).cpu())
+    return change
+
+
 class K3Reference:
     def __init__(self, ckpt_dir: str, batch: int, max_ctx: int, device="cpu", prefix="language_model.",
                  round_bf16: bool = False):
@@ -360,11 +370,7 @@ class K3Reference:
         self.restore(before)
         self.round_bf16 = keep
         out = self.step(tokens)
-        noise = torch.zeros(tokens.shape[0])
-        for l, scores in self.router_scores.items():
-            d = (rounded[l] - scores).abs().nan_to_num(nan=0.0)  # both -inf: a dropped group, no change
-            noise = torch.maximum(noise, d.amax(-1).cpu())
-        return out, noise
+        return out, score_change(rounded, self.router_scores, tokens.shape[0])
 
     def state(self) -> dict:
         return {"seq_len": self.seq_len, "kv": {k: v.clone() for k, v in self.kv.items()},
