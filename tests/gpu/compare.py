@@ -16,6 +16,14 @@ Teacher-forced (the model is fed the reference's tokens):
     (its error at that step is over the bound), what it keeps (KV cache rows,
     recurrent state) legitimately differs from the reference's from then on:
     the sequence's later steps are reported but not held to the bounds.
+  - with a noise floor (K3, whose reference has a bf16 twin: K3Reference.twin,
+    every projection's output rounded to bf16, the routing held to the fp32
+    reference's, stepped on the same tokens): a step's bound is the larger of
+    MAX_REL_L2 and the largest distance between the reference and its twin so
+    far in the sequence. Storing activations in bf16 alone moves a small random
+    K3's logits by more than MAX_REL_L2 over 64 steps (the recurrent state and
+    the KV cache carry it); the kernel may not depart further than that. Steps
+    over MAX_REL_L2 but within the floor are counted and reported.
 Free-running greedy decode equals the reference's, or the first divergence is
 at a near-tie (of the logits or of the routing).
 """
@@ -58,12 +66,17 @@ class TeacherForced:
         self.excluded = [0] * batch
         self.routing_excluded = [0] * batch
         self.routed_apart = [None] * batch  # step where the model took the other expert of a routing near-tie
+        self.floor = [0.0] * batch  # the largest reference-to-twin distance so far, per sequence
+        self.within_floor = [0] * batch  # steps over MAX_REL_L2 held to the floor instead
 
-    def step(self, t: int, nxt, logits, want, gaps, noise=None) -> None:
-        """noise[s]: the router noise of sequence s at this step (or None)."""
+    def step(self, t: int, nxt, logits, want, gaps, noise=None, floor=None) -> None:
+        """noise[s]: the router noise of sequence s at this step (or None); floor[s]: the
+        distance between the reference and its bf16 twin at this step (or None)."""
         for s in range(self.b):
             w = want[s]
             rel = float(np.linalg.norm(logits[s] - w) / np.linalg.norm(w))
+            if floor is not None:
+                self.floor[s] = max(self.floor[s], float(floor[s]))
             self.errors.append((rel, s, t))
             if int(nxt[s]) != int(np.argmax(logits[s])):
                 self.mismatches.append(f"seq {s} step {t}: kernel argmax differs from its own logits")
@@ -77,6 +90,11 @@ class TeacherForced:
             else:
                 self.worst = max(self.worst, rel)
                 self.bounded.append(rel)
+                if rel > max(MAX_REL_L2, self.floor[s]):
+                    self.mismatches.append(f"seq {s} step {t}: rel L2 {rel:.3g} over the bound "
+                                           f"{max(MAX_REL_L2, self.floor[s]):.3g}")
+                elif rel > MAX_REL_L2:
+                    self.within_floor[s] += 1
             if int(nxt[s]) != int(np.argmax(w)):
                 if tie and rel > MAX_REL_L2:
                     pass  # the other expert's logits: counted above with the routing near-ties
@@ -92,7 +110,7 @@ class TeacherForced:
         # where each is independent (a wrong router shows at the steps that
         # are not near-ties, which are always held to the bound).
         routing_ok = not self.cascade or max(self.routing_excluded) <= 2
-        return self.worst <= MAX_REL_L2 and not self.mismatches and max(self.excluded) <= 2 and routing_ok
+        return not self.mismatches and max(self.excluded) <= 2 and routing_ok
 
     def report(self) -> dict:
         return {
@@ -103,6 +121,8 @@ class TeacherForced:
             "near_ties_excluded": self.excluded,
             "routing_near_ties_excluded": self.routing_excluded,
             "routed_apart_at": self.routed_apart,
+            "noise_floor": self.floor,
+            "within_noise_floor": self.within_floor,
         }
 
 

@@ -11,6 +11,7 @@ MXFP4 routed experts (section 13), `language_model.` prefix.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -197,6 +198,11 @@ class K3Reference:
         implementation that stores its activations in bf16 would): how far
         that alone moves the logits is the noise floor of a comparison."""
         self.round_bf16 = round_bf16
+        # Per MoE layer, expert ids [B, top_k] to take instead of this reference's own top-k
+        # (twin(): the bf16 twin follows the fp32 reference's routing); `expert_ids` holds, after
+        # each step, the ids taken.
+        self.forced: dict[int, torch.Tensor] | None = None
+        self.expert_ids: dict[int, torch.Tensor] = {}
         self.cfg = Config.load(os.path.join(ckpt_dir, "config.json"))
         self.dev = device
         raw = load_checkpoint(ckpt_dir)
@@ -293,7 +299,8 @@ class K3Reference:
             sel = sel.masked_fill(keep.repeat_interleave(c.experts // c.n_group, 1) == 0, float("-inf"))
         self.router_scores[l] = sel
         top = sel.topk(min(c.top_k + 1, c.experts), dim=-1)
-        ids = top.indices[:, : c.top_k]
+        ids = top.indices[:, : c.top_k] if self.forced is None else self.forced[l].to(top.indices.device)
+        self.expert_ids[l] = ids
         if c.top_k < c.experts:  # the routing gap: how close the (k+1)-th choice came
             gap = (top.values[:, c.top_k - 1] - top.values[:, c.top_k]).cpu()
             self.routing_gap = torch.minimum(self.routing_gap, gap)
@@ -371,6 +378,17 @@ class K3Reference:
         self.round_bf16 = keep
         out = self.step(tokens)
         return out, score_change(rounded, self.router_scores, tokens.shape[0])
+
+    def twin(self) -> "K3Reference":
+        """A second reference on the same weights (shared, not copied) and a copy of this one's
+        state, with every projection's output rounded to bf16: stepped on the same tokens with
+        `forced` set to this one's `expert_ids`, its distance from this reference is what storing
+        activations in bf16 alone does to the logits, the routing held equal (the noise floor of
+        a teacher-forced comparison; routing near-ties are judged separately)."""
+        other = copy.copy(self)
+        other.restore(self.state())
+        other.round_bf16, other.forced, other.expert_ids = True, None, {}
+        return other
 
     def state(self) -> dict:
         return {"seq_len": self.seq_len, "kv": {k: v.clone() for k, v in self.kv.items()},

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,3 +82,35 @@ def test_a_restart_from_saved_state_continues_the_same_sequence(checkpoint):
     again = [other.step(torch.tensor([t])) for t in seq[4:]]
     for x, y in zip(first, again):
         assert torch.equal(x, y)
+
+
+def test_the_twin_follows_the_routing_it_is_given(checkpoint):
+    ref = K3Reference(checkpoint, batch=2, max_ctx=32, device=DEVICE)
+    ref.step(torch.tensor([3, 77]))
+    twin = ref.twin()
+    assert twin.round_bf16 and twin.w is ref.w  # weights shared, not copied
+    twin.round_bf16 = False  # unrounded and given the reference's routing: the same step exactly
+    for t in ([9, 41], [200, 5]):
+        want = ref.step(torch.tensor(t))
+        twin.forced = ref.expert_ids
+        assert torch.equal(twin.step(torch.tensor(t)), want)
+    # Routed to other experts, the step differs: the forced ids are the ones taken.
+    twin.forced = {l: (ids + 1) % ref.cfg.experts for l, ids in ref.expert_ids.items()}
+    assert not torch.equal(twin.step(torch.tensor([1, 2])), ref.step(torch.tensor([1, 2])))
+    assert all(torch.equal(twin.expert_ids[l], twin.forced[l]) for l in twin.forced)
+
+
+def test_the_teacher_forced_bound_is_the_larger_of_2e2_and_the_noise_floor():
+    from compare import TeacherForced
+
+    want = np.array([[1.0, 0.0, 0.0, 0.0]])
+    off = lambda rel: want + np.array([[0.0, rel, 0.0, 0.0]])  # noqa: E731  relative L2 error `rel`
+    tf = TeacherForced(1)
+    tf.step(0, [0], off(0.01), want, [1.0], [0.0], [0.05])
+    tf.step(1, [0], off(0.04), want, [1.0], [0.0], [0.001])  # within the floor reached at step 0
+    assert tf.ok() and tf.within_floor == [1]
+    tf.step(2, [0], off(0.06), want, [1.0], [0.0], [0.001])
+    assert not tf.ok()
+    plain = TeacherForced(1)  # no floor: 2e-2
+    plain.step(0, [0], off(0.03), want, [1.0], [0.0])
+    assert not plain.ok()
