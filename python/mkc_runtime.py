@@ -24,6 +24,8 @@ class _Info(ctypes.Structure):
         ("vocab", ctypes.c_uint64),
         ("context", ctypes.c_uint64),
         ("state_bytes", ctypes.c_uint64),
+        ("routers", ctypes.c_uint32),
+        ("router_top_k", ctypes.c_uint32),
     ]
 
 
@@ -40,6 +42,8 @@ class Model:
                                              ctypes.c_size_t]
         lib.mkc_model_load_state.argtypes = lib.mkc_model_save_state.argtypes
         lib.mkc_model_close.argtypes = [ctypes.c_void_p]
+        lib.mkc_model_routing.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p,
+                                          ctypes.c_size_t]
         lib.mkc_model_profile_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
                                                ctypes.c_char_p, ctypes.c_size_t]
         lib.mkc_model_time_steps.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
@@ -56,6 +60,8 @@ class Model:
         self.vocab = info.vocab
         self.context = info.context
         self.state_bytes = info.state_bytes
+        self.routers = info.routers
+        self.router_top_k = info.router_top_k
 
     def step(self, tokens, debug=False):
         """One decode step; returns (next tokens [batch] int32, logits [batch, vocab] float32)."""
@@ -84,6 +90,16 @@ class Model:
                                             self._err, len(self._err)) != 0:
             raise MkcError(self._err.value.decode())
         return nxt
+
+    def routing(self):
+        """The expert ids each router picked in the last step: [routers, batch, top_k] int32,
+        routers in graph order."""
+        if self.router_top_k == 0:
+            raise MkcError(f"{self.name}: {self.routers} routers of different top-k (or none) to read")
+        ids = np.zeros((self.routers, self.batch, self.router_top_k), dtype=np.int32)
+        if self._lib.mkc_model_routing(self._m, ids.ctypes.data, ids.size, self._err, len(self._err)) != 0:
+            raise MkcError(self._err.value.decode())
+        return ids
 
     def reset(self):
         if self._lib.mkc_model_reset(self._m, self._err, len(self._err)) != 0:

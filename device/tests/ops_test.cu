@@ -248,7 +248,8 @@ __device__ const float* g_logits;
 __device__ const float* g_bias;
 __device__ int32_t* g_ids;
 __device__ float* g_wts;
-__global__ void router_kernel() { mkc::router<kRB>(g_router, g_logits, g_bias, g_ids, g_wts); }
+__device__ int32_t* g_log;
+__global__ void router_kernel() { mkc::router<kRB>(g_router, g_logits, g_bias, g_ids, g_wts, g_log); }
 
 static void test_router(std::mt19937& rng, uint32_t e, uint32_t k, uint32_t groups, uint32_t topk_group) {
   std::normal_distribution<float> n(0.f, 1.f);
@@ -260,16 +261,18 @@ static void test_router(std::mt19937& rng, uint32_t e, uint32_t k, uint32_t grou
   float* d_b = upload(bias);
   int32_t* d_ids = upload(std::vector<int32_t>(kRB * k, -7));
   float* d_w = upload(std::vector<float>(kRB * k, NAN));
+  int32_t* d_log = upload(std::vector<int32_t>(kRB * k, -9));
   CHECK(cudaMemcpyToSymbol(g_router, &shape, sizeof shape));
   CHECK(cudaMemcpyToSymbol(g_logits, &d_l, sizeof d_l));
   CHECK(cudaMemcpyToSymbol(g_bias, &d_b, sizeof d_b));
   CHECK(cudaMemcpyToSymbol(g_ids, &d_ids, sizeof d_ids));
   CHECK(cudaMemcpyToSymbol(g_wts, &d_w, sizeof d_w));
+  CHECK(cudaMemcpyToSymbol(g_log, &d_log, sizeof d_log));
   launch(router_kernel, "router");
   const auto ids = download(d_ids, kRB * k);
   const auto wts = download(d_w, kRB * k);
   double worst = 0;
-  bool ok = true;
+  bool ok = download(d_log, kRB * k) == ids;  // the routing log holds the same ids
   for (int b = 0; b < kRB; ++b) {
     // DeepSeek-V3 in double: groups by their two best choices, the others zeroed, top-k.
     std::vector<double> s(e), c(e);
@@ -314,6 +317,7 @@ static void test_router(std::mt19937& rng, uint32_t e, uint32_t k, uint32_t grou
   CHECK(cudaFree(d_b));
   CHECK(cudaFree(d_ids));
   CHECK(cudaFree(d_w));
+  CHECK(cudaFree(d_log));
 }
 
 // ---------------------------------------------------------------------------

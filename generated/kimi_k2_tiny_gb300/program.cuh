@@ -15,7 +15,7 @@ namespace mkc::generated::kimi_k2_tiny_gb300 {
 
 inline constexpr int kBatch = 1;
 inline constexpr uint64_t kContext = 4096;
-inline constexpr uint64_t kArenaBytes = 18944;
+inline constexpr uint64_t kArenaBytes = 19200;
 // The plan's buffers in the arena (a value lives at its buffer + an offset).
 inline constexpr uint64_t kBuffer0 = 0;  // 256 bytes
 inline constexpr uint64_t kBuffer1 = 256;  // 288 bytes
@@ -23,6 +23,15 @@ inline constexpr uint64_t kBuffer2 = 768;  // 384 bytes
 inline constexpr uint64_t kBuffer3 = 1280;  // 8704 bytes
 inline constexpr uint64_t kBuffer4 = 9984;  // 256 bytes
 inline constexpr uint64_t kBuffer5 = 10240;  // 8704 bytes
+// The routing log: each router's expert ids of the last step, [router][batch][top_k]
+// int32 from here (after the buffers; the host reads it: mkc_model_routing).
+inline constexpr uint64_t kRouteLog = 18944;
+inline constexpr uint32_t kRouters = 2;
+//   0: layer.1/decoder_layer/moe_mlp/ids, top-2
+//   1: layer.2/decoder_layer/moe_mlp/ids, top-2
+// Their common top-k (0: no routers, or routers of different top-k).
+inline constexpr uint32_t kRouterTopK = 2;
+inline constexpr uint64_t kRouteLogInts = 4;
 // fp32 staging floats per SM for projection epilogues.
 inline constexpr uint64_t kStagingFloats = 256;
 // The plan sized the page ring and shared memory for this many pages.
@@ -684,7 +693,8 @@ __device__ inline void stage_13(const TaskArgs& t, const Memory& m, uint32_t& it
 // Stage 14: scores and top-k of fused operation 12, layer.1/decoder_layer/moe_mlp/router(ids)
 //   router layer.1/decoder_layer/moe_mlp/ids (107:18)
 __device__ inline void stage_14(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), static_cast<const float*>(m.w[25]), reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer0 + 16));
+  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), static_cast<const float*>(m.w[25]), reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer0 + 16),
+    reinterpret_cast<int32_t*>(m.arena + kRouteLog + 0));
 }
 
 __device__ constexpr MoeShape moe_66{8, 2, 32, 64, 2, 26, 34, 42, 1};
@@ -910,7 +920,8 @@ __device__ inline void stage_24(const TaskArgs& t, const Memory& m, uint32_t& it
 // Stage 25: scores and top-k of fused operation 20, layer.2/decoder_layer/moe_mlp/router(ids)
 //   router layer.2/decoder_layer/moe_mlp/ids (107:18)
 __device__ inline void stage_25(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), static_cast<const float*>(m.w[63]), reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer0 + 16));
+  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + kBuffer2 + 0), static_cast<const float*>(m.w[63]), reinterpret_cast<int32_t*>(m.arena + kBuffer0 + 0), reinterpret_cast<float*>(m.arena + kBuffer0 + 16),
+    reinterpret_cast<int32_t*>(m.arena + kRouteLog + 8));
 }
 
 __device__ constexpr MoeShape moe_106{8, 2, 32, 64, 2, 64, 72, 80, 1};

@@ -23,6 +23,8 @@ struct Program {
   static constexpr uint32_t kTasks = g::kTasks;
   static constexpr uint64_t kContext = g::kContext;
   static constexpr uint64_t kArenaBytes = g::kArenaBytes;
+  static constexpr uint64_t kRouteLog = g::kRouteLog;
+  static constexpr uint64_t kRouteLogInts = g::kRouteLogInts;
   static constexpr uint64_t kStagingFloats = g::kStagingFloats;
   static constexpr uint32_t kStates = g::kStates;
   static constexpr uint32_t kOutputs = g::kOutputs;
@@ -89,6 +91,8 @@ void mkc_model_get_info(const mkc_model* m, mkc_model_info* info) {
   info->vocab = Program::kVocab;
   info->context = Program::kContext;
   info->state_bytes = m->engine.state_size();
+  info->routers = g::kRouters;
+  info->router_top_k = g::kRouterTopK;
 }
 
 int mkc_model_step(mkc_model* m, const int32_t* tokens, int32_t* next, float* logits, int debug, char* err,
@@ -104,6 +108,10 @@ int mkc_model_time_steps(mkc_model* m, const int32_t* tokens, int warmup, int n,
 int mkc_model_profile_step(mkc_model* m, const int32_t* tokens, int32_t* next, const char* trace_path, char* err,
                            size_t err_len) {
   return guarded(err, err_len, [&] { m->engine.profile_step(tokens, next, trace_path); });
+}
+
+int mkc_model_routing(const mkc_model* m, int32_t* ids, size_t n, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { m->engine.routing(ids, n); });
 }
 
 int mkc_model_reset(mkc_model* m, char* err, size_t err_len) {

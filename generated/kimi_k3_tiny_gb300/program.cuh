@@ -15,7 +15,7 @@ namespace mkc::generated::kimi_k3_tiny_gb300 {
 
 inline constexpr int kBatch = 1;
 inline constexpr uint64_t kContext = 4096;
-inline constexpr uint64_t kArenaBytes = 12544;
+inline constexpr uint64_t kArenaBytes = 12800;
 // The plan's buffers in the arena (a value lives at its buffer + an offset).
 inline constexpr uint64_t kBuffer0 = 0;  // 512 bytes
 inline constexpr uint64_t kBuffer1 = 512;  // 592 bytes
@@ -27,6 +27,18 @@ inline constexpr uint64_t kBuffer6 = 2304;  // 256 bytes
 inline constexpr uint64_t kBuffer7 = 2560;  // 768 bytes
 inline constexpr uint64_t kBuffer8 = 3328;  // 384 bytes
 inline constexpr uint64_t kBuffer9 = 3840;  // 8704 bytes
+// The routing log: each router's expert ids of the last step, [router][batch][top_k]
+// int32 from here (after the buffers; the host reads it: mkc_model_routing).
+inline constexpr uint64_t kRouteLog = 12544;
+inline constexpr uint32_t kRouters = 5;
+//   0: l.1/layer/latent_moe/ids, top-2
+//   1: l.2/layer/latent_moe/ids, top-2
+//   2: l.3/layer/latent_moe/ids, top-2
+//   3: l.4/layer/latent_moe/ids, top-2
+//   4: l.5/layer/latent_moe/ids, top-2
+// Their common top-k (0: no routers, or routers of different top-k).
+inline constexpr uint32_t kRouterTopK = 2;
+inline constexpr uint64_t kRouteLogInts = 10;
 // fp32 staging floats per SM for projection epilogues.
 inline constexpr uint64_t kStagingFloats = 256;
 // The plan sized the page ring and shared memory for this many pages.
@@ -836,7 +848,8 @@ __device__ inline void stage_14(const TaskArgs& t, const Memory& m, uint32_t& it
 // Stage 15: scores and top-k of fused operation 15, l.1/layer/latent_moe/router(ids)
 //   router l.1/layer/latent_moe/ids (160:18)
 __device__ inline void stage_15(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[47]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16));
+  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[47]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16),
+    reinterpret_cast<int32_t*>(m.arena + kRouteLog + 0));
 }
 
 __device__ constexpr MoeShape moe_119{8, 2, 32, 64, 2, 53, 69, 85, 2};
@@ -1098,7 +1111,8 @@ __device__ inline void stage_28(const TaskArgs& t, const Memory& m, uint32_t& it
 // Stage 29: scores and top-k of fused operation 26, l.2/layer/latent_moe/router(ids)
 //   router l.2/layer/latent_moe/ids (160:18)
 __device__ inline void stage_29(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[117]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16));
+  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[117]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16),
+    reinterpret_cast<int32_t*>(m.arena + kRouteLog + 8));
 }
 
 __device__ constexpr MoeShape moe_173{8, 2, 32, 64, 2, 123, 139, 155, 2};
@@ -1370,7 +1384,8 @@ __device__ inline void stage_41(const TaskArgs& t, const Memory& m, uint32_t& it
 // Stage 42: scores and top-k of fused operation 37, l.3/layer/latent_moe/router(ids)
 //   router l.3/layer/latent_moe/ids (160:18)
 __device__ inline void stage_42(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[193]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16));
+  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[193]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16),
+    reinterpret_cast<int32_t*>(m.arena + kRouteLog + 16));
 }
 
 __device__ constexpr MoeShape moe_241{8, 2, 32, 64, 2, 199, 215, 231, 2};
@@ -1643,7 +1658,8 @@ __device__ inline void stage_54(const TaskArgs& t, const Memory& m, uint32_t& it
 // Stage 55: scores and top-k of fused operation 48, l.4/layer/latent_moe/router(ids)
 //   router l.4/layer/latent_moe/ids (160:18)
 __device__ inline void stage_55(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[269]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16));
+  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[269]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16),
+    reinterpret_cast<int32_t*>(m.arena + kRouteLog + 24));
 }
 
 __device__ constexpr MoeShape moe_309{8, 2, 32, 64, 2, 275, 291, 307, 2};
@@ -1905,7 +1921,8 @@ __device__ inline void stage_68(const TaskArgs& t, const Memory& m, uint32_t& it
 // Stage 69: scores and top-k of fused operation 59, l.5/layer/latent_moe/router(ids)
 //   router l.5/layer/latent_moe/ids (160:18)
 __device__ inline void stage_69(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[339]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16));
+  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[339]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16),
+    reinterpret_cast<int32_t*>(m.arena + kRouteLog + 32));
 }
 
 __device__ constexpr MoeShape moe_363{8, 2, 32, 64, 2, 345, 361, 377, 2};

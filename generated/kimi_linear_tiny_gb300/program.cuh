@@ -15,7 +15,7 @@ namespace mkc::generated::kimi_linear_tiny_gb300 {
 
 inline constexpr int kBatch = 1;
 inline constexpr uint64_t kContext = 4096;
-inline constexpr uint64_t kArenaBytes = 12288;
+inline constexpr uint64_t kArenaBytes = 12544;
 // The plan's buffers in the arena (a value lives at its buffer + an offset).
 inline constexpr uint64_t kBuffer0 = 0;  // 256 bytes
 inline constexpr uint64_t kBuffer1 = 256;  // 528 bytes
@@ -26,6 +26,16 @@ inline constexpr uint64_t kBuffer5 = 1792;  // 256 bytes
 inline constexpr uint64_t kBuffer6 = 2048;  // 528 bytes
 inline constexpr uint64_t kBuffer7 = 2816;  // 544 bytes
 inline constexpr uint64_t kBuffer8 = 3584;  // 8704 bytes
+// The routing log: each router's expert ids of the last step, [router][batch][top_k]
+// int32 from here (after the buffers; the host reads it: mkc_model_routing).
+inline constexpr uint64_t kRouteLog = 12288;
+inline constexpr uint32_t kRouters = 3;
+//   0: layer.1/decoder_layer/moe_mlp/ids, top-2
+//   1: layer.2/decoder_layer/moe_mlp/ids, top-2
+//   2: layer.3/decoder_layer/moe_mlp/ids, top-2
+// Their common top-k (0: no routers, or routers of different top-k).
+inline constexpr uint32_t kRouterTopK = 2;
+inline constexpr uint64_t kRouteLogInts = 6;
 // fp32 staging floats per SM for projection epilogues.
 inline constexpr uint64_t kStagingFloats = 256;
 // The plan sized the page ring and shared memory for this many pages.
@@ -670,7 +680,8 @@ __device__ inline void stage_13(const TaskArgs& t, const Memory& m, uint32_t& it
 // Stage 14: scores and top-k of fused operation 14, layer.1/decoder_layer/moe_mlp/router(ids)
 //   router layer.1/decoder_layer/moe_mlp/ids (122:18)
 __device__ inline void stage_14(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[41]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16));
+  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[41]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16),
+    reinterpret_cast<int32_t*>(m.arena + kRouteLog + 0));
 }
 
 __device__ constexpr MoeShape moe_102{8, 2, 32, 64, 2, 42, 50, 58, 1};
@@ -927,7 +938,8 @@ __device__ inline void stage_24(const TaskArgs& t, const Memory& m, uint32_t& it
 // Stage 25: scores and top-k of fused operation 23, layer.2/decoder_layer/moe_mlp/router(ids)
 //   router layer.2/decoder_layer/moe_mlp/ids (122:18)
 __device__ inline void stage_25(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[87]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16));
+  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer1 + 0), static_cast<const float*>(m.w[87]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16),
+    reinterpret_cast<int32_t*>(m.arena + kRouteLog + 8));
 }
 
 __device__ constexpr MoeShape moe_160{8, 2, 32, 64, 2, 88, 96, 104, 1};
@@ -1120,7 +1132,8 @@ __device__ inline void stage_34(const TaskArgs& t, const Memory& m, uint32_t& it
 // Stage 35: scores and top-k of fused operation 30, layer.3/decoder_layer/moe_mlp/router(ids)
 //   router layer.3/decoder_layer/moe_mlp/ids (122:18)
 __device__ inline void stage_35(const TaskArgs&, const Memory& m) {
-  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer6 + 0), static_cast<const float*>(m.w[123]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16));
+  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + kBuffer6 + 0), static_cast<const float*>(m.w[123]), reinterpret_cast<int32_t*>(m.arena + kBuffer2 + 0), reinterpret_cast<float*>(m.arena + kBuffer2 + 16),
+    reinterpret_cast<int32_t*>(m.arena + kRouteLog + 16));
 }
 
 __device__ constexpr MoeShape moe_194{8, 2, 32, 64, 2, 124, 132, 140, 1};

@@ -87,6 +87,12 @@ int main(int argc, char** argv) {
     mkc_model_get_info(m, &info);
     EXPECT(info.batch == 1 && info.vocab == 512 && info.context == 4096, "%u %llu %llu", info.batch,
            (unsigned long long)info.vocab, (unsigned long long)info.context);
+    // The routing log: a buffer of the wrong size is refused, saying how many ids there are.
+    std::vector<int32_t> ids(size_t(info.routers) * info.batch * info.router_top_k + 1);
+    EXPECT(info.routers > 0 && info.router_top_k > 0, "%u routers, top-%u", info.routers, info.router_top_k);
+    EXPECT(mkc_model_routing(m, ids.data(), ids.size(), err, sizeof err) == -1 && std::strstr(err, "routers log"),
+           "%s", err);
+    EXPECT(mkc_model_routing(m, ids.data(), ids.size() - 1, err, sizeof err) == 0, "%s", err);
     mkc_model_close(m);
   } else {
     EXPECT(lower(err).find("cuda") != std::string::npos && std::strstr(err, "tensor") == nullptr, "%s", err);

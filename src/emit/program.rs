@@ -75,6 +75,11 @@ pub struct Program {
     pub buffers: Vec<(u64, u64)>,
     /// The arena's size in bytes.
     pub arena_bytes: u64,
+    /// The routing log's arena offset: every router's expert ids of the last
+    /// step, `[router][batch][top_k]` int32, in graph order.
+    pub route_log: u64,
+    /// The routers logged: (graph node, top-k).
+    pub routers: Vec<(String, u64)>,
     /// fp32 staging per SM for projection epilogues.
     pub staging_floats: u64,
     /// Ring pages the plan's warp layout was sized for.
@@ -170,6 +175,7 @@ struct Gen<'a> {
     load_cases: Vec<String>,
     run_cases: Vec<String>,
     load_waits: Vec<(usize, u32, u32)>,
+    routers: Vec<(String, u64)>,
 }
 
 fn nid(i: usize) -> NodeId {
@@ -469,6 +475,7 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         load_cases: vec![],
         run_cases: vec![],
         load_waits: vec![],
+        routers: vec![],
     };
     for op in &plan.fusion.ops {
         gen.fused(op)?;
@@ -483,6 +490,9 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         gen.buffer_offset.push(at);
         at = align(at + s, 256);
     }
+    // The routing log, after the buffers: no stage reuses it.
+    let route_log = at;
+    at = align(at + gen.routers.iter().map(|(_, k)| gen.batch * k * 4).sum::<u64>(), 256);
     let mut in_stage = vec![0usize; plan.tiling.stages.len()];
     let tasks = plan
         .tiling
@@ -500,6 +510,8 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         layout,
         buffers,
         arena_bytes: at.max(256),
+        route_log,
+        routers: gen.routers,
         staging_floats: align(gen.staging.max(1), 32),
         pages: plan.warps.layout.pages,
         states,

@@ -67,7 +67,7 @@ def run(lib, config, seed, steps, zero, work, noise_floor=False):
             errs.append(max(float(np.linalg.norm(got[s] - want[s]) / np.linalg.norm(want[s])) for s in range(b)))
     model.close()
     del ref
-    if noise_floor:  # the same steps through the reference with bf16 projection outputs
+    if noise_floor:  # the same steps through the reference keeping its state in bf16 (its twin)
         floor, score_noise = k3_noise_floor.noise_floor(ckpt, steps, b, lambda t, _: [int(x) for x in tokens[t]], "cuda")
         errs = (errs, floor, score_noise)
     torch.cuda.empty_cache()
@@ -96,12 +96,12 @@ def main():
         errs = run(args.lib, args.config, args.seed, args.steps, zero, work, noise_floor=name == "full")
         if name == "full":
             errs, floor, score_noise = errs
-            rows.append(("reference, bf16 outs", floor))
+            rows.append(("reference, bf16 state", floor))
             rows.append(("  its router scores", score_noise))
         rows.append((name, errs))
     shutil.rmtree(work, ignore_errors=True)
     print(f"{os.path.basename(args.lib)}, seed {args.seed}: max over the batch of the logits' relative L2 error per step "
-          "(the first row: the fp32 reference against itself with bf16 projection outputs, the noise floor; "
+          "(the first row: the fp32 reference against itself keeping its state in bf16, the noise floor; "
           "the second: the largest change that makes in a router's selection scores, against which a "
           "routing near-tie threshold is set)")
     for name, errs in rows:

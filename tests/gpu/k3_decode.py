@@ -5,28 +5,35 @@ MXFP4 routed experts unless --bf16-experts), the reference
 (k3_reference.py, written from K3_DECODE_SPEC.md, fp32 on the GPU) and the
 compiled library (scripts/build_model.sh from `mkc codegen` output) load it.
 
-Checks, per seed and per sequence of the batch (tests/gpu/compare.py, as
-tests/gpu/deepseek_v3_decode.py; routing gaps from the reference's router):
-  - teacher-forced over the prompt plus the reference's greedy tokens: the
+The routing is compared exactly. After every step the runtime gives the
+experts each router picked (the routing log, Model.routing()). Where they are
+the reference's top-k nothing more happens; where they differ, the reference
+re-takes the step from the same state with the kernel's experts, and every
+difference must be a routing near-tie: by the reference's scores on that path,
+a picked expert falls below the reference's k-th choice (or a dropped one rises
+above its (k+1)-th) by less than 2e-3 or than twice the router noise at that
+step (K3Reference.step_with_noise: the largest change of any selection score
+when the reference rounds its projections' outputs to bf16, as the kernel
+stores its activations). Anything else fails. So the reference follows the
+kernel through near-ties and every step stays comparable: nothing is excused.
+
+Checks, per seed and per sequence of the batch (tests/gpu/compare.py):
+  - teacher-forced over the prompt plus the reference's greedy tokens, the
+    kernel from its own state, the reference following its routing: the
     logits' relative L2 error at every step <= 2e-2, or <= the noise floor
     (the largest distance so far between the reference and its bf16 twin,
-    K3Reference.twin: every projection's output rounded to bf16, the routing
-    held to the reference's, stepped on the same tokens; such steps are
-    counted), the argmax equal away from near-ties (at most 2 excluded;
-    routing near-ties excused, counted);
-  - free-running greedy decode equals the reference's, or the first
-    divergence is at a near-tie;
-  - one step at a time from the reference's own state (its KV caches, conv
+    K3Reference.twin: every projection's output rounded to bf16, the same
+    routing, the same tokens; such steps are counted), the argmax equal away
+    from logit near-ties (margin under 1e-2; at most 2 per sequence);
+  - one step at a time from the reference's state (its KV caches, conv
     windows and recurrent state written into the runtime before each step):
-    the same bounds at every step, a routing near-tie excusing only its own
-    step (no cascade: each step starts from the reference's state);
-  - a routing near-tie: the reference's k-th and (k+1)-th selection scores
-    closer than twice the router noise (K3Reference.step_with_noise: how far
-    rounding the reference's own projections to bf16 moves any score at that
-    step) or than 2e-3;
-  - state: decoding the second half of the sequence after restoring a state
-    saved halfway (KV caches, conv and recurrent state) gives the same logits
-    as decoding straight through.
+    the same routing check, and the 2e-2 bound with no floor at every step;
+  - free-running greedy decode equals the reference's tokens, or the first
+    divergence is at a logit near-tie;
+  - state: the teacher-forced run, which restores the kernel's saved state
+    before every step (the one-step check shares the runtime), equals a run
+    straight through bit for bit, and so does the second half decoded again
+    after restoring the state saved halfway.
 
     python3 tests/gpu/k3_decode.py --lib LIB --config CONFIG --seeds 0 1 2 [--bf16-experts] [--json OUT]
 Exits 1 if any check fails; prints a table last.
@@ -45,73 +52,130 @@ import torch
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
-from compare import TeacherForced, free_running  # noqa: E402
-from k3_reference import K3Reference  # noqa: E402
+from compare import ROUTING_NEAR_TIE, ROUTING_NOISE_FACTOR, TeacherForced, free_running, routing_departure  # noqa: E402
+from k3_reference import K3Reference, bf16_state  # noqa: E402
 from make_k3_checkpoint import make  # noqa: E402
 from mkc_runtime import Model  # noqa: E402
 
-def reference(ckpt, prompts, n_gen, ctx, model, one):
-    """Greedy tokens, teacher-forced logits and routing gaps, all sequences in
-    lockstep. On the way, the one-step check: before each reference step its
-    state (KV caches, conv windows, recurrent state) is written into the
-    runtime, which takes the same step; `one` compares the two."""
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the reference's (tests/gpu/test_k3_decode.py: CPU)
+
+
+class Routing:
+    """The routing check of one comparison (teacher-forced or one step at a time)."""
+
+    def __init__(self, name: str, batch: int):
+        self.name = name
+        self.followed = [0] * batch  # steps where the reference took the kernel's near-tied experts
+        self.largest = 0.0  # the largest departure followed, in selection-score units
+        self.mismatches: list[str] = []
+
+    def routed_step(self, ref: K3Reference, start: dict, tokens: torch.Tensor, ids: np.ndarray, t: int,
+                    floor: bool = False):
+        """From `start`, the reference's step with the kernel's experts `ids` [routers, B, k];
+        returns its logits [B, V] (numpy) and, with `floor`, the noise floor of that step [B]: the
+        distance to the same step taken from `start` rounded as the runtime stores it (bf16_state).
+        `ref` is left after the step from `start`."""
+        ref.restore(start)
+        ref.forced = None
+        out, noise = ref.step_with_noise(tokens)
+        layers = sorted(ref.router_scores)
+        if len(layers) != ids.shape[0]:
+            raise SystemExit(f"the library logs {ids.shape[0]} routers, the reference has {len(layers)} MoE layers")
+        k = ids.shape[2]
+        own = all(routing_departure(ref.router_scores[l][s].cpu().numpy(), ids[i, s], k) == 0.0
+                  for i, l in enumerate(layers) for s in range(ids.shape[1]))
+        if not own:  # again, with the kernel's experts in every layer, judged on that path
+            ref.restore(start)
+            ref.forced = {l: torch.from_numpy(ids[i]) for i, l in enumerate(layers)}
+            out, noise = ref.step_with_noise(tokens)
+            ref.forced = None
+            for s in range(ids.shape[1]):
+                tie = max(ROUTING_NEAR_TIE, ROUTING_NOISE_FACTOR * float(noise[s]))
+                worst = max(routing_departure(ref.router_scores[l][s].cpu().numpy(), ids[i, s], k)
+                            for i, l in enumerate(layers))
+                if worst >= tie:
+                    self.mismatches.append(f"{self.name} seq {s} step {t}: the kernel's experts depart from the "
+                                           f"reference's top-{k} by {worst:.3g} in selection score (near-tie: {tie:.3g})")
+                elif worst > 0:
+                    self.followed[s] += 1
+                    self.largest = max(self.largest, worst)
+        out = out.float().cpu().numpy()
+        if not floor:
+            return out, None
+        after = ref.state()
+        ref.restore(bf16_state(start))
+        ref.forced = {l: torch.from_numpy(ids[i]) for i, l in enumerate(layers)}
+        rounded = ref.step(tokens).float().cpu().numpy()
+        ref.forced = None
+        ref.restore(after)
+        return out, np.linalg.norm(rounded - out, axis=-1) / np.linalg.norm(out, axis=-1)
+
+
+def lockstep(ckpt, prompts, n_gen, ctx, model, tf, one, tf_routing, one_routing):
+    """Every step: the kernel from the reference's state (one step at a time) and from its own
+    (teacher-forced), each with the reference re-taking the step along the kernel's routing; the
+    reference goes on along the teacher-forced kernel's routing and greedy tokens, its bf16 twin
+    beside it. Returns the token sequences and the teacher-forced kernel's logits [steps, B, V]."""
     b = len(prompts)
-    ref = K3Reference(ckpt, batch=b, max_ctx=ctx, device="cuda")
-    twin = ref.twin()  # bf16 activations, the reference's routing: the noise floor
+    ref = K3Reference(ckpt, batch=b, max_ctx=ctx, device=DEVICE)
+    twin = ref.twin()
     seqs = [list(p) for p in prompts]
-    logits, gaps, noise, floor = [], [], [], []
+    inf = np.full(b, np.inf)  # routing is followed, never excused: no routing gaps
+    tf_state = model.save_state()
+    got_all, want_all = [], []
     with torch.no_grad():
         for t in range(len(prompts[0]) + n_gen - 1):
             tokens = [s[t] for s in seqs]
+            tok = torch.tensor(tokens, device=DEVICE)
+            start = ref.state()
             model.load_state(np.frombuffer(ref.kernel_state(model.state_bytes), dtype=np.uint8))
+            nxt1, got1 = model.step(tokens)
+            ids1 = model.routing()
+            model.load_state(tf_state)
             nxt, got = model.step(tokens)
-            out, nz = ref.step_with_noise(torch.tensor(tokens, device="cuda"))
+            ids = model.routing()
+            tf_state = model.save_state()
+            want1, floor1 = one_routing.routed_step(ref, start, tok, ids1, t, floor=True)
+            one.step(t, nxt1, got1, want1, inf, None, floor1)
+            want, _ = tf_routing.routed_step(ref, start, tok, ids, t)  # the reference goes on from here
             twin.forced = ref.expert_ids
-            far = (twin.step(torch.tensor(tokens, device="cuda")) - out).norm(dim=-1) / out.norm(dim=-1)
-            floor.append(far.cpu().numpy())
-            out = out.float().cpu().numpy()
-            logits.append(out)
-            gaps.append(ref.routing_gap.numpy())
-            noise.append(nz.numpy())
-            one.step(t, nxt, got, out, gaps[-1], noise[-1])
+            floor = ((twin.step(tok).float().cpu().numpy() - want) ** 2).sum(-1) ** 0.5 / (want ** 2).sum(-1) ** 0.5
+            tf.step(t, nxt, got, want, inf, None, floor)
+            got_all.append(got)
+            want_all.append(want)
             if t >= len(prompts[0]) - 1:
                 for i in range(b):
-                    seqs[i].append(int(np.argmax(out[i])))
+                    seqs[i].append(int(np.argmax(want[i])))
     del ref, twin
     torch.cuda.empty_cache()
-    # [B, steps, V], then [B, steps] x3
-    return seqs, np.stack(logits, axis=1), np.stack(gaps, axis=1), np.stack(noise, axis=1), np.stack(floor, axis=1)
+    return seqs, np.stack(got_all), np.stack(want_all)
 
 
-def run_seed(lib, config, seed, prompt_len, n_gen, mxfp4, work):
+def run_seed(open_model, config, seed, prompt_len, n_gen, mxfp4, work):
+    """open_model(checkpoint dir): the model under test (mkc_runtime.Model's methods)."""
     ckpt = os.path.join(work, f"seed{seed}")
     make(config, ckpt, mxfp4, seed)
-    model = Model(lib, ckpt)
+    model = open_model(ckpt)
     b = model.batch
     rng = np.random.default_rng(1000 + seed)
     prompts = [list(rng.integers(0, model.vocab, prompt_len)) for _ in range(b)]
-    # One step at a time from the reference's own state: every step compared
-    # from the same state, so a routing near-tie excuses only its own step
-    # and nothing cascades.
-    one = TeacherForced(b, cascade=False)
-    seqs, want, gaps, noise, floor = reference(ckpt, prompts, n_gen, prompt_len + n_gen + 8, model, one)
+    tf, one = TeacherForced(b), TeacherForced(b, cascade=False)
+    tf_routing, one_routing = Routing("teacher-forced", b), Routing("one-step", b)
     steps = prompt_len + n_gen - 1
+    seqs, got_all, want_all = lockstep(ckpt, prompts, n_gen, steps + 8, model, tf, one, tf_routing, one_routing)
+    # State: straight through (no restore) equals the lockstep run, which restored before every step;
+    # then the second half again after restoring the state saved halfway.
     model.reset()
-    tf = TeacherForced(b)
-    got_all = []
-    half_state = None
+    state_err, half_state, straight = 0.0, None, []
     for t in range(steps):
         if t == steps // 2:
             half_state = model.save_state()
-        nxt, logits = model.step([seqs[s][t] for s in range(b)])
-        got_all.append(logits)
-        tf.step(t, nxt, logits, want[:, t], gaps[:, t], noise[:, t], floor[:, t])
-    # State: restore the halfway state and decode the second half again.
+        straight.append(model.step([seqs[s][t] for s in range(b)])[1])
+        state_err = max(state_err, float(np.abs(straight[-1] - got_all[t]).max()))
     model.load_state(half_state)
-    state_err = 0.0
     for t in range(steps // 2, steps):
         _, logits = model.step([seqs[s][t] for s in range(b)])
-        state_err = max(state_err, float(np.abs(logits - got_all[t]).max()))
+        state_err = max(state_err, float(np.abs(logits - straight[t]).max()))
     # Free-running.
     model.reset()
     gen = [[] for _ in range(b)]
@@ -121,13 +185,18 @@ def run_seed(lib, config, seed, prompt_len, n_gen, mxfp4, work):
         if t >= prompt_len - 1:
             for s in range(b):
                 gen[s].append(int(nxt[s]))
-    free, free_mismatches = free_running(gen, [sq[prompt_len:] for sq in seqs], want, gaps, prompt_len, n_gen, noise)
+    never = np.full((b, steps), np.inf)
+    free, free_mismatches = free_running(gen, [sq[prompt_len:] for sq in seqs], want_all.transpose(1, 0, 2), never,
+                                         prompt_len, n_gen)
     model.close()
     shutil.rmtree(ckpt, ignore_errors=True)  # real widths: gigabytes per seed
+    mismatches = tf.mismatches + tf_routing.mismatches + one.mismatches + one_routing.mismatches + free_mismatches
     return {"seed": seed, "batch": b, "steps": steps, **tf.report(), "state_restore_max_abs_diff": state_err,
-            "one_step": one.report(), "router_noise_median": float(np.median(noise)),
-            "router_noise_max": float(noise.max()), "mismatches": (tf.mismatches + free_mismatches + one.mismatches)[:10],
-            "free_running": free, "ok": tf.ok() and not free_mismatches and state_err == 0.0 and one.ok()}
+            "one_step": one.report(), "routing_followed": tf_routing.followed,
+            "one_step_routing_followed": one_routing.followed,
+            "largest_departure_followed": max(tf_routing.largest, one_routing.largest),
+            "mismatches": mismatches[:10], "free_running": free,
+            "ok": not mismatches and tf.ok() and one.ok() and state_err == 0.0}
 
 
 def main():
@@ -141,18 +210,20 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="mkc_k3_")
-    rows = [run_seed(args.lib, args.config, s, args.prompt_len, args.gen, not args.bf16_experts, work) for s in args.seeds]
+    rows = [run_seed(lambda ckpt: Model(args.lib, ckpt), args.config, s, args.prompt_len, args.gen, not args.bf16_experts, work) for s in args.seeds]
     shutil.rmtree(work, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"lib": os.path.basename(args.lib), "config": args.config, "seeds": rows}, f, indent=1)
-    print(f"{'lib':32} {'seed':>4} {'batch':>5} {'steps':>5} {'max rel L2':>11} {'median':>9} {'bounded':>7} {'near-ties':>9} {'routing':>8} "
-          f"{'state':>6} {'one-step max':>12} {'bnd':>4} {'noise med':>9} {'floor':>8} {'in floor':>8}  free-running")
+    print(f"{'lib':32} {'seed':>4} {'batch':>5} {'steps':>5} {'max rel L2':>11} {'median':>9} {'floor':>8} {'in floor':>8} "
+          f"{'near-ties':>9} {'followed':>8} {'one-step max':>12} {'median':>9} {'followed':>8} {'state':>6}  free-running")
     for r in rows:
-        print(f"{os.path.basename(args.lib):32} {r['seed']:>4} {r['batch']:>5} {r['steps']:>5} {r['max_rel_l2']:>11.3e} {r['median_rel_l2']:>9.2e} {r['steps_bounded']:>7} "
-              f"{str(r['near_ties_excluded']):>9} {str(r['routing_near_ties_excluded']):>8} {'same' if r['state_restore_max_abs_diff'] == 0 else 'DIFF':>6} {r['one_step']['max_rel_l2']:>12.3e} "
-              f"{r['one_step']['steps_bounded']:>4} {r['router_noise_median']:>9.1e} {max(r['noise_floor']):>8.2e} "
-              f"{str(r['within_noise_floor']):>8}  "
+        o = r["one_step"]
+        print(f"{os.path.basename(args.lib):32} {r['seed']:>4} {r['batch']:>5} {r['steps']:>5} {r['max_rel_l2']:>11.3e} "
+              f"{r['median_rel_l2']:>9.2e} {max(r['noise_floor']):>8.2e} {str(r['within_noise_floor']):>8} "
+              f"{str(r['near_ties_excluded']):>9} {str(r['routing_followed']):>8} {o['max_rel_l2']:>12.3e} "
+              f"{o['median_rel_l2']:>9.2e} {str(r['one_step_routing_followed']):>8} "
+              f"{'same' if r['state_restore_max_abs_diff'] == 0 else 'DIFF':>6}  "
               f"{'; '.join(sorted(set(r['free_running'])))}{'' if r['ok'] else '  FAIL: ' + '; '.join(r['mismatches'][:3])}")
     ok = all(r["ok"] for r in rows)
     print("PASS" if ok else "FAIL")

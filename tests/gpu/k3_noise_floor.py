@@ -1,13 +1,13 @@
-"""How far the K3 reference moves from itself when its activations are bf16:
-the noise floor of a teacher-forced comparison, with no kernel involved.
+"""How far the K3 reference moves from itself when it keeps its state as the
+compiled programs do (bf16 KV cache rows and conv windows): the noise floor of
+a teacher-forced comparison, with no kernel involved.
 
 For each seed: a random K3 checkpoint (make_k3_checkpoint.py, MXFP4
-experts), the fp32 reference and its twin (K3Reference.twin: every
-projection's output rounded to bf16, as an implementation storing bf16
-activations would, the routing held to the fp32 reference's), both fed the
+experts), the fp32 reference and its twin (K3Reference.twin: the state in
+the graph's dtypes, the routing held to the fp32 reference's), both fed the
 fp32 reference's greedy tokens after a random prompt. tests/gpu/k3_decode.py
-bounds the kernel's teacher-forced error by this distance where it exceeds
-the 2e-2 bound. Prints, per seed, the relative L2 distance of
+bounds the kernel's teacher-forced error by twice this distance where that
+exceeds the 2e-2 bound. Prints, per seed, the relative L2 distance of
 their logits (max, median, the steps over the 2e-2 bound of the GPU tests,
 the max per 8 steps). `noise_floor` is the side-by-side stepping itself,
 which tests/gpu/k3_bisect.py uses too. Runs on the CPU or
@@ -31,7 +31,7 @@ from make_k3_checkpoint import make  # noqa: E402
 
 
 def noise_floor(ckpt: str, steps: int, batch: int, tokens_at, dev: str) -> tuple[list[float], list[float]]:
-    """Steps the fp32 reference and its bf16 twin side by side;
+    """Steps the fp32 reference and its twin (bf16 state) side by side;
     tokens_at(t, logits) gives step t's tokens [B] (logits: the fp32
     reference's of step t - 1, or None). Per step: the largest relative L2
     distance of their logits over the batch, and the largest change of a
@@ -80,7 +80,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="mkc_k3_floor_") as work:
         for s in args.seeds:
             r = floor(args.config, s, args.steps, args.prompt_len, work)
-            print(f"seed {r['seed']}: bf16 activations vs fp32, {args.steps} teacher-forced steps: max {r['max']:.2e}, "
+            print(f"seed {r['seed']}: bf16 state vs fp32, {args.steps} teacher-forced steps: max {r['max']:.2e}, "
                   f"median {r['median']:.2e}, {len(r['over'])} steps over {MAX_REL_L2:g}")
             print("    max per 8 steps: " + " ".join(f"{x:.1e}" for x in r["per8"]))
 

@@ -181,6 +181,41 @@ def pack_state(c: Config, batch: int, seq_len: int, kv: dict, conv: dict, ssm: d
     return out
 
 
+def unpack_state(c: Config, batch: int, data: bytes, device="cpu") -> tuple[int, dict, dict, dict]:
+    """pack_state's inverse: (seq_len, kv, conv, ssm) from a state in the runtime's save format
+    (the KV caches at the runtime's context; every sequence at the same position)."""
+    p = c.kda_heads * c.kda_dim
+    ctx = state_context(c, batch, len(data))
+    pos = np.frombuffer(data, dtype=np.int32, count=batch)
+    if (pos != pos[0]).any():
+        raise ValueError(f"sequences at different positions {pos.tolist()}")
+    at = 4 * batch
+    kv, conv, ssm = {}, {}, {}
+
+    def take(n: int, dtype, shape):
+        nonlocal at
+        raw = np.frombuffer(data, dtype=np.int16 if dtype == torch.bfloat16 else np.float32, count=n, offset=at)
+        at += raw.nbytes
+        t = torch.from_numpy(raw.copy())
+        return (t.view(torch.bfloat16) if dtype == torch.bfloat16 else t).float().reshape(shape).to(device)
+
+    for l in range(c.layers):
+        if c.is_mla(l):
+            kv[l] = take(batch * ctx * (c.kv_lora + c.rope), torch.bfloat16, (batch, ctx, c.kv_lora + c.rope))
+        else:
+            conv[l] = torch.cat([take(batch * (c.conv - 1) * p, torch.bfloat16, (batch, c.conv - 1, p)) for _ in range(3)], -1)
+            ssm[l] = take(batch * c.kda_heads * c.kda_dim * c.kda_dim, torch.float32,
+                          (batch, c.kda_heads, c.kda_dim, c.kda_dim))
+    return int(pos[0]), kv, conv, ssm
+
+
+def bf16_state(s: dict) -> dict:
+    """A K3Reference.state() with its KV cache rows and conv windows rounded to bf16, as the
+    compiled runtime stores them (the recurrent state stays fp32)."""
+    return {"seq_len": s["seq_len"], "kv": {k: v.bfloat16().float() for k, v in s["kv"].items()},
+            "conv": {k: v.bfloat16().float() for k, v in s["conv"].items()}, "ssm": s["ssm"]}
+
+
 def score_change(a: dict, b: dict, batch: int) -> torch.Tensor:
     """[B]: the largest change of any expert's selection score between two
     steps' `router_scores` (per MoE layer, [B, E]), over the layers."""
@@ -193,11 +228,15 @@ def score_change(a: dict, b: dict, batch: int) -> torch.Tensor:
 
 class K3Reference:
     def __init__(self, ckpt_dir: str, batch: int, max_ctx: int, device="cpu", prefix="language_model.",
-                 round_bf16: bool = False):
+                 round_bf16: bool = False, round_state: bool = False):
         """round_bf16: every projection's output rounded to bf16 (as an
-        implementation that stores its activations in bf16 would): how far
-        that alone moves the logits is the noise floor of a comparison."""
+        implementation that stores its activations in bf16 would; the KV cache
+        and conv windows with them). round_state: the activations fp32, what is
+        kept for later steps in the graph's dtypes (KV cache rows and conv
+        windows bf16, the recurrent state fp32), as the compiled programs keep
+        them. How far either alone moves the logits is a noise floor."""
         self.round_bf16 = round_bf16
+        self.round_state = round_state
         # Per MoE layer, expert ids [B, top_k] to take instead of this reference's own top-k
         # (twin(): the bf16 twin follows the fp32 reference's routing); `expert_ids` holds, after
         # each step, the ids taken.
@@ -231,7 +270,7 @@ class K3Reference:
         state = self.conv[l]
         window = torch.cat([state, z[:, None, :]], dim=1)  # [B, W, 3P], oldest first
         y = torch.nn.functional.silu((window * wconv.t()[None]).sum(1))
-        self.conv[l] = window[:, 1:]
+        self.conv[l] = window[:, 1:].bfloat16().float() if self.round_state else window[:, 1:]  # bf16 windows
         q, k, v = y.split(h * d, dim=-1)
         q, k, v = (t.reshape(-1, h, d) for t in (q, k, v))
         f = self.linear(self.linear(x, pre + "f_a_proj.weight"), pre + "f_b_proj.weight").reshape(-1, h, d)
@@ -263,7 +302,8 @@ class K3Reference:
         kv = self.linear(x, pre + "kv_a_proj_with_mqa.weight")
         ckv, k_pe = kv.split([c.kv_lora, c.rope], dim=-1)
         ckv = rms_norm(ckv, self.W(pre + "kv_a_layernorm.weight"), c.eps)
-        self.kv[l][:, t] = torch.cat([ckv, k_pe], dim=-1)
+        row = torch.cat([ckv, k_pe], dim=-1)
+        self.kv[l][:, t] = row.bfloat16().float() if self.round_bf16 or self.round_state else row  # a bf16 cache
         cache = self.kv[l][:, : t + 1]  # [B, T, C + R]
         wkvb = self.W(pre + "kv_b_proj.weight").reshape(c.heads, c.nope + c.v_dim, c.kv_lora)
         w_uk, w_uv = wkvb[:, : c.nope], wkvb[:, c.nope :]
@@ -299,7 +339,7 @@ class K3Reference:
             sel = sel.masked_fill(keep.repeat_interleave(c.experts // c.n_group, 1) == 0, float("-inf"))
         self.router_scores[l] = sel
         top = sel.topk(min(c.top_k + 1, c.experts), dim=-1)
-        ids = top.indices[:, : c.top_k] if self.forced is None else self.forced[l].to(top.indices.device)
+        ids = top.indices[:, : c.top_k] if self.forced is None else self.forced[l].to(top.indices.device).long()
         self.expert_ids[l] = ids
         if c.top_k < c.experts:  # the routing gap: how close the (k+1)-th choice came
             gap = (top.values[:, c.top_k - 1] - top.values[:, c.top_k]).cpu()
@@ -381,13 +421,14 @@ class K3Reference:
 
     def twin(self) -> "K3Reference":
         """A second reference on the same weights (shared, not copied) and a copy of this one's
-        state, with every projection's output rounded to bf16: stepped on the same tokens with
-        `forced` set to this one's `expert_ids`, its distance from this reference is what storing
-        activations in bf16 alone does to the logits, the routing held equal (the noise floor of
-        a teacher-forced comparison; routing near-ties are judged separately)."""
+        state, keeping its state as the compiled programs do (round_state: bf16 KV cache rows
+        and conv windows, fp32 activations and recurrent state). Stepped on the same tokens with
+        `forced` set to this one's `expert_ids`, its distance from this reference is what the
+        graph's storage dtypes alone do to the logits, the routing held equal: the noise floor
+        of a teacher-forced comparison (routing near-ties are judged separately)."""
         other = copy.copy(self)
         other.restore(self.state())
-        other.round_bf16, other.forced, other.expert_ids = True, None, {}
+        other.round_bf16, other.round_state, other.forced, other.expert_ids = False, True, None, {}
         return other
 
     def state(self) -> dict:

@@ -88,8 +88,8 @@ def test_the_twin_follows_the_routing_it_is_given(checkpoint):
     ref = K3Reference(checkpoint, batch=2, max_ctx=32, device=DEVICE)
     ref.step(torch.tensor([3, 77]))
     twin = ref.twin()
-    assert twin.round_bf16 and twin.w is ref.w  # weights shared, not copied
-    twin.round_bf16 = False  # unrounded and given the reference's routing: the same step exactly
+    assert twin.round_state and not twin.round_bf16 and twin.w is ref.w  # weights shared, not copied
+    twin.round_state = False  # unrounded and given the reference's routing: the same step exactly
     for t in ([9, 41], [200, 5]):
         want = ref.step(torch.tensor(t))
         twin.forced = ref.expert_ids
@@ -100,17 +100,21 @@ def test_the_twin_follows_the_routing_it_is_given(checkpoint):
     assert all(torch.equal(twin.expert_ids[l], twin.forced[l]) for l in twin.forced)
 
 
-def test_the_teacher_forced_bound_is_the_larger_of_2e2_and_the_noise_floor():
+def test_the_bound_is_the_larger_of_2e2_and_twice_the_noise_floor():
     from compare import TeacherForced
 
     want = np.array([[1.0, 0.0, 0.0, 0.0]])
     off = lambda rel: want + np.array([[0.0, rel, 0.0, 0.0]])  # noqa: E731  relative L2 error `rel`
-    tf = TeacherForced(1)
-    tf.step(0, [0], off(0.01), want, [1.0], [0.0], [0.05])
-    tf.step(1, [0], off(0.04), want, [1.0], [0.0], [0.001])  # within the floor reached at step 0
+    tf = TeacherForced(1)  # teacher-forced: the largest floor so far
+    tf.step(0, [0], off(0.01), want, [1.0], [0.0], [0.03])
+    tf.step(1, [0], off(0.055), want, [1.0], [0.0], [0.001])  # within twice the floor of step 0
     assert tf.ok() and tf.within_floor == [1]
-    tf.step(2, [0], off(0.06), want, [1.0], [0.0], [0.001])
-    assert not tf.ok()
+    tf.step(2, [0], off(0.065), want, [1.0], [0.0], [0.001])
+    assert not tf.ok() and "over the bound 0.06" in tf.mismatches[0]
+    one = TeacherForced(1, cascade=False)  # one step at a time: that step's floor
+    one.step(0, [0], off(0.01), want, [1.0], [0.0], [0.03])
+    one.step(1, [0], off(0.03), want, [1.0], [0.0], [0.001])
+    assert not one.ok()
     plain = TeacherForced(1)  # no floor: 2e-2
     plain.step(0, [0], off(0.03), want, [1.0], [0.0])
     assert not plain.ok()

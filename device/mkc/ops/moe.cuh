@@ -20,8 +20,11 @@ struct RouterShape {
 // All consumer threads take part: scores and choices are staged in shared
 // memory (scratch), groups are ranked by one warp, and the top-k is k rounds
 // of a warp arg-max (ties to the lower expert id, as a sequential scan).
+// `log` [B, top_k] receives the ids too: the arena's routing log, which no
+// other stage reuses, so the host can read every router's choice after a step.
 template <int B>
-__device__ void router(const RouterShape& r, const float* logits, const float* bias, int32_t* ids, float* wts) {
+__device__ void router(const RouterShape& r, const float* logits, const float* bias, int32_t* ids, float* wts,
+                       int32_t* log) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* score = reinterpret_cast<float*>(scratch_ptr());  // [experts]
   float* choice = score + r.experts;                        // [experts], then what is left to pick
@@ -82,6 +85,7 @@ __device__ void router(const RouterShape& r, const float* logits, const float* b
         sum += w;
         if (lane == 0) {
           my_ids[t] = be;
+          log[size_t(b) * r.top_k + t] = be;
           my_w[t] = w;
         }
         __syncwarp();

@@ -24,6 +24,8 @@ typedef struct mkc_model_info {
   uint64_t vocab;        /* logits per sequence */
   uint64_t context;      /* tokens each sequence may hold */
   uint64_t state_bytes;  /* what mkc_model_save_state writes */
+  uint32_t routers;      /* MoE routers, in graph order (mkc_model_routing) */
+  uint32_t router_top_k; /* experts each router picks per sequence (0: they differ) */
 } mkc_model_info;
 
 /* Checks the checkpoint in `dir` against the plan (every tensor, by name),
@@ -47,6 +49,11 @@ int mkc_model_time_steps(mkc_model* m, const int32_t* tokens, int warmup, int n,
  * written to trace_path as Chrome trace JSON: a row per SM. */
 int mkc_model_profile_step(mkc_model* m, const int32_t* tokens, int32_t* next, const char* trace_path, char* err,
                            size_t err_len);
+
+/* The expert ids every router picked in the last step, [router][batch][top_k]
+ * in graph order (n: the sum over routers of batch x top_k), to compare the
+ * routing with a reference's. */
+int mkc_model_routing(const mkc_model* m, int32_t* ids, size_t n, char* err, size_t err_len);
 
 /* Every sequence back to position 0, its state (KV caches, conv windows,
  * recurrent state) zeroed. */

@@ -30,13 +30,17 @@ impl Gen<'_> {
         let bias = if ops.len() > 1 { self.weight(ops[1].node, 0)? } else { "nullptr".into() };
         let ids = self.value(ValueRef { node: n, output: 0 }, op)?;
         let wts = self.value(ValueRef { node: n, output: 1 }, op)?;
+        // This router's rows of the routing log (Program::route_log).
+        let top_k = attrs.int("top_k") as u64;
+        let log_at: u64 = self.routers.iter().map(|(_, k)| self.batch * k * 4).sum();
+        self.routers.push((g.node(n).name.clone(), top_k));
         self.check_reads(stage, &[ops[0]])?;
         self.header(stage, op, "scores and top-k");
         let _ = writeln!(
             self.code,
             "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  \
-             router<kBatch>(RouterShape{{{e}, {}, {}, {}, {}, {}}}, {logits}, {bias}, {ids}, {wts});\n}}",
-            attrs.int("top_k"),
+             router<kBatch>(RouterShape{{{e}, {top_k}, {}, {}, {}, {}}}, {logits}, {bias}, {ids}, {wts},\n    \
+             reinterpret_cast<int32_t*>(m.arena + kRouteLog + {log_at}));\n}}",
             attrs.int("n_group"),
             attrs.int("topk_group"),
             attrs.bool("renormalize"),
