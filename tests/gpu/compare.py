@@ -24,7 +24,9 @@ Teacher-forced (the model is fed the reference's tokens):
     step at a time, that step's (the reference's step from its state rounded to
     bf16). On a small random K3 the storage dtypes alone move the logits by
     more than MAX_REL_L2 at some steps. Steps over MAX_REL_L2 but within the
-    bound are counted and reported.
+    bound are counted and reported. The argmax near-tie margin scales with the
+    bound (NEAR_TIE x bound / MAX_REL_L2): logits allowed to move further may
+    swap closer-run tokens.
 Free-running greedy decode equals the reference's, or the first divergence is
 at a near-tie (of the logits or of the routing).
 """
@@ -90,6 +92,8 @@ class TeacherForced:
         self.floor = [0.0] * batch  # the noise floor per sequence (see step)
         self.largest_floor = [0.0] * batch
         self.within_floor = [0] * batch  # steps over MAX_REL_L2 held to the floor's bound instead
+        self.near_tie: list[list[float]] = [[] for _ in range(batch)]  # per sequence and step: the margin threshold
+        self.steps: list[dict] = []  # per sequence and step: error, bound, margin (the JSON report)
 
     def step(self, t: int, nxt, logits, want, gaps, noise=None, floor=None) -> None:
         """noise[s]: the router noise of sequence s at this step (or None); floor[s]: the
@@ -103,6 +107,11 @@ class TeacherForced:
             self.errors.append((rel, s, t))
             if int(nxt[s]) != int(np.argmax(logits[s])):
                 self.mismatches.append(f"seq {s} step {t}: kernel argmax differs from its own logits")
+            bound = max(MAX_REL_L2, FLOOR_FACTOR * self.floor[s])
+            near = NEAR_TIE * bound / MAX_REL_L2
+            self.near_tie[s].append(near)
+            self.steps.append({"seq": s, "step": t, "rel_l2": rel, "bound": bound, "margin": margin(w),
+                               "argmax_equal": int(nxt[s]) == int(np.argmax(w))})
             if self.routed_apart[s] is not None:
                 continue
             tie = routing_tie(float(gaps[s]), None if noise is None else float(noise[s]))
@@ -113,7 +122,6 @@ class TeacherForced:
             else:
                 self.worst = max(self.worst, rel)
                 self.bounded.append(rel)
-                bound = max(MAX_REL_L2, FLOOR_FACTOR * self.floor[s])
                 if rel > bound:
                     self.mismatches.append(f"seq {s} step {t}: rel L2 {rel:.3g} over the bound {bound:.3g}")
                 elif rel > MAX_REL_L2:
@@ -121,7 +129,7 @@ class TeacherForced:
             if int(nxt[s]) != int(np.argmax(w)):
                 if tie and rel > MAX_REL_L2:
                     pass  # the other expert's logits: counted above with the routing near-ties
-                elif margin(w) < NEAR_TIE:
+                elif margin(w) < near:
                     self.excluded[s] += 1
                 else:
                     self.mismatches.append(f"seq {s} step {t}: argmax {int(nxt[s])} vs {int(np.argmax(w))}, "
@@ -145,15 +153,18 @@ class TeacherForced:
             "routing_near_ties_excluded": self.routing_excluded,
             "routed_apart_at": self.routed_apart,
             "noise_floor": self.largest_floor,
+            "steps": self.steps,
             "within_noise_floor": self.within_floor,
         }
 
 
-def free_running(gen, ref_tokens, want, gaps, prompt_len: int, n_gen: int, noise=None) -> tuple[list[str], list[str]]:
+def free_running(gen, ref_tokens, want, gaps, prompt_len: int, n_gen: int, noise=None,
+                 near=None) -> tuple[list[str], list[str]]:
     """gen[s]: the model's greedy tokens; ref_tokens[s]: the reference's
     (after the prompt); want[s][t] / gaps[s][t] / noise[s][t]: the reference's
-    logits, routing gap and router noise at step t. Returns (one line per
-    sequence, mismatches)."""
+    logits, routing gap and router noise at step t; near[s][t]: the argmax
+    near-tie margin at step t (TeacherForced.near_tie; NEAR_TIE if None).
+    Returns (one line per sequence, mismatches)."""
     lines, mismatches = [], []
     for s in range(len(gen)):
         got, ref = list(gen[s][:n_gen]), list(ref_tokens[s][:n_gen])
@@ -164,7 +175,7 @@ def free_running(gen, ref_tokens, want, gaps, prompt_len: int, n_gen: int, noise
         m = margin(want[s][prompt_len - 1 + i])
         gap = float(gaps[s][prompt_len - 1 + i])
         nz = None if noise is None else float(noise[s][prompt_len - 1 + i])
-        tie = m < NEAR_TIE or routing_tie(gap, nz)
+        tie = m < (NEAR_TIE if near is None else near[s][prompt_len - 1 + i]) or routing_tie(gap, nz)
         lines.append(f"diverges at {i} (margin {m:.3g}, routing gap {gap:.2g}"
                      f"{'' if nz is None else f', router noise {nz:.2g}'}, {'near-tie' if tie else 'NOT a near-tie'})")
         if not tie:
