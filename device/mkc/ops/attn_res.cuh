@@ -13,8 +13,11 @@ namespace mkc {
 //   s_j = (sum_d r_j[d] gamma[d] w[d]) rsqrt(mean_d r_j[d]^2 + eps)
 //   out[b, d] = sum_j softmax(s)_j r_j[d]            (fp32)
 // for output columns [d0, d1) (the scores always cover the whole row). The
-// bank is [B][n][hidden] (a value of n rows per token); scores go to shared
-// memory (a warp per row).
+// bank is [B][n][hidden] (a value of n rows per token), hidden a multiple of
+// 4. Every warp takes a share of every row's columns, four at a time, so all
+// of the SM's loads are in flight together (a warp per row left most warps
+// idle and each lane's loads in a long chain); the partial sums meet in
+// scratch, the scores in shared memory.
 constexpr uint32_t kMaxBankRows = 31;
 
 template <int B, class T>
@@ -22,21 +25,30 @@ __device__ void attn_res_mix(const T* bank, uint32_t n, const T* u, const __nv_b
                              float eps, uint32_t hidden, uint32_t d0, uint32_t d1, float* out) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ float p[B][kMaxBankRows + 1];
-  if (n > kMaxBankRows) __trap();
+  static_assert(kConsumerWarps * B * (kMaxBankRows + 1) * 2 * sizeof(float) <= size_t(kScratchBytes),
+                "the mix's partial sums fit in scratch");
+  if (n > kMaxBankRows || hidden % 4 != 0 || d0 % 4 != 0 || d1 % 4 != 0) __trap();
+  const uint32_t rows = uint32_t(B) * (n + 1);
+  float* part = reinterpret_cast<float*>(scratch_ptr());  // [warp][row][dot, sum of squares]
   auto row = [&](uint32_t j, int b) { return j < n ? bank + (size_t(b) * n + j) * hidden : u + size_t(b) * hidden; };
-  for (uint32_t i = warp; i < B * (n + 1); i += kConsumerWarps) {
-    const int b = int(i / (n + 1));
-    const uint32_t j = i % (n + 1);
-    const T* r = row(j, b);
+  for (uint32_t i = 0; i < rows; ++i) {
+    const T* r = row(i % (n + 1), int(i / (n + 1)));
     float dot = 0.f, ss = 0.f;
-    for (uint32_t d = lane; d < hidden; d += 32) {
-      const float x = to_float(r[d]);
-      dot = fmaf(x, bf(gamma[d]) * bf(w[d]), dot);
-      ss = fmaf(x, x, ss);
+    for (uint32_t d = threadIdx.x * 4; d < hidden; d += kConsumerThreads * 4) {
+      const float4 x = load_four(r + d);
+      const float4 g = load_four(gamma + d), v = load_four(w + d);
+      dot = fmaf(x.x, g.x * v.x, fmaf(x.y, g.y * v.y, fmaf(x.z, g.z * v.z, fmaf(x.w, g.w * v.w, dot))));
+      ss = fmaf(x.x, x.x, fmaf(x.y, x.y, fmaf(x.z, x.z, fmaf(x.w, x.w, ss))));
     }
     dot = warp_sum(dot);
     ss = warp_sum(ss);
-    if (lane == 0) p[b][j] = dot * rsqrtf(ss / float(hidden) + eps);
+    if (lane == 0) part[(warp * rows + i) * 2] = dot, part[(warp * rows + i) * 2 + 1] = ss;
+  }
+  consumer_sync();
+  if (threadIdx.x < rows) {
+    float dot = 0.f, ss = 0.f;
+    for (int v = 0; v < kConsumerWarps; ++v) dot += part[(v * rows + threadIdx.x) * 2], ss += part[(v * rows + threadIdx.x) * 2 + 1];
+    p[threadIdx.x / (n + 1)][threadIdx.x % (n + 1)] = dot * rsqrtf(ss / float(hidden) + eps);
   }
   consumer_sync();
   if (threadIdx.x < B) {
@@ -48,12 +60,17 @@ __device__ void attn_res_mix(const T* bank, uint32_t n, const T* u, const __nv_b
     for (uint32_t j = 0; j <= n; ++j) p[b][j] /= l;
   }
   consumer_sync();
-  for (uint32_t i = threadIdx.x; i < B * (d1 - d0); i += kConsumerThreads) {
-    const int b = int(i / (d1 - d0));
-    const uint32_t d = d0 + i % (d1 - d0);
-    float acc = 0.f;
-    for (uint32_t j = 0; j <= n; ++j) acc = fmaf(p[b][j], to_float(row(j, b)[d]), acc);
-    out[size_t(b) * hidden + d] = acc;
+  const uint32_t quads = (d1 - d0) / 4;
+  for (uint32_t i = threadIdx.x; i < B * quads; i += kConsumerThreads) {
+    const int b = int(i / quads);
+    const uint32_t d = d0 + (i % quads) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (uint32_t j = 0; j <= n; ++j) {
+      const float4 x = load_four(row(j, b) + d);
+      const float pj = p[b][j];
+      acc = make_float4(fmaf(pj, x.x, acc.x), fmaf(pj, x.y, acc.y), fmaf(pj, x.z, acc.z), fmaf(pj, x.w, acc.w));
+    }
+    *reinterpret_cast<float4*>(out + size_t(b) * hidden + d) = acc;
   }
   consumer_sync();
 }

@@ -170,6 +170,9 @@ impl Gen<'_> {
         if rows > 31 {
             return Err(unsupported(op, &format!("an attention-residual bank of {rows} rows (at most 31)")));
         }
+        if !hidden.is_multiple_of(4) {
+            return Err(unsupported(op, &format!("an attention-residual mix of rows of {hidden} (a multiple of 4)")));
+        }
         let u = self.value(ops[0], op)?;
         let bank = self.value(ops[1], op)?;
         let (w, gamma) = (self.weight(ops[2].node, 0)?, self.weight(ops[3].node, 0)?);
