@@ -153,7 +153,7 @@ class TeacherForced:
             "routing_near_ties_excluded": self.routing_excluded,
             "routed_apart_at": self.routed_apart,
             "noise_floor": self.largest_floor,
-            "steps": self.steps,
+            "per_step": self.steps,
             "within_noise_floor": self.within_floor,
         }
 

@@ -200,6 +200,23 @@ def run_seed(open_model, config, seed, prompt_len, n_gen, mxfp4, work):
             "ok": not mismatches and tf.ok() and one.ok() and state_err == 0.0}
 
 
+def table(lib: str, rows: list[dict]) -> str:
+    """The report's table: a line per seed (run_seed's rows)."""
+    lines = [
+        f"{'lib':32} {'seed':>4} {'batch':>5} {'steps':>5} {'max rel L2':>11} {'median':>9} {'floor':>8} {'in floor':>8} "
+        f"{'near-ties':>9} {'followed':>8} {'one-step max':>12} {'median':>9} {'followed':>8} {'state':>6}  free-running"]
+    for r in rows:
+        o = r["one_step"]
+        lines.append(
+            f"{lib:32} {r['seed']:>4} {r['batch']:>5} {r['steps']:>5} {r['max_rel_l2']:>11.3e} "
+            f"{r['median_rel_l2']:>9.2e} {max(r['noise_floor']):>8.2e} {str(r['within_noise_floor']):>8} "
+            f"{str(r['near_ties_excluded']):>9} {str(r['routing_followed']):>8} {o['max_rel_l2']:>12.3e} "
+            f"{o['median_rel_l2']:>9.2e} {str(r['one_step_routing_followed']):>8} "
+            f"{'same' if r['state_restore_max_abs_diff'] == 0 else 'DIFF':>6}  "
+            f"{'; '.join(sorted(set(r['free_running'])))}{'' if r['ok'] else '  FAIL: ' + '; '.join(r['mismatches'][:3])}")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True)
@@ -216,16 +233,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"lib": os.path.basename(args.lib), "config": args.config, "seeds": rows}, f, indent=1)
-    print(f"{'lib':32} {'seed':>4} {'batch':>5} {'steps':>5} {'max rel L2':>11} {'median':>9} {'floor':>8} {'in floor':>8} "
-          f"{'near-ties':>9} {'followed':>8} {'one-step max':>12} {'median':>9} {'followed':>8} {'state':>6}  free-running")
-    for r in rows:
-        o = r["one_step"]
-        print(f"{os.path.basename(args.lib):32} {r['seed']:>4} {r['batch']:>5} {r['steps']:>5} {r['max_rel_l2']:>11.3e} "
-              f"{r['median_rel_l2']:>9.2e} {max(r['noise_floor']):>8.2e} {str(r['within_noise_floor']):>8} "
-              f"{str(r['near_ties_excluded']):>9} {str(r['routing_followed']):>8} {o['max_rel_l2']:>12.3e} "
-              f"{o['median_rel_l2']:>9.2e} {str(r['one_step_routing_followed']):>8} "
-              f"{'same' if r['state_restore_max_abs_diff'] == 0 else 'DIFF':>6}  "
-              f"{'; '.join(sorted(set(r['free_running'])))}{'' if r['ok'] else '  FAIL: ' + '; '.join(r['mismatches'][:3])}")
+    print(table(os.path.basename(args.lib), rows))
     ok = all(r["ok"] for r in rows)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1

@@ -94,6 +94,8 @@ def test_a_bf16_k3_passes(tmp_path):
     assert r["ok"], r["mismatches"]
     assert r["steps_bounded"] == 11 and r["one_step"]["steps_bounded"] == 11
     assert r["state_restore_max_abs_diff"] == 0.0 and r["free_running"] == ["equal"]
+    lines = k3_decode.table("stand-in", [r]).splitlines()
+    assert len(lines) == 2 and lines[1].split()[:4] == ["stand-in", "3", "1", "11"]
 
 
 @pytest.mark.skipif(k3_decode.DEVICE != "cpu", reason="the stand-in runs on the CPU")
