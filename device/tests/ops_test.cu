@@ -855,9 +855,10 @@ int main() {
   test_kda(rng, 4, 16, false);   // Kimi Linear tiny: softplus gate
   test_kda(rng, 4, 128, true);   // K3's head size and safe gate
   test_situ(rng);
-  test_mx<1>(rng, 40, 3, 37, 3584, true, false);  // K3's latent width: a full and a partial chunk
+  test_mx<1>(rng, 40, 3, 37, 3584, true, false);  // K3's latent width: one full chunk
   test_mx<4>(rng, 16, 0, 16, 64, false, true);    // tiny widths
   test_mx<1>(rng, 24, 8, 24, 3072, false, false);
+  test_mx<1>(rng, 12, 2, 11, 7680, true, false);  // two full chunks and a partial one
   test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone
   test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");

@@ -174,9 +174,14 @@ struct MxRows {
   }
 };
 
-// A page holds the codes of kPageRows rows for kMxK elements (1 KiB a row)
-// and, after them, the rows' scales for those elements (64 bytes a row).
-constexpr uint32_t kMxK = 2048;
+// A page holds the codes of kPageRows rows for kMxK elements (1792 bytes a
+// row) and, after them, the rows' scales for those elements (112 bytes a
+// row): the most elements, in 512s (whole 16-byte units of scales), whose
+// codes and scales fit a page. The loader's cost goes by its bulk copies (two
+// per row of a page), so the fuller the page the faster the stream: at 2048
+// elements a page the routed experts streamed at a quarter of the bf16 rows'
+// rate. K3's latent width (3584) is one chunk.
+constexpr uint32_t kMxK = 3584;
 constexpr uint32_t kMxScales = kPageRows * (kMxK / 2);  // byte offset of the scales in a page
 static_assert(kMxScales + kPageRows * (kMxK / 32) <= uint32_t(kPageBytes), "an MXFP4 page holds codes and scales");
 
@@ -228,10 +233,10 @@ __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
 }
 
 // Consumers: rows of y = x W^T into st [B, cols] (x fp32 [B, k], in shared
-// memory or global). Warp w takes elements [256 w, 256 w + 256) of each row
-// chunk, eight per lane (four code bytes, one scale): the codes decoded
-// through a 16-entry table in shared memory, the eight products summed before
-// the block's scale multiplies them once.
+// memory or global). Warp w takes elements [256 w, 256 w + 256) of each 2048
+// of a row chunk, eight per lane (four code bytes, one scale): the codes
+// decoded through a 16-entry table in shared memory, the eight products summed
+// before the block's scale multiplies them once.
 template <int B>
 __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int warp, float* st) {
   const int lane = threadIdx.x % 32;
@@ -242,7 +247,7 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
   const uint32_t cols = r.cols();
   const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
   const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
-  const uint32_t e = uint32_t(warp) * 256 + uint32_t(lane) * 8;  // this lane's elements within a chunk
+  const uint32_t e0 = uint32_t(warp) * 256 + uint32_t(lane) * 8;  // this lane's first elements within a chunk
   for (uint32_t blk = 0; blk < blocks; ++blk) {
     const uint32_t j0 = blk * kPageRows, nr = min(uint32_t(kPageRows), cols - j0);
     float acc[kPageRows][B] = {};
@@ -250,7 +255,7 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
       const uint32_t k0 = ch * kMxK, nk = min(kMxK, r.k - k0);
       const int slot = it % kPages;
       Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
-      if (e < nk) {
+      for (uint32_t e = e0; e < nk; e += kConsumerThreads * 8) {
         // The scale of this lane's block of 32, per row, from the page.
         const auto* scales = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]) + kMxScales + e / 32;
         float sc[kPageRows];
