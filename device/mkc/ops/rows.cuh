@@ -177,10 +177,9 @@ struct MxRows {
 // A page holds the codes of kPageRows rows for kMxK elements (1792 bytes a
 // row) and, after them, the rows' scales for those elements (112 bytes a
 // row): the most elements, in 512s (whole 16-byte units of scales), whose
-// codes and scales fit a page. The loader's cost goes by its bulk copies (two
-// per row of a page), so the fuller the page the faster the stream: at 2048
-// elements a page the routed experts streamed at a quarter of the bf16 rows'
-// rate. K3's latent width (3584) is one chunk.
+// codes and scales fit a page, so a row chunk costs the loader two bulk copies
+// for as many bytes as fit (2048 elements filled 8.5 of 16 KiB). K3's latent
+// width (3584) is one chunk.
 constexpr uint32_t kMxK = 3584;
 constexpr uint32_t kMxScales = kPageRows * (kMxK / 2);  // byte offset of the scales in a page
 static_assert(kMxScales + kPageRows * (kMxK / 32) <= uint32_t(kPageBytes), "an MXFP4 page holds codes and scales");
