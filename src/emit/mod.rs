@@ -131,15 +131,13 @@ pub fn emit(
             format!("{} {}", kind, plan.fusion.ops[s.op].name).replace(['"', '\\'], "_")
         })
         .collect();
-    let top_ks: std::collections::BTreeSet<u64> = p.routers.iter().map(|(_, k)| *k).collect();
-    let router_top_k = if top_ks.len() == 1 { top_ks.first().copied().unwrap_or(0) } else { 0 };
-    let route_log_ints: u64 = p.routers.iter().map(|(_, k)| u64::from(plan.options.batch) * k).sum();
     let program_h = render(
         &env,
         "program.cuh",
         minijinja::context! {
             batch => plan.options.batch, context => plan.options.context,
-            arena_bytes => p.arena_bytes, route_log => p.route_log, routers => p.routers, router_top_k, route_log_ints,
+            arena_bytes => p.arena_bytes, route_log => p.route_log, routers => p.routers,
+            router_top_k => p.router_top_k, route_log_ints => p.route_log_ints,
             buffers => p.buffers, staging_floats => p.staging_floats, pages => p.pages, states => p.states,
             outputs => p.outputs, next_token_output => p.next_token_output, logits_output => p.logits_output,
             vocab => p.vocab, tasks => p.tasks, code => p.code, load_cases => p.load_cases,

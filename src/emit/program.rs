@@ -80,6 +80,10 @@ pub struct Program {
     pub route_log: u64,
     /// The routers logged: (graph node, top-k).
     pub routers: Vec<(String, u64)>,
+    /// The log's length in ids (batch x top-k, summed over the routers).
+    pub route_log_ints: u64,
+    /// The routers' common top-k (0: no routers, or routers of different top-k).
+    pub router_top_k: u64,
     /// fp32 staging per SM for projection epilogues.
     pub staging_floats: u64,
     /// Ring pages the plan's warp layout was sized for.
@@ -176,6 +180,8 @@ struct Gen<'a> {
     run_cases: Vec<String>,
     load_waits: Vec<(usize, u32, u32)>,
     routers: Vec<(String, u64)>,
+    /// Bytes of the routing log so far (the next router's offset in it).
+    route_log_bytes: u64,
 }
 
 fn nid(i: usize) -> NodeId {
@@ -476,6 +482,7 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         run_cases: vec![],
         load_waits: vec![],
         routers: vec![],
+        route_log_bytes: 0,
     };
     for op in &plan.fusion.ops {
         gen.fused(op)?;
@@ -492,7 +499,9 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
     }
     // The routing log, after the buffers: no stage reuses it.
     let route_log = at;
-    at = align(at + gen.routers.iter().map(|(_, k)| gen.batch * k * 4).sum::<u64>(), 256);
+    at = align(at + gen.route_log_bytes, 256);
+    let top_k = gen.routers.first().map_or(0, |(_, k)| *k);
+    let router_top_k = if gen.routers.iter().all(|(_, k)| *k == top_k) { top_k } else { 0 };
     let mut in_stage = vec![0usize; plan.tiling.stages.len()];
     let tasks = plan
         .tiling
@@ -512,6 +521,8 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         arena_bytes: at.max(256),
         route_log,
         routers: gen.routers,
+        route_log_ints: gen.route_log_bytes / 4,
+        router_top_k,
         staging_floats: align(gen.staging.max(1), 32),
         pages: plan.warps.layout.pages,
         states,

@@ -213,8 +213,6 @@ class Engine {
     return ms / float(n);
   }
 
-  // The per-sequence state (KV caches and recurrent state) with the
-  // positions, as bytes: what a restart needs.
   // The routing log of the last step (program.cuh: kRouteLog).
   void routing(int32_t* out, size_t n) const {
     if (n != P::kRouteLogInts) {
@@ -224,6 +222,8 @@ class Engine {
     MKC_CUDA(cudaMemcpy(out, memory_.arena + P::kRouteLog, n * sizeof(int32_t), cudaMemcpyDeviceToHost));
   }
 
+  // The per-sequence state (KV caches and recurrent state) with the
+  // positions, as bytes: what a restart needs.
   size_t state_size() const {
     size_t need = sizeof(int32_t) * P::kBatch;
     for (uint32_t s = 0; s < P::kStates; ++s) need += P::state_bytes[s] * P::kBatch;

@@ -32,7 +32,8 @@ impl Gen<'_> {
         let wts = self.value(ValueRef { node: n, output: 1 }, op)?;
         // This router's rows of the routing log (Program::route_log).
         let top_k = attrs.int("top_k") as u64;
-        let log_at: u64 = self.routers.iter().map(|(_, k)| self.batch * k * 4).sum();
+        let log_at = self.route_log_bytes;
+        self.route_log_bytes += self.batch * top_k * 4;
         self.routers.push((g.node(n).name.clone(), top_k));
         self.check_reads(stage, &[ops[0]])?;
         self.header(stage, op, "scores and top-k");
