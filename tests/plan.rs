@@ -436,14 +436,12 @@ fn k2_program_covers_every_stage() {
 
 /// Graphs with operations the device library does not compute are refused
 /// by name (codegen without --tables-only), never emitted with gaps: a
-/// softmax router, and K3 at a batch whose MLA output gate no longer fits the
-/// staged input.
+/// softmax router.
 #[test]
 fn codegen_refuses_what_it_cannot_compute() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("model_graphs");
     let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
     let t = Target::load("h200").unwrap();
-    // A softmax router.
     let source = std::fs::read_to_string(root.join("kimi_k2/graph.mkc")).unwrap();
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(root.join("kimi_k2/tiny.json")).unwrap()).unwrap();
@@ -452,17 +450,41 @@ fn codegen_refuses_what_it_cannot_compute() {
     let p = plan::plan(&v, &t, Options::default()).unwrap();
     let err = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap_err().to_string();
     assert!(err.contains("codegen: fused operation") && err.contains("router scoring \"softmax\""), "{err}");
-    // K3 with 96 MLA heads of 128 at batch 8: 384 KiB of gated input per step.
+}
+
+/// An input staged whole that does not fit the 64 KiB of shared-memory
+/// staging (K3's MLA output gate over 96 heads of 128 at batch 8: 384 KiB;
+/// the MXFP4 experts' inputs of 3584 and 3072 at batch 8) is given a spill in
+/// the SM's global staging past its output tile; at batch 1 it stays in
+/// shared memory.
+#[test]
+fn wide_staged_inputs_spill_to_global_staging() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("model_graphs");
+    let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
+    let t = Target::load("h200").unwrap();
     let source = std::fs::read_to_string(root.join("kimi_k3/graph.mkc")).unwrap();
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(root.join("kimi_k3/tiny.json")).unwrap()).unwrap();
     let text = if cfg.get("text_config").is_some() { &mut cfg["text_config"] } else { &mut cfg };
     text["num_attention_heads"] = 96.into();
     text["v_head_dim"] = 128.into();
+    text["routed_expert_hidden_size"] = 3584.into();
+    text["moe_intermediate_size"] = 3072.into();
     let v = compile_with(&source, &Config::parse(&cfg.to_string(), "wide.json").unwrap());
-    let p = plan::plan(&v, &t, Options { batch: 8, ..Options::default() }).unwrap();
-    let err = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap_err().to_string();
-    assert!(err.contains("codegen: fused operation") && err.contains("staged input"), "{err}");
+    for (batch, spilled) in [(1, false), (8, true)] {
+        let p = plan::plan(&v, &t, Options { batch, ..Options::default() }).unwrap();
+        let a = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap();
+        let program = &a.files[2].1;
+        for call in ["rows_compute_mul<kBatch>(", "mx_rows_compute<kBatch>("] {
+            let lines: Vec<&str> = program.lines().filter(|l| l.contains(call)).collect();
+            assert!(!lines.is_empty(), "batch {batch}: no {call}");
+            for l in lines {
+                let spill = l.trim_end().trim_end_matches(");").rsplit(", ").next().unwrap();
+                assert_eq!(spill.starts_with("st + "), spilled, "batch {batch}: {l}");
+                assert_eq!(spill == "nullptr", !spilled, "batch {batch}: {l}");
+            }
+        }
+    }
 }
 
 /// The arena layout the program uses: every slot inside its buffer, buffers

@@ -65,11 +65,13 @@ struct RowsCase {
   const __nv_bfloat16* norm;
   float* out;  // [B, cols]
   uint32_t repeat;  // run the task this many times back to back (ring wrap-around)
+  const float* gate;  // rows_compute_mul's sigmoid gate [B, k], or null
+  float* spill;       // its global staging when [B, k] does not fit in shared memory
 };
 __device__ RowsCase g_rows;
 
 template <int B>
-__global__ void rows_kernel() {
+__global__ void __launch_bounds__(mkc::kConsumerThreads + 32, 1) rows_kernel() {
   mkc::Ring& ring = *mkc::ring_ptr();
   if (threadIdx.x == 0) mkc::ring_init(ring);
   __syncthreads();
@@ -80,15 +82,21 @@ __global__ void rows_kernel() {
     if (warp == mkc::kConsumerWarps) {
       mkc::rows_load(c.rows, it);
     } else {
-      mkc::rows_compute<B>(c.rows, c.x, c.norm, 1e-6f, it, warp, c.out);
+      if (c.gate != nullptr) {
+        mkc::rows_compute_mul<B>(c.rows, c.x, c.gate, 1, it, warp, c.out, c.spill);
+      } else {
+        mkc::rows_compute<B>(c.rows, c.x, c.norm, 1e-6f, it, warp, c.out);
+      }
       mkc::consumer_sync();
     }
   }
 }
 
+// gated: the input is x * sigmoid(gate) (rows_compute_mul, K3's MLA output
+// gate), staged in global memory when [B, k] does not fit in shared memory.
 template <int B>
 static void test_rows(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1, uint32_t k, bool pair,
-                      bool norm) {
+                      bool norm, bool gated = false) {
   std::normal_distribution<float> nd(0.f, 1.f);
   auto bf_vec = [&](size_t n, float sd, float mean) {
     std::vector<__nv_bfloat16> v(n);
@@ -97,15 +105,20 @@ static void test_rows(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t 
   };
   const auto w0 = bf_vec(size_t(n_rows) * k, 0.05f, 0.f), w1 = bf_vec(size_t(n_rows) * k, 0.05f, 0.f);
   const auto g = bf_vec(k, 0.1f, 1.f);
-  std::vector<float> x(size_t(B) * k);
+  std::vector<float> x(size_t(B) * k), gate(size_t(B) * k);
   for (auto& v : x) v = nd(rng);
+  for (auto& v : gate) v = 2.f * nd(rng);
   const uint32_t n = r1 - r0, cols = n * (pair ? 2 : 1);
+  const bool spill = gated && size_t(B) * k * sizeof(float) > size_t(mkc::kActivationBytes);
+  float* d_gate = gated ? upload(gate) : nullptr;
+  float* d_spill = spill ? upload(std::vector<float>(size_t(B) * k, NAN)) : nullptr;
   auto* d_w0 = upload(w0);
   auto* d_w1 = upload(w1);
   auto* d_g = upload(g);
   float* d_x = upload(x);
   float* d_out = upload(std::vector<float>(size_t(B) * cols, NAN));
-  const RowsCase c{mkc::Rows{d_w0, pair ? d_w1 : nullptr, r0, r1, k}, d_x, norm ? d_g : nullptr, d_out, 3};
+  const RowsCase c{mkc::Rows{d_w0, pair ? d_w1 : nullptr, r0, r1, k}, d_x, norm ? d_g : nullptr, d_out, 3, d_gate,
+                   d_spill};
   CHECK(cudaMemcpyToSymbol(g_rows, &c, sizeof c));
   launch_with_loader(rows_kernel<B>);
   const auto out = download(d_out, size_t(B) * cols);
@@ -123,7 +136,8 @@ static void test_rows(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t 
       const size_t row = r0 + (j < n ? j : j - n);
       double ref = 0, mag = 0;
       for (uint32_t e = 0; e < k; ++e) {
-        const double xe = double(x[b * k + e]) * (norm ? scale * double(__bfloat162float(g[e])) : 1.0);
+        double xe = double(x[b * k + e]) * (norm ? scale * double(__bfloat162float(g[e])) : 1.0);
+        if (gated) xe /= 1.0 + std::exp(-double(gate[b * k + e]));
         const double t = double(__bfloat162float(w[row * k + e])) * xe;
         ref += t;
         mag += std::abs(t);
@@ -134,25 +148,28 @@ static void test_rows(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t 
     }
   }
   char detail[160];
-  std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s: max error / sum|terms| %.2e", B, r0, r1,
-                n_rows, k, pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "", worst);
+  std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s%s: max error / sum|terms| %.2e", B, r0,
+                r1, n_rows, k, pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "",
+                gated ? (spill ? ", sigmoid-gated input staged in global memory" : ", sigmoid-gated input") : "", worst);
   report("projection rows through the page ring", finite && worst < 1e-5, detail);
-  for (void* p : {(void*)d_w0, (void*)d_w1, (void*)d_g, (void*)d_x, (void*)d_out}) CHECK(cudaFree(p));
+  for (void* p : {(void*)d_w0, (void*)d_w1, (void*)d_g, (void*)d_x, (void*)d_out, (void*)d_gate, (void*)d_spill})
+    if (p != nullptr) CHECK(cudaFree(p));
 }
 
 // ---------------------------------------------------------------------------
-// MXFP4 rows through the page ring (codes through the ring, scales a page
-// ahead from global memory), against the dequantised weights in double.
+// MXFP4 rows through the page ring (a row chunk's codes and scales in one
+// page), against the dequantised weights in double.
 struct MxCase {
   mkc::MxRows rows;
   const float* x;
   const __nv_bfloat16* norm;
   float* out;
+  float* spill;  // the input's global staging when [B, k] does not fit in shared memory
 };
 __device__ MxCase g_mx;
 
 template <int B>
-__global__ void mx_kernel() {
+__global__ void __launch_bounds__(mkc::kConsumerThreads + 32, 1) mx_kernel() {
   mkc::Ring& ring = *mkc::ring_ptr();
   if (threadIdx.x == 0) mkc::ring_init(ring);
   __syncthreads();
@@ -162,7 +179,7 @@ __global__ void mx_kernel() {
     if (threadIdx.x / 32 == mkc::kConsumerWarps) {
       mkc::mx_rows_load(c.rows, it);
     } else {
-      mkc::mx_rows_compute<B>(c.rows, c.x, c.norm, 1e-6f, it, threadIdx.x / 32, c.out);
+      mkc::mx_rows_compute<B>(c.rows, c.x, c.norm, 1e-6f, it, threadIdx.x / 32, c.out, c.spill);
       mkc::consumer_sync();
     }
   }
@@ -200,7 +217,9 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
   for (auto& v : g) v = __float2bfloat16(1.f + 0.1f * nd(rng));
   const uint32_t n = r1 - r0, cols = n * (pair ? 2 : 1);
   MxCase c{mkc::MxRows{upload(c0), upload(s0), pair ? upload(c1) : nullptr, pair ? upload(s1) : nullptr, r0, r1, k},
-           upload(x), norm ? upload(g) : nullptr, upload(std::vector<float>(size_t(B) * cols, NAN))};
+           upload(x), norm ? upload(g) : nullptr, upload(std::vector<float>(size_t(B) * cols, NAN)), nullptr};
+  const bool spill = size_t(B) * k * sizeof(float) > size_t(mkc::kActivationBytes);
+  if (spill) c.spill = upload(std::vector<float>(size_t(B) * k, NAN));
   CHECK(cudaMemcpyToSymbol(g_mx, &c, sizeof c));
   launch_with_loader(mx_kernel<B>);
   const auto out = download(c.out, size_t(B) * cols);
@@ -232,11 +251,13 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
     }
   }
   char detail[160];
-  std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s: max error / sum|terms| %.2e", B, r0, r1,
-                n_rows, k, pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "", worst);
+  std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s%s: max error / sum|terms| %.2e", B, r0,
+                r1, n_rows, k, pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "",
+                spill ? ", input staged in global memory" : "", worst);
   report("MXFP4 rows through the page ring", finite && worst < 1e-5, detail);
   for (const void* p : {(const void*)c.rows.c0, (const void*)c.rows.s0, (const void*)c.rows.c1,
-                        (const void*)c.rows.s1, (const void*)c.x, (const void*)c.norm, (const void*)c.out})
+                        (const void*)c.rows.s1, (const void*)c.x, (const void*)c.norm, (const void*)c.out,
+                        (const void*)c.spill})
     if (p != nullptr) CHECK(cudaFree(const_cast<void*>(p)));
 }
 
@@ -839,6 +860,8 @@ int main() {
   test_rows<1>(rng, 64, 0, 64, 1536, true, false);  // gate/up pair, a half page
   test_rows<4>(rng, 20, 5, 19, 64, false, true);     // tiny k: part of one warp's columns
   test_rows<8>(rng, 24, 0, 24, 2048, true, true);
+  test_rows<1>(rng, 16, 0, 16, 12288, false, false, true);  // K3's MLA output gate at batch 1: shared memory
+  test_rows<2>(rng, 16, 2, 13, 12288, false, false, true);  // and at batch 2: global memory
   test_router(rng, 64, 8, 1, 1);
   test_router(rng, 64, 6, 8, 3);
   test_router(rng, 384, 8, 8, 4);  // Kimi K2
@@ -857,6 +880,8 @@ int main() {
   test_situ(rng);
   test_mx<1>(rng, 40, 3, 37, 3584, true, false);  // K3's latent width: one full chunk
   test_mx<4>(rng, 16, 0, 16, 64, false, true);    // tiny widths
+  test_mx<4>(rng, 24, 4, 21, 3584, true, true);   // batch 4 at K3's latent width, a partial row block
+  test_mx<8>(rng, 16, 0, 16, 3584, true, true);   // batch 8: the input staged in global memory
   test_mx<1>(rng, 24, 8, 24, 3072, false, false);
   test_mx<1>(rng, 12, 2, 11, 7680, true, false);  // two full chunks and a partial one
   test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone

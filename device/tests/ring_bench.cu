@@ -8,6 +8,11 @@
 //   pieces-8/rows_load: pieces-8's kernel with mkc::rows_load as its loader
 //   pieces-N:    N rows per page, one bulk copy of 8192/N columns from each (the row's last piece
 //                shorter), consumers only wait and release: how the copy size sets the rate
+// and the MXFP4 variants, 2 GiB of codes and scales of rows [n, 3584] (K3's latent width; GB/s
+// counts codes and scales):
+//   mx:          mx_rows_load + mx_rows_pages (the routed experts' consumer, batch 1)
+//   mx-b4:       the same consumer at batch 4
+//   mx-idle:     mx_rows_load, consumers only wait for and release each page
 // A measurement, not a test: nothing is asserted; the numbers go in docs/PERFORMANCE.md.
 //
 //   target/device/ring_bench_sm90a        (on an H200)
@@ -128,27 +133,63 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* 
   }
 }
 
-template <class K>
-static void run(const char* name, K kernel, const __nv_bfloat16* w, uint32_t rows, float* out, int sms) {
+// MXFP4 rows [n, kMxK]: this SM's contiguous share through mx_rows_load and
+// either the consumer (B tokens of ones) or idle consumers.
+template <int B, bool kIdle>
+__global__ void __launch_bounds__(mkc::kThreads, 1) mx_stream(const uint8_t* codes, const uint8_t* scales, uint32_t rows,
+                                                             float* out) {
+  if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
+  __syncthreads();
+  const uint32_t per_sm = rows / gridDim.x, r0 = blockIdx.x * per_sm;
+  const mkc::MxRows r{codes, scales, nullptr, nullptr, r0, r0 + per_sm, mkc::kMxK};
+  const int warp = threadIdx.x / 32;
+  uint32_t it = 0;
+  if (warp == mkc::kConsumerWarps) {
+    mkc::mx_rows_load(r, it);
+  } else if (warp < mkc::kConsumerWarps) {
+    if (kIdle) {
+      idle_consume((per_sm + mkc::kPageRows - 1) / mkc::kPageRows, it, out);
+      return;
+    }
+    float* xs = mkc::activation_ptr();
+    for (uint32_t i = threadIdx.x; i < B * mkc::kMxK; i += mkc::kConsumerThreads) xs[i] = 1.f;
+    mkc::consumer_sync();
+    float* st = reinterpret_cast<float*>(mkc::scratch_ptr());
+    // Output tiles of 512 rows through the scratch, as an expert task's staging.
+    for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 512) {
+      const mkc::MxRows part{codes, scales, nullptr, nullptr, j0, min(j0 + 512, r.r1), mkc::kMxK};
+      mkc::mx_rows_pages<B>(part, xs, it, warp, st);
+      mkc::consumer_sync();
+      if (threadIdx.x == 0) out[blockIdx.x] += st[0];
+    }
+  }
+}
+
+template <class K, class... Args>
+static void timed(const char* name, K kernel, double bytes, int sms, Args... args) {
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
-  kernel<<<sms, mkc::kThreads, mkc::kSmemBytes>>>(w, rows, out);  // warm-up
+  kernel<<<sms, mkc::kThreads, mkc::kSmemBytes>>>(args...);  // warm-up
   CHECK(cudaGetLastError());
   CHECK(cudaEventRecord(a));
   const int reps = 5;
-  for (int i = 0; i < reps; ++i) kernel<<<sms, mkc::kThreads, mkc::kSmemBytes>>>(w, rows, out);
+  for (int i = 0; i < reps; ++i) kernel<<<sms, mkc::kThreads, mkc::kSmemBytes>>>(args...);
   CHECK(cudaEventRecord(b));
   CHECK(cudaEventSynchronize(b));
   CHECK(cudaGetLastError());
   float ms = 0.f;
   CHECK(cudaEventElapsedTime(&ms, a, b));
-  const double bytes = double(rows / sms) * sms * kK * 2;
   std::printf("%-10s %8.3f ms  %7.1f GB/s  (%.1f GB/s per SM)\n", name, ms / reps, bytes / (ms / reps) / 1e6,
               bytes / (ms / reps) / 1e6 / sms);
   CHECK(cudaEventDestroy(a));
   CHECK(cudaEventDestroy(b));
+}
+
+template <class K>
+static void run(const char* name, K kernel, const __nv_bfloat16* w, uint32_t rows, float* out, int sms) {
+  timed(name, kernel, double(rows / sms) * sms * kK * 2, sms, w, rows, out);
 }
 
 int main() {
@@ -158,7 +199,8 @@ int main() {
   const uint32_t rows = uint32_t((size_t(2) << 30) / (kK * 2)) / (8 * sms) * (8 * sms);
   __nv_bfloat16* w = nullptr;
   CHECK(cudaMalloc(&w, size_t(rows) * kK * 2));
-  CHECK(cudaMemset(w, 0, size_t(rows) * kK * 2));
+  // Not zeros: as bf16 0x3C3C (0.011), as MXFP4 codes 0xC and 0x3, scales 2^-67.
+  CHECK(cudaMemset(w, 0x3C, size_t(rows) * kK * 2));
   float* out = nullptr;
   CHECK(cudaMalloc(&out, sms * sizeof(float)));
   CHECK(cudaMemset(out, 0, sms * sizeof(float)));
@@ -173,6 +215,15 @@ int main() {
   run("pieces-2", pieces<2>, w, rows, out, sms);
   run("pieces-1", pieces<1>, w, rows, out, sms);
   run("pieces-8/rows_load", pieces<8, true>, w, rows, out, sms);
+  // MXFP4: the same bytes as codes and scales (k / 2 + k / 32 bytes a row).
+  const uint32_t mx_row = mkc::kMxK / 2 + mkc::kMxK / 32;
+  const uint32_t mx_rows = uint32_t(size_t(rows) * kK * 2 / mx_row) / (8 * sms) * (8 * sms);
+  const auto* codes = reinterpret_cast<const uint8_t*>(w);
+  const uint8_t* scales = codes + size_t(mx_rows) * (mkc::kMxK / 2);
+  const double mx_bytes = double(mx_rows) * mx_row;
+  timed("mx", mx_stream<1, false>, mx_bytes, sms, codes, scales, mx_rows, out);
+  timed("mx-b4", mx_stream<4, false>, mx_bytes, sms, codes, scales, mx_rows, out);
+  timed("mx-idle", mx_stream<1, true>, mx_bytes, sms, codes, scales, mx_rows, out);
   }
   CHECK(cudaFree(w));
   CHECK(cudaFree(out));

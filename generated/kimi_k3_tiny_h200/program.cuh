@@ -599,7 +599,7 @@ __device__ inline void stage_4(const TaskArgs& t, const Memory& m, uint32_t& it,
   const Rows r = stage_4_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 464), 2, 16, static_cast<const __nv_bfloat16*>(m.w[20]), 1e-5f, 1, it, warp, st);
+  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 464), 2, 16, static_cast<const __nv_bfloat16*>(m.w[20]), 1e-5f, 1, it, warp, st, nullptr);
   consumer_sync();
   // gated_rms_norm l.0/layer/kda/y (108:7)
   // linear l.0/layer/kda/out (109:9)
@@ -787,7 +787,7 @@ __device__ inline void stage_12(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_12_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 464), 2, 16, static_cast<const __nv_bfloat16*>(m.w[43]), 1e-5f, 1, it, warp, st);
+  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 464), 2, 16, static_cast<const __nv_bfloat16*>(m.w[43]), 1e-5f, 1, it, warp, st, nullptr);
   consumer_sync();
   // gated_rms_norm l.1/layer/kda/y (108:7)
   // linear l.1/layer/kda/out (109:9)
@@ -863,7 +863,7 @@ __device__ inline void stage_16(const TaskArgs& t, const Memory& m, uint32_t& it
   const MxRows r = stage_16_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 288), nullptr, 1e-6f, it, warp, st);
+  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 288), nullptr, 1e-6f, it, warp, st, nullptr);
   consumer_sync();
   const Span s = Span{0, r.r0, r.r1 - r.r0};
   ep_situ_and_mul<kBatch>(st, n, s, 4e0f, 2.5e1f);
@@ -880,7 +880,7 @@ __device__ inline void stage_17(const TaskArgs& t, const Memory& m, uint32_t& it
   const MxRows r = stage_17_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer5 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
+  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer5 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st, nullptr);
   consumer_sync();
   ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + kBuffer7 + 0) + size_t(t.a[0]) * kBatch * 64, 64);
 }
@@ -1049,7 +1049,7 @@ __device__ inline void stage_26(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_26_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_mul<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 288), 1, it, warp, st);
+  rows_compute_mul<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 288), 1, it, warp, st, nullptr);
   consumer_sync();
   // sigmoid l.2/layer/mla/sigmoid (131:16)
   // mul l.2/layer/mla/o#2 (131:9)
@@ -1126,7 +1126,7 @@ __device__ inline void stage_30(const TaskArgs& t, const Memory& m, uint32_t& it
   const MxRows r = stage_30_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 288), nullptr, 1e-6f, it, warp, st);
+  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 288), nullptr, 1e-6f, it, warp, st, nullptr);
   consumer_sync();
   const Span s = Span{0, r.r0, r.r1 - r.r0};
   ep_situ_and_mul<kBatch>(st, n, s, 4e0f, 2.5e1f);
@@ -1143,7 +1143,7 @@ __device__ inline void stage_31(const TaskArgs& t, const Memory& m, uint32_t& it
   const MxRows r = stage_31_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
+  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st, nullptr);
   consumer_sync();
   ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + kBuffer7 + 0) + size_t(t.a[0]) * kBatch * 64, 64);
 }
@@ -1326,7 +1326,7 @@ __device__ inline void stage_39(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_39_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 464), 2, 16, static_cast<const __nv_bfloat16*>(m.w[189]), 1e-5f, 1, it, warp, st);
+  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 464), 2, 16, static_cast<const __nv_bfloat16*>(m.w[189]), 1e-5f, 1, it, warp, st, nullptr);
   consumer_sync();
   // gated_rms_norm l.3/layer/kda/y (108:7)
   // linear l.3/layer/kda/out (109:9)
@@ -1399,7 +1399,7 @@ __device__ inline void stage_43(const TaskArgs& t, const Memory& m, uint32_t& it
   const MxRows r = stage_43_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 288), nullptr, 1e-6f, it, warp, st);
+  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 288), nullptr, 1e-6f, it, warp, st, nullptr);
   consumer_sync();
   const Span s = Span{0, r.r0, r.r1 - r.r0};
   ep_situ_and_mul<kBatch>(st, n, s, 4e0f, 2.5e1f);
@@ -1416,7 +1416,7 @@ __device__ inline void stage_44(const TaskArgs& t, const Memory& m, uint32_t& it
   const MxRows r = stage_44_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer5 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
+  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer5 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st, nullptr);
   consumer_sync();
   ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + kBuffer9 + 0) + size_t(t.a[0]) * kBatch * 64, 64);
 }
@@ -1597,7 +1597,7 @@ __device__ inline void stage_52(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_52_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 464), 2, 16, static_cast<const __nv_bfloat16*>(m.w[265]), 1e-5f, 1, it, warp, st);
+  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 464), 2, 16, static_cast<const __nv_bfloat16*>(m.w[265]), 1e-5f, 1, it, warp, st, nullptr);
   consumer_sync();
   // gated_rms_norm l.4/layer/kda/y (108:7)
   // linear l.4/layer/kda/out (109:9)
@@ -1673,7 +1673,7 @@ __device__ inline void stage_56(const TaskArgs& t, const Memory& m, uint32_t& it
   const MxRows r = stage_56_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 288), nullptr, 1e-6f, it, warp, st);
+  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 288), nullptr, 1e-6f, it, warp, st, nullptr);
   consumer_sync();
   const Span s = Span{0, r.r0, r.r1 - r.r0};
   ep_situ_and_mul<kBatch>(st, n, s, 4e0f, 2.5e1f);
@@ -1690,7 +1690,7 @@ __device__ inline void stage_57(const TaskArgs& t, const Memory& m, uint32_t& it
   const MxRows r = stage_57_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer5 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
+  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer5 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st, nullptr);
   consumer_sync();
   ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + kBuffer9 + 0) + size_t(t.a[0]) * kBatch * 64, 64);
 }
@@ -1859,7 +1859,7 @@ __device__ inline void stage_66(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_66_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_mul<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 288), 1, it, warp, st);
+  rows_compute_mul<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0), reinterpret_cast<float*>(m.arena + kBuffer1 + 288), 1, it, warp, st, nullptr);
   consumer_sync();
   // sigmoid l.5/layer/mla/sigmoid (131:16)
   // mul l.5/layer/mla/o#2 (131:9)
@@ -1936,7 +1936,7 @@ __device__ inline void stage_70(const TaskArgs& t, const Memory& m, uint32_t& it
   const MxRows r = stage_70_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 288), nullptr, 1e-6f, it, warp, st);
+  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer1 + 288), nullptr, 1e-6f, it, warp, st, nullptr);
   consumer_sync();
   const Span s = Span{0, r.r0, r.r1 - r.r0};
   ep_situ_and_mul<kBatch>(st, n, s, 4e0f, 2.5e1f);
@@ -1953,7 +1953,7 @@ __device__ inline void stage_71(const TaskArgs& t, const Memory& m, uint32_t& it
   const MxRows r = stage_71_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
+  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer4 + 0) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st, nullptr);
   consumer_sync();
   ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + kBuffer9 + 0) + size_t(t.a[0]) * kBatch * 64, 64);
 }

@@ -430,7 +430,7 @@ __device__ inline void stage_5(const TaskArgs& t, const Memory& m, uint32_t& it,
   const Rows r = stage_5_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), 2, 16, static_cast<const __nv_bfloat16*>(m.w[18]), 1e-5f, 1, it, warp, st);
+  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), 2, 16, static_cast<const __nv_bfloat16*>(m.w[18]), 1e-5f, 1, it, warp, st, nullptr);
   consumer_sync();
   // gated_rms_norm layer.0/decoder_layer/kda/gated_rms_norm (74:16)
   // linear layer.0/decoder_layer/kda/out (74:9)
@@ -630,7 +630,7 @@ __device__ inline void stage_12(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_12_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), 2, 16, static_cast<const __nv_bfloat16*>(m.w[38]), 1e-5f, 1, it, warp, st);
+  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), 2, 16, static_cast<const __nv_bfloat16*>(m.w[38]), 1e-5f, 1, it, warp, st, nullptr);
   consumer_sync();
   // gated_rms_norm layer.1/decoder_layer/kda/gated_rms_norm (74:16)
   // linear layer.1/decoder_layer/kda/out (74:9)
@@ -888,7 +888,7 @@ __device__ inline void stage_23(const TaskArgs& t, const Memory& m, uint32_t& it
   const Rows r = stage_23_rows(t, m);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), 2, 16, static_cast<const __nv_bfloat16*>(m.w[84]), 1e-5f, 1, it, warp, st);
+  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + kBuffer3 + 0), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), 2, 16, static_cast<const __nv_bfloat16*>(m.w[84]), 1e-5f, 1, it, warp, st, nullptr);
   consumer_sync();
   // gated_rms_norm layer.2/decoder_layer/kda/gated_rms_norm (74:16)
   // linear layer.2/decoder_layer/kda/out (74:9)

@@ -150,6 +150,14 @@ fn align(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
+/// Where, in floats from the start of an SM's staging, an input that does not
+/// fit the shared-memory staging is spilled (device `input_area`): past the
+/// operation's output tile of `tile` floats, 128-byte aligned for the float4
+/// stores that stage it.
+fn spill_offset(tile: u64) -> u64 {
+    align(tile, 32)
+}
+
 fn float(x: f64) -> String {
     let s = format!("{:e}", x as f32);
     format!("{s}f")

@@ -87,14 +87,13 @@ __device__ void stack_rows(const T* bank, uint32_t n, const U* row, uint32_t hid
 }
 
 // Projection rows whose input is an element-wise gated value (K3's MLA
-// output gate): x' = x * sigmoid(g) (or x * g), staged in shared memory (it
-// must fit in kActivationBytes; the code generator checks).
+// output gate): x' = x * sigmoid(g) (or x * g), staged as fp32 in shared
+// memory, or in `spill` when it does not fit (input_area).
 template <int B, class T, class G>
 __device__ void rows_compute_mul(const Rows& r, const T* x, const G* g, int sigmoid_gate, uint32_t& it, int warp,
-                                 float* st) {
+                                 float* st, float* spill) {
   const uint32_t n = uint32_t(B) * r.k;
-  if (size_t(n) * sizeof(float) > size_t(kActivationBytes)) __trap();
-  float* xs = activation_ptr();
+  float* xs = input_area<B>(r.k, spill);
   for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) {
     const float gv = to_float(g[i]);
     xs[i] = to_float(x[i]) * (sigmoid_gate ? 1.f / (1.f + expf(-gv)) : gv);

@@ -116,15 +116,14 @@ __device__ void gated_rms_norm_inplace(float* x, const T* gate, uint32_t heads, 
 }
 
 // Projection rows whose input is KDA's gated output norm (a prologue):
-// x [B, heads d] is staged in shared memory (it must fit in
-// kActivationBytes; the code generator checks), normed and gated there, then
-// the pages read it from shared memory.
+// x [B, heads d] is staged as fp32 in shared memory, or in `spill` when it
+// does not fit (input_area), normed and gated there, then the pages read it.
 template <int B, class T>
 __device__ void rows_compute_gated(const Rows& r, const T* x, const T* gate, uint32_t heads, uint32_t d,
                                    const __nv_bfloat16* w, float eps, int sigmoid_act, uint32_t& it, int warp,
-                                   float* st) {
-  if (size_t(B) * r.k * sizeof(float) > size_t(kActivationBytes) || heads * d != r.k) __trap();
-  float* xs = stage_input<B>(x, r.k, static_cast<const __nv_bfloat16*>(nullptr), 0.f);
+                                   float* st, float* spill) {
+  if (heads * d != r.k) __trap();
+  float* xs = stage_input<B>(x, r.k, static_cast<const __nv_bfloat16*>(nullptr), 0.f, input_area<B>(r.k, spill));
   gated_rms_norm_inplace<B>(xs, gate, heads, d, w, eps, sigmoid_act);
   consumer_sync();
   rows_pages<B>(r, static_cast<const float*>(xs), nullptr, nullptr, it, warp, st);

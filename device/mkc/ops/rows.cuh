@@ -3,6 +3,8 @@
 // the staged input and its prologues' shared pieces.
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include "common.cuh"
 
 namespace mkc {
@@ -98,14 +100,24 @@ __device__ void rows_pages(const Rows& r, const T* x, const __nv_bfloat16* norm,
   }
 }
 
-// Copies x [B, k] into the shared-memory activation area as fp32, RMS-normed
-// there (x * rsqrt(mean(x^2) + eps) * norm, per token) when `norm` is given;
-// returns it, complete for every consumer. The caller checks that it fits.
+// Where an operation's staged input [B, k] (fp32) goes: the shared-memory
+// activation area when it fits, otherwise `spill`, this SM's global staging
+// past its output tile, which the pages then read through L1 and L2 (the code
+// generator gives a spill to every operation whose input may not fit).
+template <int B>
+__device__ inline float* input_area(uint32_t k, float* spill) {
+  if (size_t(B) * k * sizeof(float) <= size_t(kActivationBytes)) return activation_ptr();
+  if (spill == nullptr) __trap();
+  return spill;
+}
+
+// Copies x [B, k] into xs (input_area) as fp32, RMS-normed there (x *
+// rsqrt(mean(x^2) + eps) * norm, per token) when `norm` is given; returns
+// it, complete for every consumer.
 template <int B, class T>
-__device__ float* stage_input(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps) {
+__device__ float* stage_input(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, float* xs) {
   __shared__ float scale[B];
   const uint32_t n = uint32_t(B) * k;
-  float* xs = activation_ptr();
   for (uint32_t i = threadIdx.x * 4; i < n; i += kConsumerThreads * 4) {
     *reinterpret_cast<float4*>(xs + i) = load_four(x + i);
   }
@@ -135,7 +147,7 @@ __device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* nor
                              uint32_t& it, int warp, float* st) {
   __shared__ float scale[B];
   if (size_t(B) * r.k * sizeof(float) <= size_t(kActivationBytes)) {
-    rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps), nullptr, nullptr, it, warp, st);
+    rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps, activation_ptr()), nullptr, nullptr, it, warp, st);
     return;
   }
   if (norm != nullptr) {
@@ -174,44 +186,72 @@ struct MxRows {
   }
 };
 
-// A page holds the codes of kPageRows rows for kMxK elements (1792 bytes a
-// row) and, after them, the rows' scales for those elements (112 bytes a
+// A page holds the codes of kPageRows rows for up to kMxK elements (1792 bytes
+// a row) and, after them, the rows' scales for those elements (112 bytes a
 // row): the most elements, in 512s (whole 16-byte units of scales), whose
-// codes and scales fit a page, so a row chunk costs the loader two bulk copies
-// for as many bytes as fit (2048 elements filled 8.5 of 16 KiB). K3's latent
-// width (3584) is one chunk.
+// codes and scales fit a page (2048 elements filled 8.5 of 16 KiB). K3's
+// latent width (3584) and expert width (3072) are one chunk. In a page the
+// rows follow each other at the chunk's strides (mx_strides): a row that is
+// one chunk is laid out as in memory, so a row block of one matrix is one
+// bulk copy of codes and one of scales.
 constexpr uint32_t kMxK = 3584;
 constexpr uint32_t kMxScales = kPageRows * (kMxK / 2);  // byte offset of the scales in a page
 static_assert(kMxScales + kPageRows * (kMxK / 32) <= uint32_t(kPageBytes), "an MXFP4 page holds codes and scales");
 
-__device__ __forceinline__ float e2m1(uint32_t c) {
-  const uint32_t m = c & 1u, e = (c >> 1) & 3u;
-  const float v = e == 0 ? 0.5f * float(m) : __int_as_float(int((e + 126u) << 23)) * (1.f + 0.5f * float(m));
-  return (c & 8u) ? -v : v;
+// The page strides of a row's codes and scales: a whole row when it is one
+// chunk, else kMxK elements.
+struct MxStrides {
+  uint32_t codes, scales;
+};
+__device__ __forceinline__ MxStrides mx_strides(uint32_t k) {
+  const uint32_t c = min(k, kMxK);
+  return MxStrides{c / 2, c / 32};
 }
+
+// Eight e2m1 codes (element i in bits 4i..4i+3 of c) as fp32 values times
+// 2^-14, without a table: each nibble's sign goes to an fp16's sign bit and its
+// three magnitude bits to the exponent's two low bits and the mantissa's top
+// bit, which is e2m1 * 2^-14 exactly (e2m1's subnormal 0.5 as well); two
+// nibbles (i, i + 4) a 32-bit word, converted to fp32 in pairs.
+__device__ __forceinline__ void e2m1x8_scaled(uint32_t c, float (&w)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t q = c << (12 - 4 * i);  // nibbles i and i + 4 in bits 12..15 and 28..31
+    const uint32_t h = (q & 0x80008000u) | ((q >> 3) & 0x0E000E00u);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    w[i] = f.x;
+    w[i + 4] = f.y;
+  }
+}
+constexpr float kE2m1Unscale = 16384.f;  // 2^14, what e2m1x8_scaled's values lack
 // 2^(byte - 127) by its bit pattern (byte 0: 2^-127, a subnormal); 255 read as 0.
 __device__ __forceinline__ float e8m0(uint32_t byte) {
   return byte == 255u ? 0.f : __int_as_float(byte == 0u ? 0x00400000 : int(byte << 23));
 }
 
-// Loader: the codes and scales of a task's rows into the page ring, a lane
-// per row (as rows_load). A row's scales for a chunk are one bulk copy when
-// they come in whole 16-byte units (k a multiple of 512, as every real
-// width); otherwise (small test shapes) the lanes store them byte by byte
-// before the page's barrier is armed.
+// Loader: the codes and scales of a task's rows into the page ring. When a
+// row is one chunk and the row block's rows are consecutive rows of one
+// matrix (every block but one that straddles a gate/up pair), lane 0 copies
+// the block's codes in one bulk copy and its scales in another; otherwise a
+// lane per row (as rows_load). Scales go by bulk copy when they come in whole
+// 16-byte units (k a multiple of 512, as every real width); otherwise (small
+// test shapes) the lanes store them byte by byte before the page's barrier
+// is armed.
 __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
   const uint32_t lane = threadIdx.x % 32;
-  const uint32_t cols = r.cols();
+  const uint32_t cols = r.cols(), n = r.r1 - r.r0;
   const bool bulk_scales = (r.k / 32) % 16 == 0;
+  const MxStrides stride = mx_strides(r.k);
   for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
     const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
+    const bool whole = r.k <= kMxK && (j0 + nr <= n || j0 >= n);
     const uint8_t* src = lane < nr ? r.codes(j0 + lane) : nullptr;
     const uint8_t* ssrc = lane < nr ? r.scales(j0 + lane) : nullptr;
     for (uint32_t k0 = 0; k0 < r.k; k0 += kMxK, ++it) {
       const uint32_t nk = min(kMxK, r.k - k0), bytes = nk / 2, sbytes = nk / 32;
       const int slot = it % kPages;
       auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
-      uint8_t* sdst = page + kMxScales + lane * (kMxK / 32);
+      uint8_t* sdst = page + kMxScales + lane * stride.scales;
       if (lane == 0) Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
       __syncwarp();
       if (!bulk_scales && lane < nr) {
@@ -222,8 +262,14 @@ __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
       __syncwarp();  // the stores above, before lane 0's arrive (release)
       if (lane == 0) Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * (bytes + (bulk_scales ? sbytes : 0)));
       __syncwarp();
-      if (lane < nr) {
-        cute::SM90_BULK_COPY_G2S::copy(src + k0 / 2, &ring_ptr()->full[slot], page + lane * (kMxK / 2), int32_t(bytes));
+      if (whole) {
+        if (lane == 0) {
+          auto* full = &ring_ptr()->full[slot];
+          cute::SM90_BULK_COPY_G2S::copy(r.codes(j0), full, page, int32_t(nr * bytes));
+          if (bulk_scales) cute::SM90_BULK_COPY_G2S::copy(r.scales(j0), full, page + kMxScales, int32_t(nr * sbytes));
+        }
+      } else if (lane < nr) {
+        cute::SM90_BULK_COPY_G2S::copy(src + k0 / 2, &ring_ptr()->full[slot], page + lane * stride.codes, int32_t(bytes));
         if (bulk_scales) cute::SM90_BULK_COPY_G2S::copy(ssrc + k0 / 32, &ring_ptr()->full[slot], sdst, int32_t(sbytes));
       }
     }
@@ -233,20 +279,22 @@ __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
 
 // Consumers: rows of y = x W^T into st [B, cols] (x fp32 [B, k], in shared
 // memory or global). Warp w takes elements [256 w, 256 w + 256) of each 2048
-// of a row chunk, eight per lane (four code bytes, one scale): the codes
-// decoded through a 16-entry table in shared memory, the eight products summed
-// before the block's scale multiplies them once.
+// of a row chunk, eight per lane (four code bytes, one scale), for all the
+// page's rows at once: the rows' loads issue together and their sums are
+// independent chains (a page's rows past the task's last are computed from
+// whatever the page holds and never stored). Codes are decoded in registers
+// (e2m1x8_scaled); the eight products are summed before the block's scale
+// multiplies them once, and the 2^14 the decode leaves out multiplies the
+// row block's sums once at the end.
 template <int B>
 __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int warp, float* st) {
   const int lane = threadIdx.x % 32;
   __shared__ float part[2][kConsumerWarps][kPageRows * B];
-  __shared__ float lut[16];
-  if (threadIdx.x < 16) lut[threadIdx.x] = e2m1(threadIdx.x);
-  consumer_sync();
   const uint32_t cols = r.cols();
   const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
   const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
   const uint32_t e0 = uint32_t(warp) * 256 + uint32_t(lane) * 8;  // this lane's first elements within a chunk
+  const MxStrides stride = mx_strides(r.k);
   for (uint32_t blk = 0; blk < blocks; ++blk) {
     const uint32_t j0 = blk * kPageRows, nr = min(uint32_t(kPageRows), cols - j0);
     float acc[kPageRows][B] = {};
@@ -254,12 +302,15 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
       const uint32_t k0 = ch * kMxK, nk = min(kMxK, r.k - k0);
       const int slot = it % kPages;
       Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      const auto* page = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]);
       for (uint32_t e = e0; e < nk; e += kConsumerThreads * 8) {
-        // The scale of this lane's block of 32, per row, from the page.
-        const auto* scales = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]) + kMxScales + e / 32;
+        uint32_t codes[kPageRows];
         float sc[kPageRows];
 #pragma unroll
-        for (int j = 0; j < kPageRows; ++j) sc[j] = uint32_t(j) < nr ? e8m0(scales[j * (kMxK / 32)]) : 0.f;
+        for (int j = 0; j < kPageRows; ++j) {
+          codes[j] = *reinterpret_cast<const uint32_t*>(page + j * stride.codes + e / 2);
+          sc[j] = e8m0(page[kMxScales + j * stride.scales + e / 32]);
+        }
         float xv[B][8];
 #pragma unroll
         for (int b = 0; b < B; ++b) {
@@ -267,36 +318,39 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
           xv[b][0] = a.x, xv[b][1] = a.y, xv[b][2] = a.z, xv[b][3] = a.w;
           xv[b][4] = c.x, xv[b][5] = c.y, xv[b][6] = c.z, xv[b][7] = c.w;
         }
-        const auto* page = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]);
 #pragma unroll
         for (int j = 0; j < kPageRows; ++j) {
-          if (uint32_t(j) >= nr) break;
-          const uint32_t codes = *reinterpret_cast<const uint32_t*>(page + j * (kMxK / 2) + e / 2);
-          float p[B] = {};
+          float wv[8];
+          e2m1x8_scaled(codes[j], wv);
 #pragma unroll
-          for (int u = 0; u < 8; ++u) {
-            const float wv = lut[(codes >> (4 * u)) & 15u];
+          for (int b = 0; b < B; ++b) {
+            float p0 = 0.f, p1 = 0.f;  // two chains of four
 #pragma unroll
-            for (int b = 0; b < B; ++b) p[b] = fmaf(wv, xv[b][u], p[b]);
+            for (int u = 0; u < 8; u += 2) {
+              p0 = fmaf(wv[u], xv[b][u], p0);
+              p1 = fmaf(wv[u + 1], xv[b][u + 1], p1);
+            }
+            acc[j][b] = fmaf(sc[j], p0 + p1, acc[j][b]);
           }
-#pragma unroll
-          for (int b = 0; b < B; ++b) acc[j][b] = fmaf(sc[j], p[b], acc[j][b]);
         }
       }
       release_page(&ring_ptr()->empty[slot]);
     }
+#pragma unroll
+    for (int j = 0; j < kPageRows; ++j) {
+#pragma unroll
+      for (int b = 0; b < B; ++b) acc[j][b] *= kE2m1Unscale;
+    }
     reduce_row_block<B>(acc, part[blk & 1], nr, cols, j0, warp, st);
   }
-  (void)lane;
 }
 
-// MXFP4 rows of y = x' W^T, x' = x or RMSNorm(x) * norm, the input staged in
-// shared memory when it fits (as rows_compute).
+// MXFP4 rows of y = x' W^T, x' = x or RMSNorm(x) * norm, the input staged as
+// fp32 in shared memory, or in `spill` when it does not fit (input_area).
 template <int B, class T>
 __device__ void mx_rows_compute(const MxRows& r, const T* x, const __nv_bfloat16* norm, float eps, uint32_t& it,
-                                int warp, float* st) {
-  if (size_t(B) * r.k * sizeof(float) > size_t(kActivationBytes)) __trap();  // checked at codegen
-  mx_rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps), it, warp, st);
+                                int warp, float* st, float* spill) {
+  mx_rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps, input_area<B>(r.k, spill)), it, warp, st);
 }
 
 }  // namespace mkc

@@ -94,15 +94,6 @@ impl Gen<'_> {
                     }
                 }
             }
-            if self.batch * d * 4 > ACTIVATION_BYTES || self.batch * i * 4 > ACTIVATION_BYTES {
-                return Err(unsupported(
-                    op,
-                    &format!(
-                        "MXFP4 experts at batch {} with widths {d} and {i} (the staged input holds {ACTIVATION_BYTES} bytes)",
-                        self.batch
-                    ),
-                ));
-            }
             if !d.is_multiple_of(32) || !i.is_multiple_of(32) {
                 return Err(unsupported(op, "MXFP4 experts whose widths are not multiples of 32"));
             }
@@ -132,13 +123,26 @@ impl Gen<'_> {
         let i_ = n.index();
         // Expert rows stream through the page ring like a projection's; the
         // loader finds the slot's expert in the router's ids.
+        // An MXFP4 stage's input is staged whole as fp32; one that does not
+        // fit the shared-memory staging goes to the SM's global staging past
+        // the output tile (bf16 rows read their input in place instead).
+        let mut spill = ["nullptr".to_string(), "nullptr".to_string()];
         for (stage, is_down) in [(up, false), (down, true)] {
+            let mut tile = 0;
             for t in &self.plan.tiling.stages[stage].tasks {
                 let a = self.plan.tiling.tasks[*t].args;
-                let cols = u64::from(a[2] - a[1]) * if is_down { 1 } else { 2 };
-                self.staging = self.staging.max(cols * self.batch);
+                tile = tile.max(u64::from(a[2] - a[1]) * if is_down { 1 } else { 2 } * self.batch);
+            }
+            self.staging = self.staging.max(tile);
+            let k = if is_down { i } else { d };
+            if mx && self.batch * k * 4 > ACTIVATION_BYTES {
+                let at = spill_offset(tile);
+                self.staging = self.staging.max(at + self.batch * k);
+                spill[usize::from(is_down)] = format!("st + {at}");
             }
         }
+        let spill_arg = |s: &str| if mx { format!(", {s}") } else { String::new() };
+        let (up_spill, down_spill) = (spill_arg(&spill[0]), spill_arg(&spill[1]));
         self.header(up, op, "one expert slot's gate/up rows");
         let _ = writeln!(
             self.code,
@@ -146,7 +150,7 @@ impl Gen<'_> {
              return {rows_fn}<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, false);\n}}\n\
              __device__ inline void stage_{up}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
              const {rows_t} r = stage_{up}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
-             {compute_fn}<kBatch>(r, {x}, {norm}, {}, it, warp, st);\n  consumer_sync();\n  \
+             {compute_fn}<kBatch>(r, {x}, {norm}, {}, it, warp, st{up_spill});\n  consumer_sync();\n  \
              const Span s = Span{{0, r.r0, r.r1 - r.r0}};\n  {act_call}\n  consumer_sync();\n  \
              ep_store<kBatch>(st, n, s, {act} + size_t(t.a[0]) * kBatch * {i}, {i});\n}}",
             float(eps)
@@ -158,7 +162,7 @@ impl Gen<'_> {
              return {rows_fn}<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, true);\n}}\n\
              __device__ inline void stage_{down}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
              const {rows_t} r = stage_{down}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
-             {compute_fn}<kBatch>(r, {act} + size_t(t.a[0]) * kBatch * {i}, nullptr, 1e-6f, it, warp, st);\n  \
+             {compute_fn}<kBatch>(r, {act} + size_t(t.a[0]) * kBatch * {i}, nullptr, 1e-6f, it, warp, st{down_spill});\n  \
              consumer_sync();\n  \
              ep_store<kBatch>(st, n, Span{{0, r.r0, r.r1 - r.r0}}, {dn} + size_t(t.a[0]) * kBatch * {d}, {d});\n}}"
         );

@@ -73,26 +73,10 @@ impl Gen<'_> {
         let k = g.value_type(x_in).elements();
         let mut reads = vec![x_in];
         reads.extend(extra_reads);
-        if mul_gate.is_some() && self.batch * k * 4 > ACTIVATION_BYTES {
-            return Err(unsupported(
-                op,
-                &format!(
-                    "a gated input of {k} channels at batch {} (the staged input holds {ACTIVATION_BYTES} bytes)",
-                    self.batch
-                ),
-            ));
-        }
         if let Some((gv, _, d, _)) = &gate {
             reads.push(*gv);
-            if d == &0 || !k.is_multiple_of(*d) || self.batch * k * 4 > ACTIVATION_BYTES {
-                return Err(unsupported(
-                    op,
-                    &format!(
-                        "a gated-norm prologue over {k} channels in groups of {d} at batch {} (the staged \
-                         input holds {ACTIVATION_BYTES} bytes)",
-                        self.batch
-                    ),
-                ));
+            if d == &0 || !k.is_multiple_of(*d) {
+                return Err(unsupported(op, &format!("a gated-norm prologue over {k} channels in groups of {d}")));
             }
         }
         if !matches!(g.value_type(x).dtype, DType::Bf16 | DType::F32) || !k.is_multiple_of(8) {
@@ -131,6 +115,16 @@ impl Gen<'_> {
             .max()
             .unwrap_or(0);
         self.staging = self.staging.max(max_cols * self.batch);
+        // A gated input staged whole (the gated-norm and the multiply-gate
+        // prologues) that does not fit the shared-memory staging goes to this
+        // SM's global staging past its output tile.
+        let spill = if (gate.is_some() || mul_gate.is_some()) && self.batch * k * 4 > ACTIVATION_BYTES {
+            let at = spill_offset(max_cols * self.batch);
+            self.staging = self.staging.max(at + self.batch * k);
+            format!("st + {at}")
+        } else {
+            "nullptr".into()
+        };
 
         // The epilogue, in graph order: each value's span in the tile.
         let mut body = String::new();
@@ -347,10 +341,12 @@ impl Gen<'_> {
             "__device__ inline Rows stage_{rows_stage}_rows(const TaskArgs& t, const Memory& m) {{\n{rows}  return r;\n}}"
         );
         let compute = match (&gate, &mul_gate) {
-            (None, Some((gptr, sig))) => format!("rows_compute_mul<kBatch>(r, {x_ptr}, {gptr}, {sig}, it, warp, st);"),
+            (None, Some((gptr, sig))) => {
+                format!("rows_compute_mul<kBatch>(r, {x_ptr}, {gptr}, {sig}, it, warp, st, {spill});")
+            }
             (None, None) => format!("rows_compute<kBatch>(r, {x_ptr}, {norm}, {}, it, warp, st);", float(eps)),
             (Some((_, gptr, d, act)), _) => format!(
-                "rows_compute_gated<kBatch>(r, {x_ptr}, {gptr}, {}, {d}, {norm}, {}, {act}, it, warp, st);",
+                "rows_compute_gated<kBatch>(r, {x_ptr}, {gptr}, {}, {d}, {norm}, {}, {act}, it, warp, st, {spill});",
                 k / d,
                 float(eps)
             ),
