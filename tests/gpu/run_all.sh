@@ -10,7 +10,8 @@
 #   tests/gpu/run_all.sh k3         Kimi Linear and K3: the K3 benchmark at K3's per-layer dimensions
 #                                   (bench/k3_bench.py, a profiled step; MKC_SKIP_BENCH=1 skips it), then
 #                                   every kimi_linear_* / kimi_k3_* library against its reference
-#                                   (seeds 0 1 2), side by side
+#                                   (seeds 0 1 2; the per-layer-dims ones seed by seed, beside the tiny
+#                                   ones)
 #   tests/gpu/run_all.sh bisect     where the K3 programs part from the reference, and the noise
 #                                   floor (k3_bisect, tiny and per-layer dims)
 # Logs under $OUT; a short table last.
@@ -34,9 +35,11 @@ case "${1:-}" in
     printf '%s\n' "${summary[@]}"
     ;;
   k3)
-    # The benchmark alone on the GPU first (MKC_SKIP_BENCH=1 skips it), then every Kimi Linear / K3
-    # library against its reference, all at once (the references are GPU- and CPU-light at these sizes).
+    # The benchmark alone on the GPU first (MKC_SKIP_BENCH=1 skips it); then the per-layer-dims
+    # libraries seed by seed (a random checkpoint at real widths each; about 130 s a seed on the H200),
+    # beside every tiny Kimi Linear / K3 library against its reference, one after another.
     summary=()
+    export PYTHONUNBUFFERED=1
     k3=target/models/kimi_k3_dims_8l96e_h200/libkimi_k3_dims_8l96e_h200.so
     if [ -f "$k3" ] && [ -z "${MKC_SKIP_BENCH:-}" ]; then
       timeout 150 python3 bench/k3_bench.py --config model_graphs/kimi_k3/test_8l96e.json --lib "$k3" \
@@ -44,25 +47,34 @@ case "${1:-}" in
       summary+=("k3 bench rc=$?")
     fi
     mkdir -p "$out/libs"
-    pids=()
-    for dir in target/models/kimi_linear_*/ target/models/kimi_k3_*/; do
+    : > "$out/libs/rc.txt"
+    (
+      for dir in target/models/kimi_k3_dims*/; do
+        name=$(basename "$dir")
+        [ -f "$dir/lib$name.so" ] || continue
+        for seed in 0 1 2; do
+          timeout "${MKC_LIB_TIMEOUT:-200}" python3 tests/gpu/k3_decode.py --config model_graphs/kimi_k3/test_8l96e.json \
+            --lib "$dir/lib$name.so" --seeds $seed --json "$out/libs/${name}_s$seed.json" > "$out/libs/${name}_s$seed.log" 2>&1
+          echo "$name seed $seed rc=$?" >> "$out/libs/rc.txt"
+        done
+      done
+    ) &
+    dims=$!
+    for dir in target/models/kimi_linear_*/ target/models/kimi_k3_tiny*/; do
       name=$(basename "$dir")
       [ -f "$dir/lib$name.so" ] || continue
       case "$name" in
-        kimi_k3_dims*) args=(tests/gpu/k3_decode.py --config model_graphs/kimi_k3/test_8l96e.json) ;;
         kimi_k3_*) args=(tests/gpu/k3_decode.py --config model_graphs/kimi_k3/tiny.json) ;;
         *) args=(tests/gpu/deepseek_v3_decode.py --config model_graphs/kimi_linear/tiny.json --arch kimi_linear) ;;
       esac
-      timeout "${MKC_LIB_TIMEOUT:-400}" python3 "${args[@]}" --lib "$dir/lib$name.so" --seeds 0 1 2 \
-        --json "$out/libs/$name.json" > "$out/libs/$name.log" 2>&1 &
-      pids+=("$!:$name")
+      timeout 200 python3 "${args[@]}" --lib "$dir/lib$name.so" --seeds 0 1 2 \
+        --json "$out/libs/$name.json" > "$out/libs/$name.log" 2>&1
+      echo "$name rc=$?" >> "$out/libs/rc.txt"
     done
-    for p in "${pids[@]}"; do
-      wait "${p%%:*}"
-      summary+=("${p#*:} rc=$?")
-    done
+    wait $dims
     grep -E "^library|\.so " "$out/bench_k3.txt" 2>/dev/null
-    for f in "$out"/libs/*.log; do grep -v '^$' "$f" | tail -n 6; done
+    for f in "$out"/libs/*.log; do grep -v '^$' "$f" | grep -v Loading | tail -n 4; done
+    cat "$out/libs/rc.txt"
     printf '%s\n' "${summary[@]}"
     ;;
   bisect)
