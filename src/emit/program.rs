@@ -150,14 +150,6 @@ fn align(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
-/// Where, in floats from the start of an SM's staging, an input that does not
-/// fit the shared-memory staging is spilled (device `input_area`): past the
-/// operation's output tile of `tile` floats, 128-byte aligned for the float4
-/// stores that stage it.
-fn spill_offset(tile: u64) -> u64 {
-    align(tile, 32)
-}
-
 fn float(x: f64) -> String {
     let s = format!("{:e}", x as f32);
     format!("{s}f")
@@ -190,6 +182,22 @@ struct Gen<'a> {
     routers: Vec<(String, u64)>,
     /// Bytes of the routing log so far (the next router's offset in it).
     route_log_bytes: u64,
+}
+
+impl Gen<'_> {
+    /// The spill argument of an operation that stages its input [batch, k]
+    /// whole as fp32 (device `input_area`): `nullptr` when it fits the
+    /// shared-memory staging, otherwise this SM's global staging past the
+    /// output tile of `tile` floats (128-byte aligned for the float4 stores
+    /// that stage it), the staging grown to hold both.
+    fn spill(&mut self, tile: u64, k: u64) -> String {
+        if self.batch * k * 4 <= ACTIVATION_BYTES {
+            return "nullptr".into();
+        }
+        let at = align(tile, 32);
+        self.staging = self.staging.max(at + self.batch * k);
+        format!("st + {at}")
+    }
 }
 
 fn nid(i: usize) -> NodeId {

@@ -105,8 +105,12 @@ __device__ void rows_pages(const Rows& r, const T* x, const __nv_bfloat16* norm,
 // past its output tile, which the pages then read through L1 and L2 (the code
 // generator gives a spill to every operation whose input may not fit).
 template <int B>
+__device__ inline bool input_fits(uint32_t k) {
+  return size_t(B) * k * sizeof(float) <= size_t(kActivationBytes);
+}
+template <int B>
 __device__ inline float* input_area(uint32_t k, float* spill) {
-  if (size_t(B) * k * sizeof(float) <= size_t(kActivationBytes)) return activation_ptr();
+  if (input_fits<B>(k)) return activation_ptr();
   if (spill == nullptr) __trap();
   return spill;
 }
@@ -146,7 +150,7 @@ template <int B, class T>
 __device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* norm, float eps,
                              uint32_t& it, int warp, float* st) {
   __shared__ float scale[B];
-  if (size_t(B) * r.k * sizeof(float) <= size_t(kActivationBytes)) {
+  if (input_fits<B>(r.k)) {
     rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps, activation_ptr()), nullptr, nullptr, it, warp, st);
     return;
   }

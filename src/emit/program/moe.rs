@@ -134,11 +134,8 @@ impl Gen<'_> {
                 tile = tile.max(u64::from(a[2] - a[1]) * if is_down { 1 } else { 2 } * self.batch);
             }
             self.staging = self.staging.max(tile);
-            let k = if is_down { i } else { d };
-            if mx && self.batch * k * 4 > ACTIVATION_BYTES {
-                let at = spill_offset(tile);
-                self.staging = self.staging.max(at + self.batch * k);
-                spill[usize::from(is_down)] = format!("st + {at}");
+            if mx {
+                spill[usize::from(is_down)] = self.spill(tile, if is_down { i } else { d });
             }
         }
         let spill_arg = |s: &str| if mx { format!(", {s}") } else { String::new() };

@@ -115,16 +115,10 @@ impl Gen<'_> {
             .max()
             .unwrap_or(0);
         self.staging = self.staging.max(max_cols * self.batch);
-        // A gated input staged whole (the gated-norm and the multiply-gate
-        // prologues) that does not fit the shared-memory staging goes to this
-        // SM's global staging past its output tile.
-        let spill = if (gate.is_some() || mul_gate.is_some()) && self.batch * k * 4 > ACTIVATION_BYTES {
-            let at = spill_offset(max_cols * self.batch);
-            self.staging = self.staging.max(at + self.batch * k);
-            format!("st + {at}")
-        } else {
-            "nullptr".into()
-        };
+        // A gated input is staged whole (the gated-norm and the multiply-gate
+        // prologues); the plain one is read in place when it does not fit.
+        let spill =
+            if gate.is_some() || mul_gate.is_some() { self.spill(max_cols * self.batch, k) } else { "nullptr".into() };
 
         // The epilogue, in graph order: each value's span in the tile.
         let mut body = String::new();
