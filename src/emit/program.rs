@@ -30,6 +30,10 @@ use crate::ir::{DType, Graph, NodeId, NodeKind, TensorType, ValueRef};
 use crate::ops::Attrs;
 use crate::ops::OpKind;
 use crate::plan::fuse::{FusedKind, FusedOp};
+// The shared memory the stages may use beside the page ring and the staged
+// input's, as the planner sized the CTA (device/mkc/ops/common.cuh:
+// kScratchBytes, kActivationBytes).
+use crate::plan::specialize::{ACTIVATION_BYTES, SCRATCH_BYTES};
 use crate::plan::tile::mla_split_shape;
 use crate::plan::Plan;
 use crate::valid::Validated;
@@ -44,11 +48,6 @@ mod projection;
 /// kernel follow an fp32 reference through discontinuous decisions (top-k
 /// routing); weights and the KV cache keep their checkpoint/graph dtypes.
 const ACTIVATIONS: DType = DType::F32;
-
-/// Shared memory the stages may use beside the page ring (device/mkc/ops.cuh).
-const SCRATCH_BYTES: u64 = 24 << 10;
-/// Shared memory for a projection's staged input (device/mkc/ops.cuh, kActivationBytes).
-const ACTIVATION_BYTES: u64 = 64 << 10;
 
 /// A block of the arena the program reads or writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
