@@ -6,7 +6,8 @@
 #   kimi_k2_bench_h200, kimi_k2_bench_b8_h200   the benchmark config, batch 1 and 8
 #   kimi_linear_tiny_h200, kimi_linear_tiny_b4_h200   Kimi Linear's tiny config, batch 1 and 4
 #   kimi_k3_tiny_h200, kimi_k3_tiny_b4_h200           K3's tiny config (MXFP4 experts), batch 1 and 4
-#   kimi_k3_dims_8l96e_h200                           K3's per-layer dimensions, 8 layers, 96 experts, batch 1
+#   kimi_k3_dims_8l96e_h200, kimi_k3_dims_8l96e_b4_h200   K3's per-layer dimensions, 8 layers, 96 experts,
+#                                                         batch 1 and 4
 # Usage: [MKC_MODELS_DIR=DIR] scripts/build_gpu_libs.sh [PATTERN]   into DIR (default
 # target/models), only the names matching the shell
 # pattern (e.g. 'kimi_k3_*'): each library is a few MB and a device call
@@ -33,4 +34,5 @@ kimi_linear:kimi_linear_tiny_b4_h200:tiny.json:4
 kimi_k3:kimi_k3_tiny_h200:tiny.json:1
 kimi_k3:kimi_k3_tiny_b4_h200:tiny.json:4
 kimi_k3:kimi_k3_dims_8l96e_h200:test_8l96e.json:1
+kimi_k3:kimi_k3_dims_8l96e_b4_h200:test_8l96e.json:4
 LIST

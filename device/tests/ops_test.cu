@@ -860,6 +860,7 @@ int main() {
   test_rows<1>(rng, 64, 0, 64, 1536, true, false);  // gate/up pair, a half page
   test_rows<4>(rng, 20, 5, 19, 64, false, true);     // tiny k: part of one warp's columns
   test_rows<8>(rng, 24, 0, 24, 2048, true, true);
+  test_rows<3>(rng, 20, 1, 18, 1024, true, true);   // a batch that is not a power of two (the warp sums padded)
   test_rows<1>(rng, 16, 0, 16, 12288, false, false, true);  // K3's MLA output gate at batch 1: shared memory
   test_rows<2>(rng, 16, 2, 13, 12288, false, false, true);  // and at batch 2: global memory
   test_router(rng, 64, 8, 1, 1);
@@ -883,6 +884,7 @@ int main() {
   test_mx<4>(rng, 24, 4, 21, 3584, true, true);   // batch 4 at K3's latent width, a partial row block
   test_mx<8>(rng, 16, 0, 16, 3584, true, true);   // batch 8: the input staged in global memory
   test_mx<1>(rng, 24, 8, 24, 3072, false, false);
+  test_mx<3>(rng, 16, 0, 13, 3584, false, true);  // batch 3
   test_mx<1>(rng, 12, 2, 11, 7680, true, false);  // two full chunks and a partial one
   test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone
   test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots

@@ -71,6 +71,42 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
 }
+// One round of warp_sum_scatter: H values held, the half this lane keeps
+// (by lane bit m) summed with the partner's copy of it.
+template <int H, int N>
+__device__ __forceinline__ void scatter_round(float (&v)[N], int m, int& first) {
+  constexpr int h = H / 2;
+  const bool up = (threadIdx.x & m) != 0;
+#pragma unroll
+  for (int i = 0; i < h; ++i) {
+    const float send = up ? v[i] : v[i + h];
+    const float keep = up ? v[i + h] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, m);
+  }
+  if (up) first += h;
+}
+template <int N>
+__device__ __forceinline__ int warp_sum_scatter(float (&v)[N]) {
+  static_assert(N > 0 && (N & (N - 1)) == 0, "a power of two");
+  int first = 0;
+  if constexpr (N >= 2) scatter_round<N>(v, 16, first);
+  if constexpr (N >= 4) scatter_round<N / 2>(v, 8, first);
+  if constexpr (N >= 8) scatter_round<N / 4>(v, 4, first);
+  if constexpr (N >= 16) scatter_round<N / 8>(v, 2, first);
+  if constexpr (N >= 32) scatter_round<N / 16>(v, 1, first);
+  for (int m = 16 / N; m > 0; m /= 2) v[0] += __shfl_xor_sync(0xffffffffu, v[0], m);
+  return first;
+}
+// Whether this lane is the one that stores its group after warp_sum_scatter<N>.
+template <int N>
+__device__ __forceinline__ bool scatter_owner() {
+  if constexpr (N >= 32) {
+    return true;
+  } else {
+    return (threadIdx.x % 32) % (32 / N) == 0;
+  }
+}
+
 __device__ __forceinline__ float warp_max(float v) {
   for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;

@@ -119,7 +119,8 @@ struct FoldRows {
 
 // Folds the rows of f into the running attention of the nh heads:
 //  1. scores: a warp per row, a lane per kMlaLanePairs column pairs, the
-//     query of kMlaQuad heads at a time in registers, a warp sum per head;
+//     query of kMlaQuad heads at a time in registers, the heads' warp sums
+//     in one reduce-scatter;
 //  2. per head (a warp each): the fold's maximum, the new running maximum,
 //     the probabilities (in place), the running sum and its rescale;
 //  3. the weighted latent sums: a thread per pair of latent columns,
@@ -154,11 +155,8 @@ __device__ void mla_fold(const MlaShape& s, uint32_t nh, const FoldRows& f, cons
           for (uint32_t hq = 0; hq < kMlaQuad; ++hq) dot[hq] = fmaf(q[hq][i].x, kv.x, fmaf(q[hq][i].y, kv.y, dot[hq]));
         }
       }
-#pragma unroll
-      for (uint32_t hq = 0; hq < kMlaQuad; ++hq) {
-        const float v = warp_sum(dot[hq]);
-        if (lane == 0 && h0 + hq < nh) prob[j][h0 + hq] = v * s.scale;
-      }
+      const int hq = warp_sum_scatter<kMlaQuad>(dot);  // the four heads' sums in one reduce-scatter
+      if (scatter_owner<kMlaQuad>() && h0 + hq < nh) prob[j][h0 + hq] = dot[0] * s.scale;
     }
   }
   consumer_sync();

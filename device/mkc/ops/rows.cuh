@@ -22,23 +22,32 @@ __device__ __forceinline__ float4 load_four(const __nv_bfloat16* p) {
 }
 
 // The end of a row block: the lanes' partial sums acc[j][b] reduced over the
-// warp (shuffles), then over the warps through `part` [warps][kPageRows B] in
-// a fixed order (the result does not depend on timing), into st [B, cols]
-// at columns j0 + j. One consumer barrier; callers alternate `part` between
-// row blocks so the next block's writes cannot overtake this one's reads.
+// warp (a reduce-scatter, warp_sum_scatter: 7 shuffles for 8 rows, not 40,
+// and no branch per row), then over the warps through `part` [warps][kPageRows
+// B] in a fixed order (the result does not depend on timing), into st [B,
+// cols] at columns j0 + j. One consumer barrier; callers alternate `part`
+// between row blocks so the next block's writes cannot overtake this one's
+// reads.
+template <int N, int P>
+__device__ __forceinline__ void warp_sums_to(float (&v)[P], float* part) {
+  const int first = warp_sum_scatter<P>(v);
+  if (scatter_owner<P>()) {
+#pragma unroll
+    for (int i = 0; i < (P >= 32 ? P / 32 : 1); ++i) {
+      if (first + i < N) part[first + i] = v[i];
+    }
+  }
+}
 template <int B>
 __device__ __forceinline__ void reduce_row_block(float (&acc)[kPageRows][B], float (*part)[kPageRows * B],
                                                  uint32_t nr, uint32_t cols, uint32_t j0, int warp, float* st) {
-  const int lane = threadIdx.x % 32;
-  float* mine = part[warp];
+  constexpr int N = kPageRows * B;
+  constexpr int P = N <= 8 ? 8 : N <= 16 ? 16 : N <= 32 ? 32 : N <= 64 ? 64 : 128;  // N rounded up to a power of two
+  static_assert(N <= P && P <= 128, "batch up to 16");
+  float v[P];  // a batch that is not a power of two: the sums padded with zeros
 #pragma unroll
-  for (int j = 0; j < kPageRows; ++j) {
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      const float v = warp_sum(acc[j][b]);
-      if (lane == 0) mine[j * B + b] = v;
-    }
-  }
+  for (int i = 0; i < P; ++i) v[i] = i < N ? acc[i / B][i % B] : 0.f;
+  warp_sums_to<N>(v, part[warp]);
   consumer_sync();
   for (uint32_t i = threadIdx.x; i < nr * B; i += kConsumerThreads) {
     float v = 0.f;
