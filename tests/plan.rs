@@ -550,3 +550,42 @@ fn expert_parallel_plans_one_gpus_share() {
     let experts = 4.0 * 8.0 * 3.0 * 2048.0 * 7168.0 * 2.0;
     assert!(((w1 - w2) - experts / 2.0).abs() / experts < 0.01, "{} vs {}", w1 - w2, experts / 2.0);
 }
+
+#[test]
+fn mxfp4_experts_are_costed_by_their_decode() {
+    use mkc::plan::tile::TaskKind;
+    let t = Target::load("h200").unwrap();
+    // K3's MXFP4 experts (latent width 3584, expert width 3072): a gate/up task decodes 2 x rows x 3584
+    // elements, a down task rows x 3072.
+    let v = compile("kimi_k3", "test_8l96e.json");
+    let p = plan::plan(&v, &t, Options::default()).unwrap();
+    let (mut up, mut down) = (0, 0);
+    for stage in &p.tiling.stages {
+        for &id in &stage.tasks {
+            let task = &p.tiling.tasks[id];
+            let [_, r0, r1, _] = task.args;
+            let rows = u64::from(r1 - r0);
+            match stage.kind {
+                TaskKind::ExpertUp => {
+                    assert_eq!(task.decoded, 2 * rows * 3584, "{}", task.label);
+                    up += 1;
+                }
+                TaskKind::ExpertDown => {
+                    assert_eq!(task.decoded, rows * 3072, "{}", task.label);
+                    down += 1;
+                }
+                _ => assert_eq!(task.decoded, 0, "{}", task.label),
+            }
+        }
+    }
+    assert!(up > 0 && down > 0);
+    // The decode makes an expert task's compute longer than its bytes at the SM's share of the bandwidth.
+    let bw_sm = t.read_bandwidth() / f64::from(t.sms) / 1e9;
+    let instr = p.schedule.sms.iter().flatten().find(|i| p.tiling.stages[i.stage].kind == TaskKind::ExpertUp).unwrap();
+    let task = &p.tiling.tasks[instr.task];
+    assert!(instr.end_ns - instr.start_ns > task.weight_bytes as f64 / bw_sm * 1.5);
+    // bf16 experts (K2) decode nothing.
+    let v = compile("kimi_k2", "bench_4l64e.json");
+    let p = plan::plan(&v, &t, Options::default()).unwrap();
+    assert!(p.tiling.tasks.iter().all(|task| task.decoded == 0));
+}

@@ -6,7 +6,8 @@
 //! tensor cores at `round_up(batch, 8) / 64` of their peak (the weight operand
 //! read from shared memory bounds narrow MMAs); each task costs a
 //! fixed [`TASK_OVERHEAD_NS`]; each dependency hand-off costs the target's
-//! `sync_latency_ns`. A task's weights (and state) do not depend on
+//! `sync_latency_ns`; MXFP4 rows cost their consumers' register decode per
+//! element ([`MX_DECODE_CYCLES`], measured), not FLOPs. A task's weights (and state) do not depend on
 //! activations, so the loader streams them as soon as the previous task's
 //! weights are in, before the task's dependencies are met, but at most a
 //! ring's worth ([`MAX_PAGES`] pages) ahead of the consumers; its math starts
@@ -39,6 +40,16 @@ use crate::target::Target;
 /// about half the streaming rate of large ones (docs/PERFORMANCE.md,
 /// per-stage profile): several microseconds each.
 pub const TASK_OVERHEAD_NS: f64 = 5000.0;
+
+/// The MXFP4 consumer's cost per decoded weight element on one SM, in SM
+/// cycles: a fixed part (the register decode and the block scale) and a part
+/// per token multiplied. Fitted to `ring_bench`'s `mx` and `mx-b4` rates on
+/// the H200 (docs/PERFORMANCE.md); cycles, so other targets scale by their
+/// clock (their consumers decode the same way until a native block-scaled
+/// path exists).
+pub const MX_DECODE_CYCLES: f64 = 0.065;
+/// See [`MX_DECODE_CYCLES`].
+pub const MX_TOKEN_CYCLES: f64 = 0.0166;
 
 /// A wait on a counter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -140,9 +151,12 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     let ring = (MAX_PAGES * PAGE_BYTES) as f64 / bw_sm; // how far ahead the loader may stream, in ns
     let need = needs(tiling);
 
+    // MXFP4 rows: the consumers' decode, not the FLOPs, bounds them.
+    let mx_ns = (MX_DECODE_CYCLES + MX_TOKEN_CYCLES * f64::from(opts.batch)) / target.clock_ghz;
     let compute = |t: usize| {
         let task = &tiling.tasks[t];
-        TASK_OVERHEAD_NS + task.act_bytes as f64 / bw_sm + task.flops as f64 / rate
+        let math = if task.decoded > 0 { task.decoded as f64 * mx_ns } else { task.flops as f64 / rate };
+        TASK_OVERHEAD_NS + task.act_bytes as f64 / bw_sm + math
     };
     let load = |t: usize| {
         let task = &tiling.tasks[t];

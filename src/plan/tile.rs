@@ -30,7 +30,7 @@ use serde::Serialize;
 use super::fuse::{FusedKind, Fusion};
 use super::Options;
 use crate::diag::Result;
-use crate::ir::{Graph, NodeId, NodeKind, TensorType};
+use crate::ir::{DType, Graph, NodeId, NodeKind, TensorType};
 use crate::ops::OpKind;
 use crate::target::Target;
 use crate::valid::Validated;
@@ -84,6 +84,11 @@ pub struct Task {
     pub state_bytes: u64,
     /// Floating-point operations.
     pub flops: u64,
+    /// MXFP4 weight elements its consumers decode in registers (the routed
+    /// experts' rows when they are stored as MXFP4, the expected share like
+    /// the bytes; 0 otherwise): costed per element by the schedule, in place
+    /// of the FLOPs.
+    pub decoded: u64,
     /// Which part of its operation the task computes, as the generated code
     /// reads it: projections `[linear node, paired up node or u32::MAX, row0,
     /// row1]`; MLA `[head group, split]`; expert stages `[slot, row0, row1]`;
@@ -204,7 +209,17 @@ impl Builder<'_> {
         let mut ids = vec![];
         for (label, weight_bytes, act_bytes, state_bytes, flops, args) in parts {
             let tid = self.tasks.len();
-            self.tasks.push(Task { id: tid, stage: id, label, weight_bytes, act_bytes, state_bytes, flops, args });
+            self.tasks.push(Task {
+                id: tid,
+                stage: id,
+                label,
+                weight_bytes,
+                act_bytes,
+                state_bytes,
+                flops,
+                decoded: 0,
+                args,
+            });
             ids.push(tid);
         }
         self.stages.push(Stage { id, op, kind, tasks: ids, reads });
@@ -501,6 +516,12 @@ impl Builder<'_> {
         // Every stage reads the router's ids (and the combine its weights).
         let up = self.add_stage(op, TaskKind::ExpertUp, reads.clone(), parts);
         self.out_bytes[up] = slots * i * 2 * b;
+        if wg.dtype == DType::Mxfp4 {
+            for &t in &self.stages[up].tasks {
+                let [_, r0, r1, _] = self.tasks[t].args;
+                self.tasks[t].decoded = share(2 * u64::from(r1 - r0) * d);
+            }
+        }
         let mut parts = vec![];
         for s in 0..slots {
             let mut r0 = 0;
@@ -519,6 +540,12 @@ impl Builder<'_> {
         }
         let down = self.add_stage(op, TaskKind::ExpertDown, [vec![up], reads.clone()].concat(), parts);
         self.out_bytes[down] = slots * d * 4 * b;
+        if wd.dtype == DType::Mxfp4 {
+            for &t in &self.stages[down].tasks {
+                let [_, r0, r1, _] = self.tasks[t].args;
+                self.tasks[t].decoded = share(u64::from(r1 - r0) * i);
+            }
+        }
         let tiles = d.div_ceil(1024).min(8);
         let out = self.external_outputs(nodes) * b;
         let parts = (0..tiles)
