@@ -6,8 +6,7 @@
 //! tensor cores at `round_up(batch, 8) / 64` of their peak (the weight operand
 //! read from shared memory bounds narrow MMAs); each task costs a
 //! fixed [`TASK_OVERHEAD_NS`]; each dependency hand-off costs the target's
-//! `sync_latency_ns`; MXFP4 rows cost their consumers' register decode per
-//! element ([`MX_DECODE_CYCLES`], measured), not FLOPs. A task's weights (and state) do not depend on
+//! `sync_latency_ns`. A task's weights (and state) do not depend on
 //! activations, so the loader streams them as soon as the previous task's
 //! weights are in, before the task's dependencies are met, but at most a
 //! ring's worth ([`MAX_PAGES`] pages) ahead of the consumers; its math starts
@@ -18,6 +17,13 @@
 //! each task goes to the SM where it would end first. Every SM's list is
 //! therefore in stage order, so waits only ever point backwards and the
 //! kernel cannot deadlock.
+//!
+//! The predicted times replay that placement with one difference: MXFP4
+//! rows cost their consumers' register decode per element
+//! ([`MX_DECODE_CYCLES`], measured) instead of their FLOPs. Placement keeps
+//! FLOPs: on the H200 a placement made with the decode cost ran two stages
+//! of the per-layer-dims K3 25 times slower (docs/PLANNER.md), not yet
+//! understood.
 //!
 //! Counters: one per stage, bumped once by each of its tasks with release
 //! semantics, so its expected count per step is the stage's task count. They
@@ -151,9 +157,15 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     let ring = (MAX_PAGES * PAGE_BYTES) as f64 / bw_sm; // how far ahead the loader may stream, in ns
     let need = needs(tiling);
 
-    // MXFP4 rows: the consumers' decode, not the FLOPs, bounds them.
+    // Placement costs MXFP4 rows by their FLOPs, as the schedules measured on
+    // the H200 were placed; the predicted times (below) by their consumers'
+    // decode, which bounds them.
     let mx_ns = (MX_DECODE_CYCLES + MX_TOKEN_CYCLES * f64::from(opts.batch)) / target.clock_ghz;
     let compute = |t: usize| {
+        let task = &tiling.tasks[t];
+        TASK_OVERHEAD_NS + task.act_bytes as f64 / bw_sm + task.flops as f64 / rate
+    };
+    let predicted = |t: usize| {
         let task = &tiling.tasks[t];
         let math = if task.decoded > 0 { task.decoded as f64 * mx_ns } else { task.flops as f64 / rate };
         TASK_OVERHEAD_NS + task.act_bytes as f64 / bw_sm + math
@@ -168,6 +180,7 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     let mut load_free = vec![0f64; sms];
     let mut finish = vec![0f64; tiling.stages.len()];
     let mut cp = vec![0f64; tiling.stages.len()];
+    let mut placed: Vec<(usize, usize)> = Vec::with_capacity(tiling.tasks.len()); // (task, SM), in placement order
     for stage in &tiling.stages {
         let ready = need[stage.id].iter().map(|r| finish[*r] + sync).fold(0f64, f64::max);
         let cp_ready = need[stage.id].iter().map(|r| cp[*r] + sync).fold(0f64, f64::max);
@@ -190,7 +203,8 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
             load_free[best] = best_load_end;
             compute_free[best] = best_end;
             finish[stage.id] = finish[stage.id].max(best_end);
-            cp_stage = cp_stage.max(compute_t).max(load_t - cp_ready);
+            cp_stage = cp_stage.max(predicted(t)).max(load_t - cp_ready);
+            placed.push((t, best));
             lists[best].push(Instr {
                 task: t,
                 stage: stage.id,
@@ -206,6 +220,24 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     // Program order is stage order; within a stage, by start time.
     for l in &mut lists {
         l.sort_by(|a, b| a.stage.cmp(&b.stage).then(a.start_ns.total_cmp(&b.start_ns)).then(a.task.cmp(&b.task)));
+    }
+    // The predicted times: the same placement and the same rules, with MXFP4
+    // rows at their decode cost.
+    let mut times = vec![(0f64, 0f64, 0f64); tiling.tasks.len()]; // (load start, start, end)
+    let (mut compute_free, mut load_free) = (vec![0f64; sms], vec![0f64; sms]);
+    finish.iter_mut().for_each(|f| *f = 0.0);
+    for &(t, m) in &placed {
+        let stage = tiling.tasks[t].stage;
+        let ready = need[stage].iter().map(|r| finish[*r] + sync).fold(0f64, f64::max);
+        let start = compute_free[m].max(ready);
+        let load_end = (load_free[m] + load(t)).max(start + load(t) - ring);
+        let end = (start + predicted(t)).max(load_end);
+        times[t] = (load_free[m], start, end);
+        (load_free[m], compute_free[m]) = (load_end, end);
+        finish[stage] = finish[stage].max(end);
+    }
+    for i in lists.iter_mut().flatten() {
+        (i.load_start_ns, i.start_ns, i.end_ns) = times[i.task];
     }
     assign_waits(tiling, &need, &mut lists)?;
     let counters =
