@@ -134,6 +134,16 @@ pub fn needs(tiling: &Tiling) -> Vec<Vec<usize>> {
     need
 }
 
+/// A task on an SM whose consumers are free at `compute_free` and whose loader
+/// at `load_free`, its dependencies met at `ready`, with `load_t` ns of
+/// weights and `cost` ns of work: (start, load end, end). The loader streams
+/// at most `ring` ns ahead of the consumers.
+fn timing(compute_free: f64, load_free: f64, ready: f64, load_t: f64, cost: f64, ring: f64) -> (f64, f64, f64) {
+    let start = compute_free.max(ready);
+    let load_end = (load_free + load_t).max(start + load_t - ring);
+    (start, load_end, (start + cost).max(load_end))
+}
+
 /// A vector clock: per SM, how many of its instructions are known complete.
 type Clock = Vec<u32>;
 
@@ -181,25 +191,23 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     let mut finish = vec![0f64; tiling.stages.len()];
     let mut cp = vec![0f64; tiling.stages.len()];
     let mut placed: Vec<(usize, usize)> = Vec::with_capacity(tiling.tasks.len()); // (task, SM), in placement order
+                                                                                  // When a stage's dependencies are met, given when each stage finishes.
+    let ready = |finish: &[f64], s: usize| need[s].iter().map(|r| finish[*r] + sync).fold(0f64, f64::max);
     for stage in &tiling.stages {
-        let ready = need[stage.id].iter().map(|r| finish[*r] + sync).fold(0f64, f64::max);
-        let cp_ready = need[stage.id].iter().map(|r| cp[*r] + sync).fold(0f64, f64::max);
+        let (ready_t, cp_ready) = (ready(&finish, stage.id), ready(&cp, stage.id));
         let mut order: Vec<usize> = stage.tasks.clone();
         order.sort_by(|a, b| load(*b).total_cmp(&load(*a)).then(a.cmp(b)));
         let mut cp_stage = 0f64;
         for t in order {
-            let (mut best, mut best_end, mut best_load_end) = (0usize, f64::INFINITY, 0f64);
-            let (load_t, compute_t) = (load(t), compute(t));
+            let (mut best, mut start, mut best_end, mut best_load_end) = (0usize, 0f64, f64::INFINITY, 0f64);
+            let (load_t, cost) = (load(t), compute(t));
             for m in 0..sms {
-                let start = compute_free[m].max(ready);
-                let load_end = (load_free[m] + load_t).max(start + load_t - ring);
-                let end = (start + compute_t).max(load_end);
+                let (s, load_end, end) = timing(compute_free[m], load_free[m], ready_t, load_t, cost, ring);
                 if end < best_end - 1e-9 {
-                    (best, best_end, best_load_end) = (m, end, load_end);
+                    (best, start, best_end, best_load_end) = (m, s, end, load_end);
                 }
             }
             let load_start = load_free[best];
-            let start = compute_free[best].max(ready);
             load_free[best] = best_load_end;
             compute_free[best] = best_end;
             finish[stage.id] = finish[stage.id].max(best_end);
@@ -228,10 +236,8 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     finish.iter_mut().for_each(|f| *f = 0.0);
     for &(t, m) in &placed {
         let stage = tiling.tasks[t].stage;
-        let ready = need[stage].iter().map(|r| finish[*r] + sync).fold(0f64, f64::max);
-        let start = compute_free[m].max(ready);
-        let load_end = (load_free[m] + load(t)).max(start + load(t) - ring);
-        let end = (start + predicted(t)).max(load_end);
+        let (start, load_end, end) =
+            timing(compute_free[m], load_free[m], ready(&finish, stage), load(t), predicted(t), ring);
         times[t] = (load_free[m], start, end);
         (load_free[m], compute_free[m]) = (load_end, end);
         finish[stage] = finish[stage].max(end);
