@@ -22,22 +22,12 @@ __device__ __forceinline__ float4 load_four(const __nv_bfloat16* p) {
 }
 
 // The end of a row block: the lanes' partial sums acc[j][b] reduced over the
-// warp (a reduce-scatter, warp_sum_scatter: 7 shuffles for 8 rows, not 40,
+// warp (a reduce-scatter, warp_sum_scatter: 9 shuffles for 8 rows, not 40,
 // and no branch per row), then over the warps through `part` [warps][kPageRows
 // B] in a fixed order (the result does not depend on timing), into st [B,
 // cols] at columns j0 + j. One consumer barrier; callers alternate `part`
 // between row blocks so the next block's writes cannot overtake this one's
 // reads.
-template <int N, int P>
-__device__ __forceinline__ void warp_sums_to(float (&v)[P], float* part) {
-  const int first = warp_sum_scatter<P>(v);
-  if (scatter_owner<P>()) {
-#pragma unroll
-    for (int i = 0; i < (P >= 32 ? P / 32 : 1); ++i) {
-      if (first + i < N) part[first + i] = v[i];
-    }
-  }
-}
 template <int B>
 __device__ __forceinline__ void reduce_row_block(float (&acc)[kPageRows][B], float (*part)[kPageRows * B],
                                                  uint32_t nr, uint32_t cols, uint32_t j0, int warp, float* st) {
@@ -47,7 +37,13 @@ __device__ __forceinline__ void reduce_row_block(float (&acc)[kPageRows][B], flo
   float v[P];  // a batch that is not a power of two: the sums padded with zeros
 #pragma unroll
   for (int i = 0; i < P; ++i) v[i] = i < N ? acc[i / B][i % B] : 0.f;
-  warp_sums_to<N>(v, part[warp]);
+  const int first = warp_sum_scatter<P>(v);
+  if (scatter_owner<P>()) {
+#pragma unroll
+    for (int i = 0; i < (P >= 32 ? P / 32 : 1); ++i) {
+      if (first + i < N) part[warp][first + i] = v[i];
+    }
+  }
   consumer_sync();
   for (uint32_t i = threadIdx.x; i < nr * B; i += kConsumerThreads) {
     float v = 0.f;
