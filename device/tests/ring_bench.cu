@@ -6,12 +6,15 @@
 //   rows-idle:   rows_load, consumers only wait for and release each page
 //   packed:      one 16 KiB bulk copy per page (contiguous weights), consumers only wait and release
 //   pieces-8/rows_load: pieces-8's kernel with mkc::rows_load as its loader
+//   rows-12288, rows-33792-global-x, rows-7168-global-x: rows + consumer at K3's dense widths, the
+//                input in shared memory, or read from global memory as a spilled input
 //   pieces-N:    N rows per page, one bulk copy of 8192/N columns from each (the row's last piece
 //                shorter), consumers only wait and release: how the copy size sets the rate
 // and the MXFP4 variants, 2 GiB of codes and scales of rows [n, 3584] (K3's latent width; GB/s
 // counts codes and scales):
-//   mx:          mx_rows_load + mx_rows_pages (the routed experts' consumer, batch 1)
-//   mx-b4:       the same consumer at batch 4
+//   mx:          mx_rows_load + mx_rows_compute (the routed experts' consumer: tensor cores), batch 1
+//   mx-b4:       the same at batch 4
+//   mx-fma:      mx_rows_load + mx_rows_pages (the CUDA-core consumer), batch 1
 //   mx-idle:     mx_rows_load, consumers only wait for and release each page
 // A measurement, not a test: nothing is asserted; the numbers go in docs/PERFORMANCE.md.
 //
@@ -64,15 +67,16 @@ __device__ uint32_t pieces_load(const mkc::Rows& r, uint32_t& it) {
 }
 
 // Every variant's start: the ring set up, this SM's contiguous share of the rows.
-__device__ mkc::Rows sm_share(const __nv_bfloat16* w, uint32_t rows) {
+__device__ mkc::Rows sm_share(const __nv_bfloat16* w, uint32_t rows, uint32_t k = kK) {
   if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
   __syncthreads();
   const uint32_t per_sm = rows / gridDim.x;
-  return mkc::Rows{w, nullptr, blockIdx.x * per_sm, (blockIdx.x + 1) * per_sm, kK};
+  return mkc::Rows{w, nullptr, blockIdx.x * per_sm, (blockIdx.x + 1) * per_sm, k};
 }
 
 template <int N, bool kRowsLoad = false>
-__global__ void __launch_bounds__(mkc::kThreads, 1) pieces(const __nv_bfloat16* w, uint32_t rows, float* out) {
+__global__ void __launch_bounds__(mkc::kThreads, 1) pieces(const __nv_bfloat16* w, uint32_t rows, float* out,
+                                                          const float* /* stream's signature */) {
   const mkc::Rows r = sm_share(w, rows);
   const int warp = threadIdx.x / 32;
   const uint32_t per_sm = r.r1 - r.r0;
@@ -89,17 +93,18 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) pieces(const __nv_bfloat16* 
   }
 }
 
-template <int M>
-__global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* w, uint32_t rows, float* out) {
+template <int M, uint32_t K = kK>
+__global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* w, uint32_t rows, float* out,
+                                                          const float* x_global = nullptr) {
   mkc::Ring& ring = *mkc::ring_ptr();
-  const mkc::Rows r = sm_share(w, rows);
+  const mkc::Rows r = sm_share(w, rows, K);
   const int warp = threadIdx.x / 32;
   const uint32_t per_sm = r.r1 - r.r0;
-  const uint32_t pages = uint32_t(size_t(per_sm) * kK * 2 / mkc::kPageBytes);
+  const uint32_t pages = uint32_t(size_t(per_sm) * K * 2 / mkc::kPageBytes);
   uint32_t it = 0;
   if (warp == mkc::kConsumerWarps) {
     if (M == kPacked) {
-      const char* base = reinterpret_cast<const char*>(w) + size_t(r.r0) * kK * 2;
+      const char* base = reinterpret_cast<const char*>(w) + size_t(r.r0) * K * 2;
       for (; it < pages; ++it) {
         const int slot = it % mkc::kPages;
         if (threadIdx.x % 32 == 0) {
@@ -115,19 +120,24 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* 
     }
   } else if (warp < mkc::kConsumerWarps) {
     if (M == kRows) {
-      float* xs = mkc::activation_ptr();
-      for (uint32_t i = threadIdx.x; i < kK; i += mkc::kConsumerThreads) xs[i] = 1.f;
-      mkc::consumer_sync();
+      // The input in shared memory, or (x_global) read from global memory as a spilled input.
+      const float* xs = x_global;
+      if (xs == nullptr) {
+        float* a = mkc::activation_ptr();
+        for (uint32_t i = threadIdx.x; i < K; i += mkc::kConsumerThreads) a[i] = 1.f;
+        mkc::consumer_sync();
+        xs = a;
+      }
       float* st = reinterpret_cast<float*>(mkc::scratch_ptr());
       // Output tiles of 1024 rows through the scratch, as a projection's staging.
       for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 1024) {
-        const mkc::Rows part{w, nullptr, j0, min(j0 + 1024, r.r1), kK};
-        mkc::rows_pages<1>(part, static_cast<const float*>(xs), nullptr, nullptr, it, warp, st);
+        const mkc::Rows part{w, nullptr, j0, min(j0 + 1024, r.r1), K};
+        mkc::rows_pages<1>(part, xs, nullptr, nullptr, it, warp, st);
         mkc::consumer_sync();
         if (threadIdx.x == 0) out[blockIdx.x] += st[0];
       }
     } else {
-      const uint32_t n = M == kPacked ? pages : uint32_t((per_sm + mkc::kPageRows - 1) / mkc::kPageRows) * 7;
+      const uint32_t n = M == kPacked ? pages : uint32_t((per_sm + mkc::kPageRows - 1) / mkc::kPageRows) * ((K + 1023) / 1024);
       idle_consume(n, it, out);
     }
   }
@@ -135,9 +145,9 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* 
 
 // MXFP4 rows [n, kMxK]: this SM's contiguous share through mx_rows_load and
 // either the consumer (B tokens of ones) or idle consumers.
-template <int B, bool kIdle>
+template <int B, int kMode>  // kMode: 0 the consumer, 1 the CUDA-core consumer, 2 idle
 __global__ void __launch_bounds__(mkc::kThreads, 1) mx_stream(const uint8_t* codes, const uint8_t* scales, uint32_t rows,
-                                                             float* out) {
+                                                             const float* ones, float* out) {
   if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
   __syncthreads();
   const uint32_t per_sm = rows / gridDim.x, r0 = blockIdx.x * per_sm;
@@ -147,7 +157,7 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) mx_stream(const uint8_t* cod
   if (warp == mkc::kConsumerWarps) {
     mkc::mx_rows_load(r, it);
   } else if (warp < mkc::kConsumerWarps) {
-    if (kIdle) {
+    if (kMode == 2) {
       idle_consume((per_sm + mkc::kPageRows - 1) / mkc::kPageRows, it, out);
       return;
     }
@@ -158,7 +168,11 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) mx_stream(const uint8_t* cod
     // Output tiles of 512 rows through the scratch, as an expert task's staging.
     for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 512) {
       const mkc::MxRows part{codes, scales, nullptr, nullptr, j0, min(j0 + 512, r.r1), mkc::kMxK};
-      mkc::mx_rows_pages<B>(part, xs, it, warp, st);
+      if (kMode == 0) {
+        mkc::mx_rows_compute<B>(part, ones, static_cast<const __nv_bfloat16*>(nullptr), 0.f, it, warp, st, nullptr);
+      } else {
+        mkc::mx_rows_pages<B>(part, xs, it, warp, st);
+      }
       mkc::consumer_sync();
       if (threadIdx.x == 0) out[blockIdx.x] += st[0];
     }
@@ -189,7 +203,14 @@ static void timed(const char* name, K kernel, double bytes, int sms, Args... arg
 
 template <class K>
 static void run(const char* name, K kernel, const __nv_bfloat16* w, uint32_t rows, float* out, int sms) {
-  timed(name, kernel, double(rows / sms) * sms * kK * 2, sms, w, rows, out);
+  timed(name, kernel, double(rows / sms) * sms * kK * 2, sms, w, rows, out, static_cast<const float*>(nullptr));
+}
+
+// bf16 rows of width k in the same buffer (`bytes`), the input in shared memory or in global memory.
+template <uint32_t K>
+static void run_width(const char* name, const __nv_bfloat16* w, size_t bytes, float* out, int sms, const float* x_global) {
+  const uint32_t rows = uint32_t(bytes / (K * 2)) / (8 * sms) * (8 * sms);
+  timed(name, stream<kRows, K>, double(rows / sms) * sms * K * 2, sms, w, rows, out, x_global);
 }
 
 int main() {
@@ -203,6 +224,11 @@ int main() {
   CHECK(cudaMemset(w, 0x3C, size_t(rows) * kK * 2));
   float* out = nullptr;
   CHECK(cudaMalloc(&out, sms * sizeof(float)));
+  // Activations of ones for the MXFP4 consumers that stage their own input, [4, kMxK].
+  std::vector<float> host_ones(33792, 1.f);  // also the spilled inputs of the bf16 widths
+  float* ones = nullptr;
+  CHECK(cudaMalloc(&ones, host_ones.size() * sizeof(float)));
+  CHECK(cudaMemcpy(ones, host_ones.data(), host_ones.size() * sizeof(float), cudaMemcpyHostToDevice));
   CHECK(cudaMemset(out, 0, sms * sizeof(float)));
   std::printf("%d SMs, %u rows of %u bf16, %d pages of %d KiB\n", sms, rows, kK, mkc::kPages, mkc::kPageBytes / 1024);
   for (int round = 0; round < 2; ++round) {  // twice: the first round may run before the clocks settle
@@ -215,17 +241,24 @@ int main() {
   run("pieces-2", pieces<2>, w, rows, out, sms);
   run("pieces-1", pieces<1>, w, rows, out, sms);
   run("pieces-8/rows_load", pieces<8, true>, w, rows, out, sms);
+  // The widths of K3's dense rows: KDA/MLA o_proj (12288), the dense layer's down rows (33792,
+  // its input spilled to global memory as in the megakernel), and 7168 with a spilled input.
+  run_width<12288>("rows-12288", w, size_t(rows) * kK * 2, out, sms, nullptr);
+  run_width<33792>("rows-33792-global-x", w, size_t(rows) * kK * 2, out, sms, ones);
+  run_width<7168>("rows-7168-global-x", w, size_t(rows) * kK * 2, out, sms, ones);
   // MXFP4: the same bytes as codes and scales (k / 2 + k / 32 bytes a row).
   const uint32_t mx_row = mkc::kMxK / 2 + mkc::kMxK / 32;
   const uint32_t mx_rows = uint32_t(size_t(rows) * kK * 2 / mx_row) / (8 * sms) * (8 * sms);
   const auto* codes = reinterpret_cast<const uint8_t*>(w);
   const uint8_t* scales = codes + size_t(mx_rows) * (mkc::kMxK / 2);
   const double mx_bytes = double(mx_rows) * mx_row;
-  timed("mx", mx_stream<1, false>, mx_bytes, sms, codes, scales, mx_rows, out);
-  timed("mx-b4", mx_stream<4, false>, mx_bytes, sms, codes, scales, mx_rows, out);
-  timed("mx-idle", mx_stream<1, true>, mx_bytes, sms, codes, scales, mx_rows, out);
+  timed("mx", mx_stream<1, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
+  timed("mx-b4", mx_stream<4, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
+  timed("mx-fma", mx_stream<1, 1>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
+  timed("mx-idle", mx_stream<1, 2>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
   }
   CHECK(cudaFree(w));
   CHECK(cudaFree(out));
+  CHECK(cudaFree(ones));
   return 0;
 }

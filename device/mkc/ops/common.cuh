@@ -131,6 +131,25 @@ __device__ inline float block_sum(float v) {
   return r;
 }
 
+// Maximum over all consumer threads; every consumer gets the result.
+__device__ inline float block_max(float v) {
+  __shared__ float part[kConsumerWarps];
+  __shared__ float total;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  v = warp_max(v);
+  if (lane == 0) part[warp] = v;
+  consumer_sync();
+  if (threadIdx.x == 0) {
+    float m = part[0];
+    for (int w = 1; w < kConsumerWarps; ++w) m = fmaxf(m, part[w]);
+    total = m;
+  }
+  consumer_sync();
+  const float r = total;
+  consumer_sync();
+  return r;
+}
+
 // Dot product of a bf16 row with a bf16 or fp32 vector over n elements
 // (n a multiple of 8; bf16 rows 16-byte aligned), one warp.
 __device__ inline float warp_dot(const __nv_bfloat16* w, const __nv_bfloat16* x, uint32_t n) {

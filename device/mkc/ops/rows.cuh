@@ -5,6 +5,8 @@
 
 #include <cuda_fp16.h>
 
+#include <cute/arch/mma_sm80.hpp>
+
 #include "common.cuh"
 
 namespace mkc {
@@ -200,11 +202,15 @@ struct MxRows {
 // row): the most elements, in 512s (whole 16-byte units of scales), whose
 // codes and scales fit a page (2048 elements filled 8.5 of 16 KiB). K3's
 // latent width (3584) and expert width (3072) are one chunk. In a page the
-// rows follow each other at the chunk's strides (mx_strides): a row that is
-// one chunk is laid out as in memory, so a row block of one matrix is one
-// bulk copy of codes and one of scales.
+// rows follow each other at the chunk's strides (mx_strides), the codes'
+// padded: a row block's scales of one matrix are one bulk copy, its codes a
+// copy per row.
 constexpr uint32_t kMxK = 3584;
-constexpr uint32_t kMxScales = kPageRows * (kMxK / 2);  // byte offset of the scales in a page
+// A page's code rows are 16 bytes longer than the row chunk, so that the same
+// word of the eight rows falls in different shared-memory banks (the tensor-
+// core consumer reads a word of every row at once).
+constexpr uint32_t kMxPad = 16;
+constexpr uint32_t kMxScales = kPageRows * (kMxK / 2 + kMxPad);  // byte offset of the scales in a page
 static_assert(kMxScales + kPageRows * (kMxK / 32) <= uint32_t(kPageBytes), "an MXFP4 page holds codes and scales");
 
 // The page strides of a row's codes and scales: a whole row when it is one
@@ -214,7 +220,7 @@ struct MxStrides {
 };
 __device__ __forceinline__ MxStrides mx_strides(uint32_t k) {
   const uint32_t c = min(k, kMxK);
-  return MxStrides{c / 2, c / 32};
+  return MxStrides{c / 2 + kMxPad, c / 32};
 }
 
 // Eight e2m1 codes (element i in bits 4i..4i+3 of c) as fp32 values times
@@ -238,14 +244,14 @@ __device__ __forceinline__ float e8m0(uint32_t byte) {
   return byte == 255u ? 0.f : __int_as_float(byte == 0u ? 0x00400000 : int(byte << 23));
 }
 
-// Loader: the codes and scales of a task's rows into the page ring. When a
-// row is one chunk and the row block's rows are consecutive rows of one
-// matrix (every block but one that straddles a gate/up pair), lane 0 copies
-// the block's codes in one bulk copy and its scales in another; otherwise a
-// lane per row (as rows_load). Scales go by bulk copy when they come in whole
-// 16-byte units (k a multiple of 512, as every real width); otherwise (small
-// test shapes) the lanes store them byte by byte before the page's barrier
-// is armed.
+// Loader: the codes and scales of a task's rows into the page ring, a lane
+// per row's codes (as rows_load; the page's code rows are padded). When a row
+// is one chunk and the row block's rows are consecutive rows of one matrix
+// (every block but one that straddles a gate/up pair), lane 0 copies the
+// block's scales in one bulk copy; otherwise a lane per row's. Scales go by
+// bulk copy when they come in whole 16-byte units (k a multiple of 512, as
+// every real width); otherwise (small test shapes) the lanes store them byte
+// by byte before the page's barrier is armed.
 __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t cols = r.cols(), n = r.r1 - r.r0;
@@ -271,15 +277,12 @@ __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
       __syncwarp();  // the stores above, before lane 0's arrive (release)
       if (lane == 0) Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * (bytes + (bulk_scales ? sbytes : 0)));
       __syncwarp();
-      if (whole) {
-        if (lane == 0) {
-          auto* full = &ring_ptr()->full[slot];
-          cute::SM90_BULK_COPY_G2S::copy(r.codes(j0), full, page, int32_t(nr * bytes));
-          if (bulk_scales) cute::SM90_BULK_COPY_G2S::copy(r.scales(j0), full, page + kMxScales, int32_t(nr * sbytes));
-        }
-      } else if (lane < nr) {
-        cute::SM90_BULK_COPY_G2S::copy(src + k0 / 2, &ring_ptr()->full[slot], page + lane * stride.codes, int32_t(bytes));
-        if (bulk_scales) cute::SM90_BULK_COPY_G2S::copy(ssrc + k0 / 32, &ring_ptr()->full[slot], sdst, int32_t(sbytes));
+      auto* full = &ring_ptr()->full[slot];
+      if (lane < nr) cute::SM90_BULK_COPY_G2S::copy(src + k0 / 2, full, page + lane * stride.codes, int32_t(bytes));
+      if (bulk_scales && whole) {
+        if (lane == 0) cute::SM90_BULK_COPY_G2S::copy(r.scales(j0), full, page + kMxScales, int32_t(nr * sbytes));
+      } else if (bulk_scales && lane < nr) {
+        cute::SM90_BULK_COPY_G2S::copy(ssrc + k0 / 32, full, sdst, int32_t(sbytes));
       }
     }
   }
@@ -354,12 +357,187 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
   }
 }
 
-// MXFP4 rows of y = x' W^T, x' = x or RMSNorm(x) * norm, the input staged as
-// fp32 in shared memory, or in `spill` when it does not fit (input_area).
+// ---------------------------------------------------------------------------
+// MXFP4 rows on the tensor cores (batch 1 to 4): mma.sync m16n8k16, fp16
+// inputs, fp32 accumulation, the weights as A. A warp takes pairs of
+// 32-element scale blocks of a page (pair p: blocks 2p and 2p + 1 of the
+// chunk); A's rows g and g + 8 are page row g in block 2p and in block 2p + 1,
+// and B's eight columns are (h, b, l) = (which block of the pair, token of the
+// n-tile's two, the activation's fp16 high or low part), n = 4h + 2b + l: the
+// products keep about 22 bits of the fp32 activation. Of the 16 x 8 result
+// only the matched blocks are wanted: lane (g, t) keeps row g's (d0 + d1) for
+// t < 2 (block 2p, token t) and (d2 + d3) for t >= 2 (block 2p + 1, token t -
+// 2), and multiplies it by that block's scale. Within a block, lane t's
+// k-slots (2t, 2t+1, 2t+8, 2t+9) of the first MMA are elements (8t, 8t+4,
+// 8t+1, 8t+5) and of the second (8t+2, 8t+6, 8t+3, 8t+7): the order
+// e2m1x8_half2's fp16 pairs come in, so A is one code word a row a block.
+
+// Eight e2m1 codes as four fp16 pairs times 2^-14 (e2m1x8_scaled's bits):
+// pair i holds elements i and i + 4.
+__device__ __forceinline__ void e2m1x8_half2(uint32_t c, uint32_t (&h)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t q = c << (12 - 4 * i);
+    h[i] = (q & 0x80008000u) | ((q >> 3) & 0x0E000E00u);
+  }
+}
+
+// The staged B fragments, for n-tile s (tokens 2s, 2s + 1) of pair p and the
+// lanes whose token exists: four words (the two MMAs' b0b1 and b2b3) at
+// frags[(p * kTiles + s) * 32 + lane] (absent tokens' lanes read zeros, not
+// memory); mx_rows_compute checks that they fit the input's area. Token b's
+// values are scaled by the power of two that brings its largest to [2^13,
+// 2^14) (inside fp16's range); `unscale[b]` undoes it and the decode's 2^-14.
+template <int B>
+struct MxFrags {
+  static constexpr int kTiles = (B + 1) / 2;
+  const uint4* frags;
+  float unscale[B];
+};
+
+template <int B, class T>
+__device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, float* area,
+                               MxFrags<B>& out) {
+  constexpr int kTiles = MxFrags<B>::kTiles;
+  __shared__ float rs[B], scale[B];
+  for (int b = 0; b < B; ++b) {
+    float ss = 0.f;
+    if (norm != nullptr) {
+      for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) {
+        const float v = to_float(x[size_t(b) * k + e]);
+        ss = fmaf(v, v, ss);
+      }
+      ss = block_sum(ss);
+    }
+    const float r = norm != nullptr ? rsqrtf(ss / float(k) + eps) : 1.f;
+    float m = 0.f;
+    for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) {
+      m = fmaxf(m, fabsf(to_float(x[size_t(b) * k + e]) * r * (norm != nullptr ? bf(norm[e]) : 1.f)));
+    }
+    m = block_max(m);
+    if (threadIdx.x == 0) {
+      rs[b] = r;
+      const int e = m > 0.f ? max(-100, min(100, ilogbf(m) + 1)) : 0;  // m < 2^e
+      scale[b] = ldexpf(1.f, 14 - e);
+    }
+  }
+  consumer_sync();
+  uint4* frags = reinterpret_cast<uint4*>(area);
+  const uint32_t pairs = (k / 32 + 1) / 2;
+  for (uint32_t i = threadIdx.x; i < pairs * kTiles * 32; i += kConsumerThreads) {
+    const uint32_t p = i / (kTiles * 32), s = i / 32 % kTiles, lane = i % 32, g = lane / 4, t = lane % 4;
+    const uint32_t h = g / 4, b = 2 * s + g / 2 % 2, l = g % 2, e0 = (2 * p + h) * 32 + 8 * t;
+    if (int(b) >= B) continue;
+    float v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const uint32_t e = e0 + u;
+      v[u] = e < k ? to_float(x[size_t(b) * k + e]) * rs[b] * (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b] : 0.f;
+      const float hi = __half2float(__float2half_rn(v[u]));
+      v[u] = l == 0 ? hi : v[u] - hi;
+    }
+    auto pack = [](float lo, float hi) {
+      const __half2 h2 = __floats2half2_rn(lo, hi);
+      return *reinterpret_cast<const uint32_t*>(&h2);
+    };
+    frags[i] = make_uint4(pack(v[0], v[4]), pack(v[1], v[5]), pack(v[2], v[6]), pack(v[3], v[7]));
+  }
+  consumer_sync();
+  out.frags = frags;
+  for (int b = 0; b < B; ++b) out.unscale[b] = kE2m1Unscale / scale[b];
+}
+
+// The warps' partial sums of kMxDefer row blocks are summed together, one
+// consumer barrier per kMxDefer pages instead of one a page (scratch holds
+// two groups: a group is written while the one before it is summed).
+constexpr uint32_t kMxDefer = 8;
+
+
+template <int B>
+__device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t& it, int warp, float* st) {
+  constexpr int kTiles = MxFrags<B>::kTiles;
+  constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;  // one row block's partial sums
+  static_assert(B <= 4, "at most two n-tiles");
+  static_assert(2 * kMxDefer * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][kMxDefer][warp][row, token]
+  const uint32_t cols = r.cols();
+  const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
+  const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
+  const MxStrides stride = mx_strides(r.k);
+  bool has_b[kTiles];  // whether this lane's B column is a token of the batch
+#pragma unroll
+  for (int s = 0; s < kTiles; ++s) has_b[s] = 2 * s + g / 2 % 2 < B;
+  for (uint32_t blk = 0; blk < blocks; ++blk) {
+    float acc[kTiles] = {};  // row g, token 2s + t % 2, this lane's blocks (the pairs' t / 2 halves)
+    for (uint32_t ch = 0; ch < chunks; ++ch, ++it) {
+      const uint32_t k0 = ch * kMxK, pairs = (min(kMxK, r.k - k0) / 32 + 1) / 2;
+      const int slot = it % kPages;
+      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      const auto* page = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]);
+      const uint8_t* codes = page + g * stride.codes + 4 * t;
+      const uint8_t* scales = page + kMxScales + g * stride.scales + t / 2;
+      const uint4* frags = a.frags + (k0 / 64) * kTiles * 32 + lane;
+#pragma unroll 2  // two pairs in flight (the K3 step 5.52 -> 5.46 ms on the H200)
+      for (uint32_t p = warp; p < pairs; p += kConsumerWarps) {
+        uint32_t lo[4], hi[4];  // A: row g in block 2p, in block 2p + 1
+        e2m1x8_half2(*reinterpret_cast<const uint32_t*>(codes + 32 * p), lo);
+        e2m1x8_half2(*reinterpret_cast<const uint32_t*>(codes + 32 * p + 16), hi);
+        const float sc = e8m0(scales[2 * p]);
+#pragma unroll
+        for (int s = 0; s < kTiles; ++s) {
+          const uint4 f = has_b[s] ? frags[(p * kTiles + s) * 32] : make_uint4(0u, 0u, 0u, 0u);
+          float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+          cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, lo[0], hi[0], lo[1], hi[1], f.x, f.y, d0, d1, d2, d3);
+          cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, lo[2], hi[2], lo[3], hi[3], f.z, f.w, d0, d1, d2, d3);
+          acc[s] = fmaf(sc, t < 2 ? d0 + d1 : d2 + d3, acc[s]);
+        }
+      }
+      release_page(&ring_ptr()->empty[slot]);
+    }
+    // Lanes t and t ^ 2 hold the two blocks of each pair; the block's sums wait in scratch.
+    const uint32_t group = blk / kMxDefer, in_group = blk % kMxDefer;
+    float* mine = part + ((group & 1) * kMxDefer + in_group) * kBlockSums + warp * kPageRows * B;
+#pragma unroll
+    for (int s = 0; s < kTiles; ++s) {
+      const float v = acc[s] + __shfl_xor_sync(0xffffffffu, acc[s], 2);
+      const int b = 2 * s + t;
+      if (t < 2 && b < B) mine[g * B + b] = v * a.unscale[b];
+    }
+    if (in_group + 1 < kMxDefer && blk + 1 < blocks) continue;
+    // The group's sums over the warps, in a fixed order.
+    consumer_sync();
+    const float* sums = part + (group & 1) * kMxDefer * kBlockSums;
+    const uint32_t j0 = group * kMxDefer * kPageRows, n = min((in_group + 1) * kPageRows, cols - j0);
+    for (uint32_t i = threadIdx.x; i < n * B; i += kConsumerThreads) {
+      const uint32_t j = i / B, b = i % B;
+      const float* src = sums + (j / kPageRows) * kBlockSums + (j % kPageRows) * B + b;
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kConsumerWarps; ++w) v += src[w * kPageRows * B];
+      st[size_t(b) * cols + j0 + j] = v;
+    }
+  }
+}
+
+// MXFP4 rows of y = x' W^T, x' = x or RMSNorm(x) * norm: at batch 1 to 4 on the
+// tensor cores (the input staged as B fragments), above on the CUDA cores
+// (staged as fp32); in shared memory, or in `spill` when it does not fit
+// (input_area).
 template <int B, class T>
 __device__ void mx_rows_compute(const MxRows& r, const T* x, const __nv_bfloat16* norm, float eps, uint32_t& it,
                                 int warp, float* st, float* spill) {
-  mx_rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps, input_area<B>(r.k, spill)), it, warp, st);
+  if constexpr (B <= 4) {
+    // The fragments take (k / 64) pairs x 32 lanes x 16 bytes per n-tile: the
+    // fp32 input's size at even B, more at B = 1 and 3 (twice and 4/3).
+    const size_t bytes = size_t((r.k / 32 + 1) / 2) * MxFrags<B>::kTiles * 512;
+    if (bytes > (input_fits<B>(r.k) ? size_t(kActivationBytes) : size_t(B) * r.k * sizeof(float))) __trap();
+    MxFrags<B> a;
+    stage_mx_frags<B>(x, r.k, norm, eps, input_area<B>(r.k, spill), a);
+    mx_rows_pages_mma<B>(r, a, it, warp, st);
+  } else {
+    mx_rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps, input_area<B>(r.k, spill)), it, warp, st);
+  }
 }
 
 }  // namespace mkc

@@ -1,0 +1,88 @@
+# CPU emulation of mx_rows_pages_mma's fragment layout (the weights as A, rows.cuh) against a direct
+# product: the staged B fragments, the A words, the m16n8k16 register mapping of the PTX ISA, the
+# kept half of the result and its scale. Needs numpy. python3 device/tests/mx_mma_layout.py
+import numpy as np
+rng = np.random.default_rng(0)
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], np.float32)
+def e2m1(c): return (-1 if c & 8 else 1) * E2M1[c & 7]
+def half2(c):  # e2m1x8_half2: returns 4 pairs (lo, hi) as float values (x 2^-14)
+    out = []
+    for i in range(4):
+        q = (c << (12 - 4 * i)) & 0xffffffff
+        h = (q & 0x80008000) | ((q >> 3) & 0x0E000E00)
+        lo = np.array([h & 0xffff], np.uint16).view(np.float16)[0]
+        hi = np.array([h >> 16], np.uint16).view(np.float16)[0]
+        out.append((np.float32(lo), np.float32(hi)))
+    return out
+def mma(A, Bm, C):  # A: 16x16, Bm: 16x8
+    return C + A.astype(np.float64) @ Bm.astype(np.float64)
+for B in (1, 2, 3, 4):
+  for k in (64, 96, 3584):
+    rows = 8
+    codes = rng.integers(0, 256, size=(rows, k // 2), dtype=np.int64)
+    sc = rng.integers(120, 135, size=(rows, k // 32))
+    W = np.zeros((rows, k))
+    for j in range(rows):
+        for e in range(k):
+            c = (codes[j, e // 2] >> (4 * (e % 2))) & 15
+            W[j, e] = e2m1(c) * 2.0 ** (sc[j, e // 32] - 127)
+    x = rng.standard_normal((B, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ W.T  # [B, rows]
+    # staging
+    scale = [2.0 ** (14 - (np.frexp(np.abs(x[b]).max())[1])) for b in range(B)]
+    tiles = (B + 1) // 2; pairs = (k // 32 + 1) // 2
+    frags = {}
+    for p in range(pairs):
+        for s in range(tiles):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                h, b, l = g // 4, 2 * s + g // 2 % 2, g % 2
+                if b >= B: continue
+                e0 = (2 * p + h) * 32 + 8 * t
+                v = []
+                for u in range(8):
+                    e = e0 + u
+                    val = np.float32(x[b, e] * scale[b]) if e < k else np.float32(0)
+                    hi = np.float32(np.float16(val))
+                    v.append(hi if l == 0 else np.float32(np.float16(val - hi)))
+                frags[(p, s, lane)] = [(v[0], v[4]), (v[1], v[5]), (v[2], v[6]), (v[3], v[7])]
+    # consumer, one warp doing all pairs (the warp split only partitions p)
+    acc = np.zeros((32, tiles))
+    def word(j, byte):  # 4 code bytes as a little-endian word
+        bs = [codes[j, byte + i] if byte + i < k // 2 else 0 for i in range(4)]
+        return bs[0] | bs[1] << 8 | bs[2] << 16 | bs[3] << 24
+    for p in range(pairs):
+        for s in range(tiles):
+            A = [np.zeros((16, 16)), np.zeros((16, 16))]; Bm = [np.zeros((16, 8)), np.zeros((16, 8))]
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                lo = half2(word(g, 32 * p + 4 * t)); hi = half2(word(g, 32 * p + 16 + 4 * t))
+                regs = [(lo[0], hi[0], lo[1], hi[1]), (lo[2], hi[2], lo[3], hi[3])]
+                f = frags.get((p, s, lane), [(0, 0)] * 4)
+                bregs = [(f[0], f[1]), (f[2], f[3])]
+                for m in range(2):
+                    a0, a1, a2, a3 = regs[m]
+                    A[m][g, 2 * t:2 * t + 2] = a0; A[m][g + 8, 2 * t:2 * t + 2] = a1
+                    A[m][g, 2 * t + 8:2 * t + 10] = a2; A[m][g + 8, 2 * t + 8:2 * t + 10] = a3
+                    b0, b1 = bregs[m]
+                    Bm[m][2 * t:2 * t + 2, g] = b0; Bm[m][2 * t + 8:2 * t + 10, g] = b1
+            D = mma(A[1], Bm[1], mma(A[0], Bm[0], np.zeros((16, 8))))
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                blk = 2 * p + t // 2
+                s8 = sc[g, blk] if blk < k // 32 else 255
+                scv = 0.0 if s8 == 255 else 2.0 ** (s8 - 127)
+                d = D[g, 2 * t] + D[g, 2 * t + 1] if t < 2 else D[g + 8, 2 * t] + D[g + 8, 2 * t + 1]
+                acc[lane, s] += scv * d
+    out = np.zeros((B, rows))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for s in range(tiles):
+            b = 2 * s + t
+            if t < 2 and b < B:
+                v = acc[lane, s] + acc[lane ^ 2, s]
+                out[b, g] = v * 16384 / scale[b]
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    print(f"B={B} k={k}: max rel error {err:.2e}")
+    assert err < 1e-5, err
+print("ok")
