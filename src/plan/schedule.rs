@@ -20,7 +20,7 @@
 //!
 //! The predicted times replay that placement with one difference: MXFP4
 //! rows cost their consumers' register decode per element
-//! ([`MX_DECODE_CYCLES`], measured) instead of their FLOPs. Placement keeps
+//! ([`mx_decode_cycles`], measured) instead of their FLOPs. Placement keeps
 //! FLOPs: on the H200 a placement made with the decode cost ran two stages
 //! of the per-layer-dims K3 25 times slower (docs/PLANNER.md), not yet
 //! understood.
@@ -47,15 +47,18 @@ use crate::target::Target;
 /// per-stage profile): several microseconds each.
 pub const TASK_OVERHEAD_NS: f64 = 5000.0;
 
-/// The MXFP4 consumer's cost per decoded weight element on one SM, in SM
-/// cycles: a fixed part (the register decode and the block scale) and a part
-/// per token multiplied. Fitted to `ring_bench`'s `mx` and `mx-b4` rates on
-/// the H200 (docs/PERFORMANCE.md); cycles, so other targets scale by their
-/// clock (their consumers decode the same way until a native block-scaled
-/// path exists).
-pub const MX_DECODE_CYCLES: f64 = 0.065;
-/// See [`MX_DECODE_CYCLES`].
-pub const MX_TOKEN_CYCLES: f64 = 0.0166;
+/// The MXFP4 consumers' cost per decoded weight element on one SM, in SM
+/// cycles, at `batch` tokens: a fixed part (the register decode and the block
+/// scale) and a part per token multiplied. Batch 1 to 4 runs on the tensor
+/// cores (`mx_rows_pages_mma`: 0.053 + 0.0075 x batch), larger batches on the
+/// CUDA cores (0.065 + 0.0166 x batch). Each fitted to `ring_bench`'s `mx` and
+/// `mx-b4` rates of that consumer on the H200 (docs/PERFORMANCE.md); cycles,
+/// so other targets scale by their clock (their consumers decode the same way
+/// until a native block-scaled path exists).
+pub fn mx_decode_cycles(batch: u32) -> f64 {
+    let (decode, token) = if batch <= 4 { (0.053, 0.0075) } else { (0.065, 0.0166) };
+    decode + token * f64::from(batch)
+}
 
 /// A wait on a counter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -170,7 +173,7 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     // Placement costs MXFP4 rows by their FLOPs, as the schedules measured on
     // the H200 were placed; the predicted times (below) by their consumers'
     // decode, which bounds them.
-    let mx_ns = (MX_DECODE_CYCLES + MX_TOKEN_CYCLES * f64::from(opts.batch)) / target.clock_ghz;
+    let mx_ns = mx_decode_cycles(opts.batch) / target.clock_ghz;
     let compute = |t: usize| {
         let task = &tiling.tasks[t];
         TASK_OVERHEAD_NS + task.act_bytes as f64 / bw_sm + task.flops as f64 / rate
