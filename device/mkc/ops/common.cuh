@@ -112,18 +112,20 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Sum over all consumer threads; every consumer gets the result.
-__device__ inline float block_sum(float v) {
+// A reduction with `op` over all consumer threads (the warp's lanes, then
+// the warps' values in order); every consumer gets the result.
+template <class Op>
+__device__ inline float block_reduce(float v, Op op) {
   __shared__ float part[kConsumerWarps];
   __shared__ float total;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  v = warp_sum(v);
+  for (int off = 16; off > 0; off /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
   if (lane == 0) part[warp] = v;
   consumer_sync();
   if (threadIdx.x == 0) {
-    float s = 0.f;
-    for (int w = 0; w < kConsumerWarps; ++w) s += part[w];
-    total = s;
+    float r = part[0];
+    for (int w = 1; w < kConsumerWarps; ++w) r = op(r, part[w]);
+    total = r;
   }
   consumer_sync();
   const float r = total;
@@ -131,23 +133,14 @@ __device__ inline float block_sum(float v) {
   return r;
 }
 
+// Sum over all consumer threads; every consumer gets the result.
+__device__ inline float block_sum(float v) {
+  return block_reduce(v, [](float a, float b) { return a + b; });
+}
+
 // Maximum over all consumer threads; every consumer gets the result.
 __device__ inline float block_max(float v) {
-  __shared__ float part[kConsumerWarps];
-  __shared__ float total;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  v = warp_max(v);
-  if (lane == 0) part[warp] = v;
-  consumer_sync();
-  if (threadIdx.x == 0) {
-    float m = part[0];
-    for (int w = 1; w < kConsumerWarps; ++w) m = fmaxf(m, part[w]);
-    total = m;
-  }
-  consumer_sync();
-  const float r = total;
-  consumer_sync();
-  return r;
+  return block_reduce(v, [](float a, float b) { return fmaxf(a, b); });
 }
 
 // Dot product of a bf16 row with a bf16 or fp32 vector over n elements
