@@ -888,6 +888,7 @@ int main() {
   test_mx<1>(rng, 12, 2, 11, 7680, true, false);  // two full chunks and a partial one
   test_mx<2>(rng, 160, 5, 150, 3584, true, false);  // batch 2, 37 row blocks: five groups of partial sums
   test_mx<4>(rng, 96, 0, 90, 3072, false, true);    // batch 4, 12 row blocks
+  test_mx<1>(rng, 12, 0, 12, 10240, false, true);   // batch 1 past the fragments' room: the CUDA-core consumer
   test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone
   test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");

@@ -452,7 +452,9 @@ __device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm
 // two groups: a group is written while the one before it is summed).
 constexpr uint32_t kMxDefer = 8;
 
-
+// The page loop of mx_rows_compute on the tensor cores (batch 1 to 4): rows
+// of y = x' W^T into st [B, cols] from the fragments `a` staged by
+// stage_mx_frags; the layout is described above e2m1x8_half2.
 template <int B>
 __device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t& it, int warp, float* st) {
   constexpr int kTiles = MxFrags<B>::kTiles;
@@ -521,23 +523,25 @@ __device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t
 }
 
 // MXFP4 rows of y = x' W^T, x' = x or RMSNorm(x) * norm: at batch 1 to 4 on the
-// tensor cores (the input staged as B fragments), above on the CUDA cores
-// (staged as fp32); in shared memory, or in `spill` when it does not fit
-// (input_area).
+// tensor cores (the input staged as B fragments) when the fragments fit the
+// input's area, otherwise on the CUDA cores (staged as fp32); in shared
+// memory, or in `spill` when it does not fit (input_area).
 template <int B, class T>
 __device__ void mx_rows_compute(const MxRows& r, const T* x, const __nv_bfloat16* norm, float eps, uint32_t& it,
                                 int warp, float* st, float* spill) {
   if constexpr (B <= 4) {
     // The fragments take (k / 64) pairs x 32 lanes x 16 bytes per n-tile: the
-    // fp32 input's size at even B, more at B = 1 and 3 (twice and 4/3).
+    // fp32 input's size at even B, more at B = 1 and 3 (twice and 4/3): they
+    // fit every k at B = 2 and 4, k <= 8192 at B = 1 and k <= 4096 at B = 3.
     const size_t bytes = size_t((r.k / 32 + 1) / 2) * MxFrags<B>::kTiles * 512;
-    if (bytes > (input_fits<B>(r.k) ? size_t(kActivationBytes) : size_t(B) * r.k * sizeof(float))) __trap();
-    MxFrags<B> a;
-    stage_mx_frags<B>(x, r.k, norm, eps, input_area<B>(r.k, spill), a);
-    mx_rows_pages_mma<B>(r, a, it, warp, st);
-  } else {
-    mx_rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps, input_area<B>(r.k, spill)), it, warp, st);
+    if (bytes <= (input_fits<B>(r.k) ? size_t(kActivationBytes) : size_t(B) * r.k * sizeof(float))) {
+      MxFrags<B> a;
+      stage_mx_frags<B>(x, r.k, norm, eps, input_area<B>(r.k, spill), a);
+      mx_rows_pages_mma<B>(r, a, it, warp, st);
+      return;
+    }
   }
+  mx_rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps, input_area<B>(r.k, spill)), it, warp, st);
 }
 
 }  // namespace mkc
