@@ -9,6 +9,10 @@ mkdir -p "$out"
 g++ -std=c++17 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
   -I runtime/include runtime/src/checkpoint.cpp runtime/tests/checkpoint_test.cpp -o "$out/checkpoint_test"
 "$out/checkpoint_test" tests/fixtures/checkpoints
+# The GPU layout of MXFP4 weights the runtime makes on upload.
+g++ -std=c++17 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
+  -I device runtime/tests/mx_layout_test.cpp -o "$out/mx_layout_test"
+"$out/mx_layout_test"
 
 # The runtime of a generated model (tiny K2, built with the pinned toolchain),
 # opened on the transformers fixture and on broken copies of it.

@@ -216,7 +216,15 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
   std::vector<__nv_bfloat16> g(k);
   for (auto& v : g) v = __float2bfloat16(1.f + 0.1f * nd(rng));
   const uint32_t n = r1 - r0, cols = n * (pair ? 2 : 1);
-  MxCase c{mkc::MxRows{upload(c0), upload(s0), pair ? upload(c1) : nullptr, pair ? upload(s1) : nullptr, r0, r1, k},
+  // On the GPU in the tiled layout (mx_layout.h), as the runtime uploads a checkpoint's.
+  auto tiled = [&](const std::vector<uint8_t>& v, bool is_codes) {
+    std::vector<uint8_t> t(is_codes ? mkc::mx_code_bytes(n_rows, k) : mkc::mx_scale_bytes(n_rows, k));
+    if (is_codes) mkc::mx_tile_codes(v.data(), n_rows, k, t.data());
+    else mkc::mx_tile_scales(v.data(), n_rows, k, t.data());
+    return upload(t);
+  };
+  MxCase c{mkc::MxRows{tiled(c0, true), tiled(s0, false), pair ? tiled(c1, true) : nullptr,
+                       pair ? tiled(s1, false) : nullptr, r0, r1, k},
            upload(x), norm ? upload(g) : nullptr, upload(std::vector<float>(size_t(B) * cols, NAN)), nullptr};
   const bool spill = size_t(B) * k * sizeof(float) > size_t(mkc::kActivationBytes);
   if (spill) c.spill = upload(std::vector<float>(size_t(B) * k, NAN));
@@ -879,15 +887,18 @@ int main() {
   test_kda(rng, 4, 16, false);   // Kimi Linear tiny: softplus gate
   test_kda(rng, 4, 128, true);   // K3's head size and safe gate
   test_situ(rng);
-  test_mx<1>(rng, 40, 3, 37, 3584, true, false);  // K3's latent width: one full chunk
+  test_mx<1>(rng, 40, 8, 40, 3584, true, false);  // K3's latent width: one full chunk
   test_mx<4>(rng, 16, 0, 16, 64, false, true);    // tiny widths
-  test_mx<4>(rng, 24, 4, 21, 3584, true, true);   // batch 4 at K3's latent width, a partial row block
+  test_mx<4>(rng, 21, 8, 21, 3584, false, true);  // batch 4 at K3's latent width, a partial tile
   test_mx<8>(rng, 16, 0, 16, 3584, true, true);   // batch 8: the input staged in global memory
   test_mx<1>(rng, 24, 8, 24, 3072, false, false);
   test_mx<3>(rng, 16, 0, 13, 3584, false, true);  // batch 3
-  test_mx<1>(rng, 12, 2, 11, 7680, true, false);  // two full chunks and a partial one
-  test_mx<2>(rng, 160, 5, 150, 3584, true, false);  // batch 2, 37 row blocks: five groups of partial sums
+  test_mx<1>(rng, 24, 8, 24, 7680, true, false);  // two full chunks and a partial one
+  test_mx<2>(rng, 160, 8, 152, 3584, true, false);  // batch 2, 36 row blocks: four and a half groups of partial sums
   test_mx<4>(rng, 96, 0, 90, 3072, false, true);    // batch 4, 12 row blocks
+  test_mx<1>(rng, 16, 0, 16, 32, false, false);     // one block: a tile's scales padded to 16 bytes
+  test_mx<2>(rng, 8, 0, 8, 96, true, true);         // three blocks: an odd pair
+  test_mx<8>(rng, 24, 8, 24, 96, true, false);      // the CUDA-core consumer at an odd number of blocks
   test_mx<1>(rng, 12, 0, 12, 10240, false, true);   // batch 1 past the fragments' room: the CUDA-core consumer
   test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone
   test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots

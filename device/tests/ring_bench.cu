@@ -75,8 +75,7 @@ __device__ mkc::Rows sm_share(const __nv_bfloat16* w, uint32_t rows, uint32_t k 
 }
 
 template <int N, bool kRowsLoad = false>
-__global__ void __launch_bounds__(mkc::kThreads, 1) pieces(const __nv_bfloat16* w, uint32_t rows, float* out,
-                                                          const float* /* stream's signature */) {
+__global__ void __launch_bounds__(mkc::kThreads, 1) pieces(const __nv_bfloat16* w, uint32_t rows, float* out) {
   const mkc::Rows r = sm_share(w, rows);
   const int warp = threadIdx.x / 32;
   const uint32_t per_sm = r.r1 - r.r0;
@@ -201,9 +200,15 @@ static void timed(const char* name, K kernel, double bytes, int sms, Args... arg
   CHECK(cudaEventDestroy(b));
 }
 
+// A `stream` variant over the rows of width kK, its input in shared memory.
 template <class K>
 static void run(const char* name, K kernel, const __nv_bfloat16* w, uint32_t rows, float* out, int sms) {
   timed(name, kernel, double(rows / sms) * sms * kK * 2, sms, w, rows, out, static_cast<const float*>(nullptr));
+}
+// A `pieces` loader over the same rows.
+template <class K>
+static void run_pieces(const char* name, K kernel, const __nv_bfloat16* w, uint32_t rows, float* out, int sms) {
+  timed(name, kernel, double(rows / sms) * sms * kK * 2, sms, w, rows, out);
 }
 
 // bf16 rows of width k in the same buffer (`bytes`), the input in shared memory or in global memory.
@@ -236,11 +241,11 @@ int main() {
   run("rows", stream<kRows>, w, rows, out, sms);
   run("rows-idle", stream<kRowsIdle>, w, rows, out, sms);
   run("packed", stream<kPacked>, w, rows, out, sms);
-  run("pieces-8", pieces<8>, w, rows, out, sms);
-  run("pieces-4", pieces<4>, w, rows, out, sms);
-  run("pieces-2", pieces<2>, w, rows, out, sms);
-  run("pieces-1", pieces<1>, w, rows, out, sms);
-  run("pieces-8/rows_load", pieces<8, true>, w, rows, out, sms);
+  run_pieces("pieces-8", pieces<8>, w, rows, out, sms);
+  run_pieces("pieces-4", pieces<4>, w, rows, out, sms);
+  run_pieces("pieces-2", pieces<2>, w, rows, out, sms);
+  run_pieces("pieces-1", pieces<1>, w, rows, out, sms);
+  run_pieces("pieces-8/rows_load", pieces<8, true>, w, rows, out, sms);
   // The widths of K3's dense rows: KDA/MLA o_proj (12288), the dense layer's down rows (33792,
   // its input spilled to global memory as in the megakernel), and 7168 with a spilled input.
   run_width<12288>("rows-12288", w, size_t(rows) * kK * 2, out, sms, nullptr);

@@ -34,6 +34,7 @@ struct Program {
   static constexpr uint32_t kWeights = std::size(g::weights);
   static constexpr uint32_t kWaits = std::size(g::waits);
   static constexpr const mkc_tensor_spec* weights = g::weights;
+  static constexpr const mkc::WeightLayout* weight_layouts = g::weight_layouts;
   static constexpr const mkc::Instruction* instructions = g::instructions;
   static constexpr const uint32_t* sm_begin = g::sm_begin;
   static constexpr const mkc::Wait* waits = g::waits;

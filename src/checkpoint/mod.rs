@@ -30,6 +30,32 @@ pub struct Requirement {
     pub shape: Vec<u64>,
     /// The graph node that reads it, for messages.
     pub node: String,
+    /// How the runtime lays it out on the GPU.
+    pub layout: GpuLayout,
+}
+
+/// How the runtime lays a checkpoint tensor out on the GPU
+/// (`device/mkc/mx_layout.h`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuLayout {
+    /// Bytes as stored (widened to f32 where the plan asks).
+    AsStored,
+    /// MXFP4 codes `[rows, k / 2]` in tiles of 8 rows, a tile's 32-element
+    /// blocks one after the other.
+    MxCodes,
+    /// MXFP4 scales `[rows, k / 32]` in the same tiles.
+    MxScales,
+}
+
+impl GpuLayout {
+    /// The runtime's name for it (`mkc::WeightLayout`).
+    pub fn cpp_name(self) -> &'static str {
+        match self {
+            GpuLayout::AsStored => "kAsStored",
+            GpuLayout::MxCodes => "kMxCodes",
+            GpuLayout::MxScales => "kMxScales",
+        }
+    }
 }
 
 /// Something wrong with the checkpoint.
@@ -165,15 +191,26 @@ pub fn requirements(graph: &Validated) -> Vec<Requirement> {
             _ => (shape.clone(), None),
         };
         let scale_dtype = if w.ty.dtype == DType::Fp8E4m3 { "F32" } else { "U8" };
+        let (data_layout, scale_layout) = match w.ty.dtype {
+            DType::Mxfp4 => (GpuLayout::MxCodes, GpuLayout::MxScales),
+            _ => (GpuLayout::AsStored, GpuLayout::AsStored),
+        };
         for i in 0..w.count() {
             out.push(Requirement {
                 key: w.key_at(i),
                 dtype: storage_dtype(w.ty.dtype),
                 shape: data_shape.clone(),
                 node: node.name.clone(),
+                layout: data_layout,
             });
             if let (Some(key), Some(s)) = (w.scale_key_at(i), &scale_shape) {
-                out.push(Requirement { key, dtype: scale_dtype, shape: s.clone(), node: node.name.clone() });
+                out.push(Requirement {
+                    key,
+                    dtype: scale_dtype,
+                    shape: s.clone(),
+                    node: node.name.clone(),
+                    layout: scale_layout,
+                });
             }
         }
     }

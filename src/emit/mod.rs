@@ -62,6 +62,7 @@ struct WeightRow {
     dtype: &'static str,
     shape: Vec<u64>,
     node: String,
+    layout: &'static str,
 }
 
 fn render(env: &minijinja::Environment, name: &str, ctx: minijinja::Value) -> Result<String> {
@@ -113,7 +114,7 @@ pub fn emit(
     )?;
     let weights: Vec<WeightRow> = requirements(v)
         .into_iter()
-        .map(|r| WeightRow { key: r.key, dtype: r.dtype, shape: r.shape, node: r.node })
+        .map(|r| WeightRow { key: r.key, dtype: r.dtype, shape: r.shape, node: r.node, layout: r.layout.cpp_name() })
         .collect();
     let weights_h = render(&env, "weights.h", minijinja::context! { weights, ..provenance.clone() })?;
     let mut files = vec![("plan_tables.h".into(), tables_h), ("weights.h".into(), weights_h)];

@@ -7,6 +7,7 @@
 
 #include <cute/arch/mma_sm80.hpp>
 
+#include "../mx_layout.h"
 #include "common.cuh"
 
 namespace mkc {
@@ -177,51 +178,41 @@ __device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* nor
 }
 
 // ---------------------------------------------------------------------------
-// MXFP4 weight rows (K3's routed experts): e2m1 codes, two per byte along a
-// row (the low nibble first), and one e8m0 scale byte per 32 elements:
-// W[n, k] = e2m1(code) 2^(scale - 127), scale byte 255 read as 0.
+// MXFP4 weight rows (K3's routed experts): e2m1 codes and one e8m0 scale byte
+// per 32 elements, W[n, k] = e2m1(code) 2^(scale - 127) (scale byte 255 read
+// as 0), in the tiled layout of mx_layout.h (tiles of kMxTileRows rows, each
+// tile's 32-element blocks one after the other), which the runtime makes
+// from the checkpoint's [rows, k / 2] codes and [rows, k / 32] scales.
+static_assert(kMxTileRows == uint32_t(kPageRows), "an MXFP4 tile is a page's rows");
 struct MxRows {
-  const uint8_t* c0;  // codes [rows, k / 2]
-  const uint8_t* s0;  // scales [rows, k / 32]
+  const uint8_t* c0;  // codes, tiled
+  const uint8_t* s0;  // scales, tiled
   const uint8_t* c1;  // the paired (up) matrix's, or null
   const uint8_t* s1;
-  uint32_t r0, r1, k;
+  uint32_t r0, r1, k;  // rows [r0, r1) of each matrix; r0 a multiple of 8, and r1 - r0 too for a pair
   __device__ uint32_t cols() const { return (r1 - r0) * (c1 != nullptr ? 2 : 1); }
-  __device__ const uint8_t* codes(uint32_t j) const {
+  // The tile of columns [j0, j0 + 8) (j0 a multiple of 8): its codes, its scales.
+  __device__ const uint8_t* tile_codes(uint32_t j0) const {
     const uint32_t n = r1 - r0;
-    return j < n ? c0 + size_t(r0 + j) * (k / 2) : c1 + size_t(r0 + j - n) * (k / 2);
+    return j0 < n ? c0 + size_t((r0 + j0) / kMxTileRows) * mx_tile_code_bytes(k)
+                  : c1 + size_t((r0 + j0 - n) / kMxTileRows) * mx_tile_code_bytes(k);
   }
-  __device__ const uint8_t* scales(uint32_t j) const {
+  __device__ const uint8_t* tile_scales(uint32_t j0) const {
     const uint32_t n = r1 - r0;
-    return j < n ? s0 + size_t(r0 + j) * (k / 32) : s1 + size_t(r0 + j - n) * (k / 32);
+    return j0 < n ? s0 + size_t((r0 + j0) / kMxTileRows) * mx_tile_scale_bytes(k)
+                  : s1 + size_t((r0 + j0 - n) / kMxTileRows) * mx_tile_scale_bytes(k);
   }
 };
 
-// A page holds the codes of kPageRows rows for up to kMxK elements (1792 bytes
-// a row) and, after them, the rows' scales for those elements (112 bytes a
-// row): the most elements, in 512s (whole 16-byte units of scales), whose
-// codes and scales fit a page (2048 elements filled 8.5 of 16 KiB). K3's
-// latent width (3584) and expert width (3072) are one chunk. In a page the
-// rows follow each other at the chunk's strides (mx_strides), the codes'
-// padded: a row block's scales of one matrix are one bulk copy, its codes a
-// copy per row.
+// A page holds one tile's codes for a chunk of up to kMxK elements (a
+// block's eight rows in 128 bytes, the blocks in order), copied as they lie
+// in the tile, and at kMxScales the tile's scales for the chunk (8 bytes a
+// block): 15232 of the page's 16384 bytes. K3's latent width (3584) and
+// expert width (3072) are one chunk.
 constexpr uint32_t kMxK = 3584;
-// A page's code rows are 16 bytes longer than the row chunk, so that the same
-// word of the eight rows falls in different shared-memory banks (the tensor-
-// core consumer reads a word of every row at once).
-constexpr uint32_t kMxPad = 16;
-constexpr uint32_t kMxScales = kPageRows * (kMxK / 2 + kMxPad);  // byte offset of the scales in a page
+constexpr uint32_t kMxScales = kPageRows * (kMxK / 2);  // byte offset of the scales in a page
 static_assert(kMxScales + kPageRows * (kMxK / 32) <= uint32_t(kPageBytes), "an MXFP4 page holds codes and scales");
-
-// The page strides of a row's codes and scales: a whole row when it is one
-// chunk, else kMxK elements.
-struct MxStrides {
-  uint32_t codes, scales;
-};
-__device__ __forceinline__ MxStrides mx_strides(uint32_t k) {
-  const uint32_t c = min(k, kMxK);
-  return MxStrides{c / 2 + kMxPad, c / 32};
-}
+static_assert(kMxK % 64 == 0, "a chunk's scales start at a 16-byte boundary of its tile's");
 
 // Eight e2m1 codes (element i in bits 4i..4i+3 of c) as fp32 values times
 // 2^-14, without a table: each nibble's sign goes to an fp16's sign bit and its
@@ -244,45 +235,27 @@ __device__ __forceinline__ float e8m0(uint32_t byte) {
   return byte == 255u ? 0.f : __int_as_float(byte == 0u ? 0x00400000 : int(byte << 23));
 }
 
-// Loader: the codes and scales of a task's rows into the page ring, a lane
-// per row's codes (as rows_load; the page's code rows are padded). When a row
-// is one chunk and the row block's rows are consecutive rows of one matrix
-// (every block but one that straddles a gate/up pair), lane 0 copies the
-// block's scales in one bulk copy; otherwise a lane per row's. Scales go by
-// bulk copy when they come in whole 16-byte units (k a multiple of 512, as
-// every real width); otherwise (small test shapes) the lanes store them byte
-// by byte before the page's barrier is armed.
+// Loader: a task's rows into the page ring, a tile and chunk a page, by lane
+// 0 in two bulk copies (the tile's codes of the chunk, its scales rounded up
+// to 16 bytes: the tile's padding covers the rounding).
 __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
-  const uint32_t lane = threadIdx.x % 32;
-  const uint32_t cols = r.cols(), n = r.r1 - r.r0;
-  const bool bulk_scales = (r.k / 32) % 16 == 0;
-  const MxStrides stride = mx_strides(r.k);
+  const uint32_t lane = threadIdx.x % 32, cols = r.cols();
+  if (r.r0 % kMxTileRows != 0 || (r.c1 != nullptr && (r.r1 - r.r0) % kMxTileRows != 0)) __trap();  // the planner's tiles
   for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
-    const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
-    const bool whole = r.k <= kMxK && (j0 + nr <= n || j0 >= n);
-    const uint8_t* src = lane < nr ? r.codes(j0 + lane) : nullptr;
-    const uint8_t* ssrc = lane < nr ? r.scales(j0 + lane) : nullptr;
+    const uint8_t* codes = r.tile_codes(j0);
+    const uint8_t* scales = r.tile_scales(j0);
     for (uint32_t k0 = 0; k0 < r.k; k0 += kMxK, ++it) {
-      const uint32_t nk = min(kMxK, r.k - k0), bytes = nk / 2, sbytes = nk / 32;
+      const uint32_t blocks = min(kMxK, r.k - k0) / kMxBlock;
+      const uint32_t code_bytes = blocks * kMxTileBlockBytes, scale_bytes = (blocks * kMxTileRows + 15) / 16 * 16;
       const int slot = it % kPages;
-      auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
-      uint8_t* sdst = page + kMxScales + lane * stride.scales;
-      if (lane == 0) Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
-      __syncwarp();
-      if (!bulk_scales && lane < nr) {
-        for (uint32_t i = 0; i < sbytes; ++i) sdst[i] = ssrc[k0 / 32 + i];
-        // Ordered before a later round's bulk copy into the same bytes.
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      }
-      __syncwarp();  // the stores above, before lane 0's arrive (release)
-      if (lane == 0) Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * (bytes + (bulk_scales ? sbytes : 0)));
-      __syncwarp();
-      auto* full = &ring_ptr()->full[slot];
-      if (lane < nr) cute::SM90_BULK_COPY_G2S::copy(src + k0 / 2, full, page + lane * stride.codes, int32_t(bytes));
-      if (bulk_scales && whole) {
-        if (lane == 0) cute::SM90_BULK_COPY_G2S::copy(r.scales(j0), full, page + kMxScales, int32_t(nr * sbytes));
-      } else if (bulk_scales && lane < nr) {
-        cute::SM90_BULK_COPY_G2S::copy(ssrc + k0 / 32, full, sdst, int32_t(sbytes));
+      if (lane == 0) {
+        auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
+        auto* full = &ring_ptr()->full[slot];
+        Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+        Barrier::arrive_and_expect_tx(full, code_bytes + scale_bytes);
+        cute::SM90_BULK_COPY_G2S::copy(codes + k0 / kMxBlock * kMxTileBlockBytes, full, page, int32_t(code_bytes));
+        cute::SM90_BULK_COPY_G2S::copy(scales + k0 / kMxBlock * kMxTileRows, full, page + kMxScales,
+                                       int32_t(scale_bytes));
       }
     }
   }
@@ -291,13 +264,15 @@ __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
 
 // Consumers: rows of y = x W^T into st [B, cols] (x fp32 [B, k], in shared
 // memory or global). Warp w takes elements [256 w, 256 w + 256) of each 2048
-// of a row chunk, eight per lane (four code bytes, one scale), for all the
+// of a chunk, eight per lane (one code word, one scale a row), for all the
 // page's rows at once: the rows' loads issue together and their sums are
 // independent chains (a page's rows past the task's last are computed from
-// whatever the page holds and never stored). Codes are decoded in registers
+// whatever the page holds and never stored). The lanes of a block (four) go
+// through the tile's rows starting at row (lane / 4): the warp's 32 words of
+// each step then lie in 32 banks. Codes are decoded in registers
 // (e2m1x8_scaled); the eight products are summed before the block's scale
-// multiplies them once, and the 2^14 the decode leaves out multiplies the
-// row block's sums once at the end.
+// multiplies them once, and the 2^14 the decode leaves out multiplies the row
+// block's sums once at the end.
 template <int B>
 __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int warp, float* st) {
   const int lane = threadIdx.x % 32;
@@ -306,22 +281,25 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
   const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
   const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
   const uint32_t e0 = uint32_t(warp) * 256 + uint32_t(lane) * 8;  // this lane's first elements within a chunk
-  const MxStrides stride = mx_strides(r.k);
+  const int rot = lane / 4;  // step j reads tile row (j + rot) % 8
   for (uint32_t blk = 0; blk < blocks; ++blk) {
     const uint32_t j0 = blk * kPageRows, nr = min(uint32_t(kPageRows), cols - j0);
-    float acc[kPageRows][B] = {};
+    float acc[kPageRows][B] = {};  // acc[j]: tile row (j + rot) % 8
     for (uint32_t ch = 0; ch < chunks; ++ch, ++it) {
       const uint32_t k0 = ch * kMxK, nk = min(kMxK, r.k - k0);
       const int slot = it % kPages;
       Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
       const auto* page = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]);
       for (uint32_t e = e0; e < nk; e += kConsumerThreads * 8) {
+        const uint8_t* block = page + e / kMxBlock * kMxTileBlockBytes + (e % kMxBlock) / 2;
+        const uint8_t* scales = page + kMxScales + e / kMxBlock * kMxTileRows;
         uint32_t codes[kPageRows];
         float sc[kPageRows];
 #pragma unroll
         for (int j = 0; j < kPageRows; ++j) {
-          codes[j] = *reinterpret_cast<const uint32_t*>(page + j * stride.codes + e / 2);
-          sc[j] = e8m0(page[kMxScales + j * stride.scales + e / 32]);
+          const int row = (j + rot) % kPageRows;
+          codes[j] = *reinterpret_cast<const uint32_t*>(block + row * kMxBlockBytes);
+          sc[j] = e8m0(scales[row]);
         }
         float xv[B][8];
 #pragma unroll
@@ -348,12 +326,19 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
       }
       release_page(&ring_ptr()->empty[slot]);
     }
+    // Back to tile order (selects, not a local-memory array), times 2^14.
+    float rows[kPageRows][B];
 #pragma unroll
-    for (int j = 0; j < kPageRows; ++j) {
+    for (int i = 0; i < kPageRows; ++i) {
 #pragma unroll
-      for (int b = 0; b < B; ++b) acc[j][b] *= kE2m1Unscale;
+      for (int b = 0; b < B; ++b) {
+        float v = 0.f;
+#pragma unroll
+        for (int j = 0; j < kPageRows; ++j) v = (j + rot) % kPageRows == i ? acc[j][b] : v;
+        rows[i][b] = v * kE2m1Unscale;
+      }
     }
-    reduce_row_block<B>(acc, part[blk & 1], nr, cols, j0, warp, st);
+    reduce_row_block<B>(rows, part[blk & 1], nr, cols, j0, warp, st);
   }
 }
 
@@ -370,7 +355,8 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
 // 2), and multiplies it by that block's scale. Within a block, lane t's
 // k-slots (2t, 2t+1, 2t+8, 2t+9) of the first MMA are elements (8t, 8t+4,
 // 8t+1, 8t+5) and of the second (8t+2, 8t+6, 8t+3, 8t+7): the order
-// e2m1x8_half2's fp16 pairs come in, so A is one code word a row a block.
+// e2m1x8_half2's fp16 pairs come in, so A is one code word a row a block
+// (and the warp's 32 words of a block are its 128 contiguous bytes in the page).
 
 // Eight e2m1 codes as four fp16 pairs times 2^-14 (e2m1x8_scaled's bits):
 // pair i holds elements i and i + 4.
@@ -466,7 +452,6 @@ __device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t
   const uint32_t cols = r.cols();
   const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
   const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
-  const MxStrides stride = mx_strides(r.k);
   bool has_b[kTiles];  // whether this lane's B column is a token of the batch
 #pragma unroll
   for (int s = 0; s < kTiles; ++s) has_b[s] = 2 * s + g / 2 % 2 < B;
@@ -477,15 +462,15 @@ __device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t
       const int slot = it % kPages;
       Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
       const auto* page = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]);
-      const uint8_t* codes = page + g * stride.codes + 4 * t;
-      const uint8_t* scales = page + kMxScales + g * stride.scales + t / 2;
+      const uint8_t* codes = page + g * kMxBlockBytes + 4 * t;           // + 2p x 128: block 2p's
+      const uint8_t* scales = page + kMxScales + (t / 2) * kMxTileRows + g;  // + 2p x 8: this lane's block's
       const uint4* frags = a.frags + (k0 / 64) * kTiles * 32 + lane;
 #pragma unroll 2  // two pairs in flight (the K3 step 5.52 -> 5.46 ms on the H200)
       for (uint32_t p = warp; p < pairs; p += kConsumerWarps) {
         uint32_t lo[4], hi[4];  // A: row g in block 2p, in block 2p + 1
-        e2m1x8_half2(*reinterpret_cast<const uint32_t*>(codes + 32 * p), lo);
-        e2m1x8_half2(*reinterpret_cast<const uint32_t*>(codes + 32 * p + 16), hi);
-        const float sc = e8m0(scales[2 * p]);
+        e2m1x8_half2(*reinterpret_cast<const uint32_t*>(codes + 2 * p * kMxTileBlockBytes), lo);
+        e2m1x8_half2(*reinterpret_cast<const uint32_t*>(codes + (2 * p + 1) * kMxTileBlockBytes), hi);
+        const float sc = e8m0(scales[2 * p * kMxTileRows]);
 #pragma unroll
         for (int s = 0; s < kTiles; ++s) {
           const uint4 f = has_b[s] ? frags[(p * kTiles + s) * 32] : make_uint4(0u, 0u, 0u, 0u);

@@ -281,6 +281,7 @@ class Engine {
 
   void upload(mkc_checkpoint* ck) {
     std::vector<char> host, wide;
+    std::vector<uint8_t> tiled;
     char err[1024];
     weights_.resize(P::kWeights);
     for (uint32_t i = 0; i < P::kWeights; ++i) {
@@ -304,6 +305,21 @@ class Engine {
         }
         src = wide.data();
         up = n * 4;
+      }
+      if (P::weight_layouts[i] != WeightLayout::kAsStored) {  // MXFP4 codes or scales, tiled (mkc/mx_layout.h)
+        const uint64_t width = s.shape[s.ndim - 1], rows = width == 0 ? 0 : n / width;
+        const bool codes = P::weight_layouts[i] == WeightLayout::kMxCodes;
+        const uint64_t k = width * (codes ? 2 : kMxBlock);
+        if (k % kMxBlock != 0 || std::strcmp(stored, "U8") != 0) {
+          throw Failure{std::string("MXFP4 ") + (codes ? "codes " : "scales ") + s.key + ": stored as " + stored +
+                        " [.., " + std::to_string(width) + "]; the tiled layout needs U8 rows of k / " +
+                        (codes ? "2" : "32") + " bytes with k a multiple of 32"};
+        }
+        tiled.resize(codes ? mx_code_bytes(rows, k) : mx_scale_bytes(rows, k));
+        if (codes) mx_tile_codes(reinterpret_cast<const uint8_t*>(src), rows, k, tiled.data());
+        else mx_tile_scales(reinterpret_cast<const uint8_t*>(src), rows, k, tiled.data());
+        src = reinterpret_cast<const char*>(tiled.data());
+        up = tiled.size();
       }
       weights_[i] = device_alloc<char>(up);
       try {
