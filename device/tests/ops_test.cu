@@ -871,6 +871,8 @@ int main() {
   test_rows<3>(rng, 20, 1, 18, 1024, true, true);   // a batch that is not a power of two (the warp sums padded)
   test_rows<1>(rng, 16, 0, 16, 12288, false, false, true);  // K3's MLA output gate at batch 1: shared memory
   test_rows<2>(rng, 16, 2, 13, 12288, false, false, true);  // and at batch 2: global memory
+  test_rows<1>(rng, 20, 2, 19, 33792, true, true);   // the dense layer's down width: x from global memory, 5 row blocks
+  test_rows<4>(rng, 12, 0, 11, 17408, false, true);  // batch 4 from global memory, the RMS prologue per page
   test_router(rng, 64, 8, 1, 1);
   test_router(rng, 64, 6, 8, 3);
   test_router(rng, 384, 8, 8, 4);  // Kimi K2

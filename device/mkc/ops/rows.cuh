@@ -24,6 +24,24 @@ __device__ __forceinline__ float4 load_four(const __nv_bfloat16* p) {
   return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 
+// Four elements (16 or 8 bytes) from global to shared memory without
+// registers (cp.async), and the fences of its groups.
+template <class T>
+__device__ __forceinline__ void cp_async_four(T* dst, const T* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  if constexpr (sizeof(T) == 4) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+  } else {
+    static_assert(sizeof(T) == 2, "fp32 or bf16");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // The end of a row block: the lanes' partial sums acc[j][b] reduced over the
 // warp (a reduce-scatter, warp_sum_scatter: 9 shuffles for 8 rows, not 40,
 // and no branch per row), then over the warps through `part` [warps][kPageRows
@@ -57,39 +75,76 @@ __device__ __forceinline__ void reduce_row_block(float (&acc)[kPageRows][B], flo
   }
 }
 
+// x' = x, or x * scale[b] * norm, at columns e .. e + 3 of every token into
+// xv; token b's columns at x + b * ld, norm's at norm (both from the page's
+// first column).
+template <int B, class T>
+__device__ __forceinline__ void rows_load_x(const T* x, size_t ld, const __nv_bfloat16* norm, const float* scale,
+                                            uint32_t e, float4 (&xv)[B]) {
+  float4 g = make_float4(1.f, 1.f, 1.f, 1.f);
+  if (norm != nullptr) g = load_four(norm + e);
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    xv[b] = load_four(x + size_t(b) * ld + e);
+    if (norm != nullptr) {
+      const float sb = scale[b];
+      xv[b] = make_float4(xv[b].x * sb * g.x, xv[b].y * sb * g.y, xv[b].z * sb * g.z, xv[b].w * sb * g.w);
+    }
+  }
+}
+
 // The page loop of rows_compute: rows of y = x' W^T into st [B, cols], x'
 // = x, or x * scale[b] * norm when `norm` is given. A page holds kPageRows
 // rows of up to kPageK weights; warp w takes columns [128 w, 128 w + 128) of
 // every row of the page, four per lane, so each activation a lane loads
-// serves all rows of the page. After a row block's last page the lanes'
-// partial sums are reduced over the warp (shuffles), then over the warps
-// (shared memory, in a fixed order: the result does not depend on timing).
-template <int B, class T>
+// serves all rows of the page. With kAhead (x in global memory, the
+// activation area unused) each lane copies its four columns of the next
+// page's activations into the activation area (cp.async, no registers held)
+// before it waits for this page, so their L2 round trip overlaps the page's
+// wait and math. After a row block's last page the lanes' partial sums are
+// reduced over the warp (shuffles), then over the warps (shared memory, in a
+// fixed order: the result does not depend on timing).
+template <int B, bool kAhead = false, class T>
 __device__ void rows_pages(const Rows& r, const T* x, const __nv_bfloat16* norm, const float* scale, uint32_t& it,
                            int warp, float* st) {
   static_assert(kPageK == kConsumerWarps * 128, "a warp covers 128 columns of a page");
+  static_assert(!kAhead || 2 * B * kPageK * sizeof(T) <= size_t(kActivationBytes), "two pages of x fit");
   const int lane = threadIdx.x % 32;
   __shared__ float part[2][kConsumerWarps][kPageRows * B];  // per row block parity
   const uint32_t cols = r.cols();
   const uint32_t e = uint32_t(warp) * 128 + uint32_t(lane) * 4;  // this lane's columns within a page
+  T* xb = reinterpret_cast<T*>(activation_ptr());                // kAhead: [2][B][kPageK], by page parity
+  auto ahead = [&](uint32_t k0, uint32_t parity) {
+    if (k0 + e < r.k) {
+#pragma unroll
+      for (int b = 0; b < B; ++b) cp_async_four(xb + (parity * B + b) * kPageK + e, x + size_t(b) * r.k + k0 + e);
+    }
+    cp_async_commit();
+  };
+  uint32_t q = 0;  // pages of this call
+  if (kAhead) ahead(0, 0);
   for (uint32_t j0 = 0, block = 0; j0 < cols; j0 += kPageRows, ++block) {
     const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
     float acc[kPageRows][B] = {};
-    for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK, ++it) {
+    for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK, ++it, ++q) {
       const uint32_t nk = min(uint32_t(kPageK), r.k - k0);
       const int slot = it % kPages;
+      if (kAhead) {
+        const uint32_t k1 = k0 + kPageK < r.k ? k0 + kPageK : 0;  // the next page's columns
+        if (k1 != 0 || j0 + kPageRows < cols) {
+          ahead(k1, (q + 1) & 1);
+        } else {
+          cp_async_commit();  // an empty group: the wait below still counts this page's
+        }
+        cp_async_wait<1>();  // this page's columns are in
+      }
       Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
       if (e < nk) {
         float4 xv[B];
-        float4 g = make_float4(1.f, 1.f, 1.f, 1.f);
-        if (norm != nullptr) g = load_four(norm + k0 + e);
-#pragma unroll
-        for (int b = 0; b < B; ++b) {
-          xv[b] = load_four(x + size_t(b) * r.k + k0 + e);
-          if (norm != nullptr) {
-            const float sb = scale[b];
-            xv[b] = make_float4(xv[b].x * sb * g.x, xv[b].y * sb * g.y, xv[b].z * sb * g.z, xv[b].w * sb * g.w);
-          }
+        if (kAhead) {
+          rows_load_x<B>(xb + (q & 1) * B * kPageK, kPageK, norm == nullptr ? nullptr : norm + k0, scale, e, xv);
+        } else {
+          rows_load_x<B>(x + k0, r.k, norm == nullptr ? nullptr : norm + k0, scale, e, xv);
         }
         const __nv_bfloat16* page = ring_ptr()->page[slot];
 #pragma unroll
@@ -174,7 +229,7 @@ __device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* nor
     }
     consumer_sync();
   }
-  rows_pages<B>(r, x, norm, scale, it, warp, st);
+  rows_pages<B, true>(r, x, norm, scale, it, warp, st);  // x from L2, each page's slice copied a page ahead
 }
 
 // ---------------------------------------------------------------------------
