@@ -15,6 +15,7 @@
 //   mx:          mx_rows_load + mx_rows_compute (the routed experts' consumer: tensor cores), batch 1
 //   mx-b4:       the same at batch 4
 //   mx-fma:      mx_rows_load + mx_rows_pages (the CUDA-core consumer), batch 1
+//   mx-fma-b8:   the same at batch 8 (where the megakernel uses it)
 //   mx-idle:     mx_rows_load, consumers only wait for and release each page
 // A measurement, not a test: nothing is asserted; the numbers go in docs/PERFORMANCE.md.
 //
@@ -131,7 +132,11 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* 
       // Output tiles of 1024 rows through the scratch, as a projection's staging.
       for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 1024) {
         const mkc::Rows part{w, nullptr, j0, min(j0 + 1024, r.r1), K};
-        mkc::rows_pages<1>(part, xs, nullptr, nullptr, it, warp, st);
+        if (x_global != nullptr) {
+          mkc::rows_pages<1, true>(part, xs, nullptr, nullptr, it, warp, st);  // as rows_compute: a page ahead
+        } else {
+          mkc::rows_pages<1>(part, xs, nullptr, nullptr, it, warp, st);
+        }
         mkc::consumer_sync();
         if (threadIdx.x == 0) out[blockIdx.x] += st[0];
       }
@@ -160,9 +165,15 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) mx_stream(const uint8_t* cod
       idle_consume((per_sm + mkc::kPageRows - 1) / mkc::kPageRows, it, out);
       return;
     }
-    float* xs = mkc::activation_ptr();
-    for (uint32_t i = threadIdx.x; i < B * mkc::kMxK; i += mkc::kConsumerThreads) xs[i] = 1.f;
-    mkc::consumer_sync();
+    // The CUDA-core consumer's input in shared memory, or in global memory (`ones`) where [B, kMxK]
+    // does not fit (batch 8), as an expert task's.
+    const float* xs = ones;
+    if (B * mkc::kMxK * sizeof(float) <= size_t(mkc::kActivationBytes)) {
+      float* a = mkc::activation_ptr();
+      for (uint32_t i = threadIdx.x; i < B * mkc::kMxK; i += mkc::kConsumerThreads) a[i] = 1.f;
+      mkc::consumer_sync();
+      xs = a;
+    }
     float* st = reinterpret_cast<float*>(mkc::scratch_ptr());
     // Output tiles of 512 rows through the scratch, as an expert task's staging.
     for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 512) {
@@ -229,7 +240,7 @@ int main() {
   CHECK(cudaMemset(w, 0x3C, size_t(rows) * kK * 2));
   float* out = nullptr;
   CHECK(cudaMalloc(&out, sms * sizeof(float)));
-  // Activations of ones for the MXFP4 consumers that stage their own input, [4, kMxK].
+  // Activations of ones for the MXFP4 consumers that stage their own input, [8, kMxK].
   std::vector<float> host_ones(33792, 1.f);  // also the spilled inputs of the bf16 widths
   float* ones = nullptr;
   CHECK(cudaMalloc(&ones, host_ones.size() * sizeof(float)));
@@ -260,6 +271,7 @@ int main() {
   timed("mx", mx_stream<1, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
   timed("mx-b4", mx_stream<4, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
   timed("mx-fma", mx_stream<1, 1>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
+  timed("mx-fma-b8", mx_stream<8, 1>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
   timed("mx-idle", mx_stream<1, 2>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
   }
   CHECK(cudaFree(w));

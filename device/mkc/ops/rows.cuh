@@ -381,19 +381,29 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
       }
       release_page(&ring_ptr()->empty[slot]);
     }
-    // Back to tile order (selects, not a local-memory array), times 2^14.
-    float rows[kPageRows][B];
+    // Back to tile order, times 2^14: rotated by rot in three steps of 1, 2
+    // and 4 slots (selects on fixed registers, not a local-memory array).
 #pragma unroll
-    for (int i = 0; i < kPageRows; ++i) {
+    for (int step = 1; step < kPageRows; step *= 2) {
+      const bool move = (rot & step) != 0;
+      float prev[kPageRows][B];
 #pragma unroll
-      for (int b = 0; b < B; ++b) {
-        float v = 0.f;
+      for (int j = 0; j < kPageRows; ++j) {
 #pragma unroll
-        for (int j = 0; j < kPageRows; ++j) v = (j + rot) % kPageRows == i ? acc[j][b] : v;
-        rows[i][b] = v * kE2m1Unscale;
+        for (int b = 0; b < B; ++b) prev[j][b] = acc[j][b];
+      }
+#pragma unroll
+      for (int j = 0; j < kPageRows; ++j) {
+#pragma unroll
+        for (int b = 0; b < B; ++b) acc[j][b] = move ? prev[(j - step + kPageRows) % kPageRows][b] : prev[j][b];
       }
     }
-    reduce_row_block<B>(rows, part[blk & 1], nr, cols, j0, warp, st);
+#pragma unroll
+    for (int j = 0; j < kPageRows; ++j) {
+#pragma unroll
+      for (int b = 0; b < B; ++b) acc[j][b] *= kE2m1Unscale;
+    }
+    reduce_row_block<B>(acc, part[blk & 1], nr, cols, j0, warp, st);
   }
 }
 
