@@ -131,6 +131,17 @@ impl Gen<'_> {
             let mut tile = 0;
             for t in &self.plan.tiling.stages[stage].tasks {
                 let a = self.plan.tiling.tasks[*t].args;
+                // MXFP4 rows come in tiles of eight (device/mkc/mx_layout.h): a
+                // task starts on a tile, and a gate/up task's rows are whole tiles.
+                if mx && (!a[1].is_multiple_of(8) || (!is_down && !(a[2] - a[1]).is_multiple_of(8))) {
+                    return Err(unsupported(
+                        op,
+                        &format!(
+                            "MXFP4 expert rows [{}, {}) in a task: they must start on a tile of 8 rows",
+                            a[1], a[2]
+                        ),
+                    ));
+                }
                 tile = tile.max(u64::from(a[2] - a[1]) * if is_down { 1 } else { 2 } * self.batch);
             }
             self.staging = self.staging.max(tile);
