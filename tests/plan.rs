@@ -452,6 +452,22 @@ fn codegen_refuses_what_it_cannot_compute() {
     assert!(err.contains("codegen: fused operation") && err.contains("router scoring \"softmax\""), "{err}");
 }
 
+/// K3's attention-residual mix keeps its consumer warps' partial scores in
+/// the 24 KiB scratch: batch 12 fits, batch 16 is refused by name at codegen
+/// rather than left to a static_assert in nvcc.
+#[test]
+fn attention_residual_mix_beyond_its_scratch_is_refused() {
+    let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
+    let t = Target::load("h200").unwrap();
+    let v = compile("kimi_k3", "tiny.json");
+    let p = plan::plan(&v, &t, Options { batch: 12, ..Options::default() }).unwrap();
+    let a = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap();
+    assert!(a.files[2].1.contains("attn_res_mix"), "batch 12 emits the mix");
+    let p = plan::plan(&v, &t, Options { batch: 16, ..Options::default() }).unwrap();
+    let err = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap_err().to_string();
+    assert!(err.contains("attention-residual mix at batch 16") && err.contains("batch 12 at most"), "{err}");
+}
+
 /// An input staged whole that does not fit the 64 KiB of shared-memory
 /// staging (K3's MLA output gate over 96 heads of 128 at batch 8: 384 KiB;
 /// the MXFP4 experts' inputs of 3584 and 3072 at batch 8) is given a spill in

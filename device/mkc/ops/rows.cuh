@@ -229,7 +229,10 @@ __device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* nor
     }
     consumer_sync();
   }
-  rows_pages<B, true>(r, x, norm, scale, it, warp, st);  // x from L2, each page's slice copied a page ahead
+  // x from L2, each page's slice copied a page ahead where two pages of it fit the activation area
+  // (fp32 input up to batch 8, bf16 up to 16); beyond, read in place.
+  constexpr bool kAhead = 2 * B * kPageK * sizeof(T) <= size_t(kActivationBytes);
+  rows_pages<B, kAhead>(r, x, norm, scale, it, warp, st);
 }
 
 // ---------------------------------------------------------------------------

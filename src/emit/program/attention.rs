@@ -173,6 +173,17 @@ impl Gen<'_> {
         if !hidden.is_multiple_of(4) {
             return Err(unsupported(op, &format!("an attention-residual mix of rows of {hidden} (a multiple of 4)")));
         }
+        // attn_res_mix's partial sums: the 8 consumer warps' [batch][32 bank rows] scores, twice.
+        let mix_scratch = 8 * self.batch * 32 * 2 * 4;
+        if mix_scratch > SCRATCH_BYTES {
+            return Err(unsupported(
+                op,
+                &format!(
+                    "an attention-residual mix at batch {} ({mix_scratch} bytes of partial sums, at most {SCRATCH_BYTES}: batch 12 at most)",
+                    self.batch
+                ),
+            ));
+        }
         let u = self.value(ops[0], op)?;
         let bank = self.value(ops[1], op)?;
         let (w, gamma) = (self.weight(ops[2].node, 0)?, self.weight(ops[3].node, 0)?);
