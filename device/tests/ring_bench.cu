@@ -269,6 +269,7 @@ int main() {
   const uint8_t* scales = codes + size_t(mx_rows) * (mkc::kMxK / 2);
   const double mx_bytes = double(mx_rows) * mx_row;
   timed("mx", mx_stream<1, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
+  timed("mx-b2", mx_stream<2, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
   timed("mx-b4", mx_stream<4, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
   timed("mx-fma", mx_stream<1, 1>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
   timed("mx-fma-b8", mx_stream<8, 1>, mx_bytes, sms, codes, scales, mx_rows, ones, out);

@@ -411,7 +411,195 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
 }
 
 // ---------------------------------------------------------------------------
-// MXFP4 rows on the tensor cores (batch 1 to 4): mma.sync m16n8k16, fp16
+// MXFP4 rows on the tensor cores at batch 1 and 2: mma.sync m16n8k32 with int8
+// inputs and exact int32 sums, the weights as A. Twice an e2m1 value is an
+// integer (0, 1, 2, 3, 4, 6, 8, 12 and their negatives), looked up by `prmt`
+// with the code as the selector, the positive and the negative codes apart
+// (A = A+ - A-, two MMAs, the second against the negated activations); the
+// activations go in as int8 parts, x' s = q0 + q1 / 128 + q2 / 128^2 + ...
+// (s a power of two per token that brings its largest under 128), four parts
+// (28 bits: exact for fp32 activations).
+// A warp takes pairs of 32-element scale blocks of a page (pair p: blocks 2p
+// and 2p + 1 of the chunk); A's rows g and g + 8 are page row g in block 2p
+// and in block 2p + 1, one code word each for lane (g, t): its k-slots
+// 4t..4t+3 are elements 8t..8t+3 and slots 16+4t..16+4t+3 elements
+// 8t+4..8t+7, so the warp's 32 words of a block are its 128 contiguous bytes
+// in the page. An n-tile is a token: B's eight columns are n = 4h + j, h which
+// block of the pair, j the part. Of the 16 x 8 result only the matched blocks
+// are wanted: lane (g, t) keeps row g's d0, d1 for t < 2 (block 2p) and d2, d3
+// for t >= 2 (block 2p + 1), parts j = 2 (t % 2) and j + 1, as 128 d_j +
+// d_j+1 (exact in an int32 and in an fp32), converts that once and multiplies
+// it by its block's scale. The negated parts are staged beside the parts, so
+// the second MMA adds to the first.
+
+// prmt's table: 2 e2m1 for the magnitudes 0 to 7, a byte each.
+constexpr uint32_t kE2m1x2Lo = 0x03020100u, kE2m1x2Hi = 0x0C080604u;
+__device__ __forceinline__ uint32_t e2m1x2_lookup(uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(kE2m1x2Lo), "r"(kE2m1x2Hi), "r"(sel));
+  return d;
+}
+
+// Eight e2m1 codes (element i in bits 4i..4i+3 of c) as int8 values 2 e2m1,
+// apart by sign: pos[0] holds elements 0..3 where positive (0 elsewhere),
+// pos[1] elements 4..7; neg the magnitudes of the negative ones. prmt takes
+// a selector nibble's low three bits as the byte to copy and its top bit as
+// "replicate that byte's sign bit" (0 here): the code's sign bit zeroes the
+// elements of the other sign.
+__device__ __forceinline__ void e2m1x8_s8(uint32_t c, uint32_t (&pos)[2], uint32_t (&neg)[2]) {
+  const uint32_t n = c ^ 0x88888888u;
+  pos[0] = e2m1x2_lookup(c);
+  pos[1] = e2m1x2_lookup(c >> 16);
+  neg[0] = e2m1x2_lookup(n);
+  neg[1] = e2m1x2_lookup(n >> 16);
+}
+
+// The staged B fragments, for token b of pair p and lane (g, t): the k-slots
+// 4t.. and 16+4t.. of column g's part, then their negations, at
+// frags[(p * B + b) * 32 + lane]; mx_rows_compute checks that
+// they fit the input's area. `unscale[b]` undoes token b's power of two and
+// the decode's factor 2.
+template <int B>
+struct MxFrags {
+  static constexpr int kParts = 4;  // int8 parts of an activation
+  const uint4* frags;
+  float unscale[B];
+};
+
+template <int B, class T>
+__device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, float* area,
+                               MxFrags<B>& out) {
+  using F = MxFrags<B>;
+  __shared__ float rs[B], scale[B];
+  for (int b = 0; b < B; ++b) {
+    float ss = 0.f;
+    if (norm != nullptr) {
+      for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) {
+        const float v = to_float(x[size_t(b) * k + e]);
+        ss = fmaf(v, v, ss);
+      }
+      ss = block_sum(ss);
+    }
+    const float r = norm != nullptr ? rsqrtf(ss / float(k) + eps) : 1.f;
+    float m = 0.f;
+    for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) {
+      m = fmaxf(m, fabsf(to_float(x[size_t(b) * k + e]) * r * (norm != nullptr ? bf(norm[e]) : 1.f)));
+    }
+    m = block_max(m);
+    if (threadIdx.x == 0) {
+      rs[b] = r;
+      const int e = m > 0.f ? max(-100, min(100, ilogbf(m) + 1)) : 0;  // m < 2^e
+      scale[b] = ldexpf(1.f, 7 - e);
+    }
+  }
+  consumer_sync();
+  auto* frags = reinterpret_cast<uint4*>(area);
+  const uint32_t pairs = (k / 32 + 1) / 2;
+  // A thread per (pair, token, block of the pair, t): eight elements, their parts to four lanes.
+  for (uint32_t i = threadIdx.x; i < pairs * B * 8; i += kConsumerThreads) {
+    const uint32_t p = i / (B * 8), b = i / 8 % B, h = i / 4 % 2, t = i % 4, e0 = (2 * p + h) * 32 + 8 * t;
+    float r[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const uint32_t e = e0 + u;
+      r[u] = e < k ? to_float(x[size_t(b) * k + e]) * rs[b] * (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < F::kParts; ++j) {  // part j, then what it leaves, times 128
+      uint32_t q[2] = {0u, 0u}, nq[2] = {0u, 0u};
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int part = max(-127, min(127, __float2int_rn(r[u])));
+        r[u] = (r[u] - float(part)) * 128.f;
+        q[u / 4] |= uint32_t(part & 0xFF) << (8 * (u % 4));
+        nq[u / 4] |= uint32_t(-part & 0xFF) << (8 * (u % 4));
+      }
+      frags[(p * B + b) * 32 + (4 * h + j) * 4 + t] = make_uint4(q[0], q[1], nq[0], nq[1]);
+    }
+  }
+  consumer_sync();
+  out.frags = frags;
+  for (int b = 0; b < B; ++b) out.unscale[b] = 0.5f / scale[b];
+}
+
+// The warps' partial sums of kMxDefer row blocks are summed together, one
+// consumer barrier per kMxDefer pages instead of one a page (scratch holds
+// two groups: a group is written while the one before it is summed).
+constexpr uint32_t kMxDefer = 8;
+
+// The page loop of mx_rows_compute on the tensor cores at batch 1 and 2: rows
+// of y = x' W^T into st [B, cols] from the fragments `a` staged by
+// stage_mx_frags; the layout is described above e2m1x8_s8.
+template <int B>
+__device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t& it, int warp, float* st) {
+  constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;  // one row block's partial sums
+  static_assert(B <= 2, "the int8 tensor-core consumer takes batch 1 and 2");
+  static_assert(2 * kMxDefer * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  // The lane's parts j, j + 1 (j = 2 (t % 2)), summed as 128 d_j + d_j+1: 128^-(j+1) each.
+  const float unit = t % 2 == 1 ? 1.f / (128.f * 128.f * 128.f) : 1.f / 128.f;
+  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][kMxDefer][warp][row, token]
+  const uint32_t cols = r.cols();
+  const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
+  const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
+  for (uint32_t blk = 0; blk < blocks; ++blk) {
+    float acc[B] = {};  // row g, token b: this lane's block of each pair, its two parts
+    for (uint32_t ch = 0; ch < chunks; ++ch, ++it) {
+      const uint32_t k0 = ch * kMxK, pairs = (min(kMxK, r.k - k0) / 32 + 1) / 2;
+      const int slot = it % kPages;
+      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      const auto* page = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]);
+      const uint8_t* codes = page + g * kMxBlockBytes + 4 * t;           // + 2p x 128: block 2p's
+      const uint8_t* scales = page + kMxScales + (t / 2) * kMxTileRows + g;  // + 2p x 8: this lane's block's
+      const auto* frags = a.frags + (k0 / 64) * B * 32 + lane;
+#pragma unroll 2  // two pairs in flight
+      for (uint32_t p = warp; p < pairs; p += kConsumerWarps) {
+        uint32_t pos0[2], neg0[2], pos1[2], neg1[2];  // A: row g in block 2p, in block 2p + 1
+        e2m1x8_s8(*reinterpret_cast<const uint32_t*>(codes + 2 * p * kMxTileBlockBytes), pos0, neg0);
+        e2m1x8_s8(*reinterpret_cast<const uint32_t*>(codes + (2 * p + 1) * kMxTileBlockBytes), pos1, neg1);
+        const float sc = e8m0(scales[2 * p * kMxTileRows]);
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+          const uint4 f = frags[(p * B + b) * 32];
+          uint32_t d[4] = {};  // A+ x, then A- (-x) added
+          cute::SM80_16x8x32_S32S8S8S32_TN::fma(d[0], d[1], d[2], d[3], pos0[0], pos1[0], pos0[1], pos1[1], f.x, f.y,
+                                                d[0], d[1], d[2], d[3]);
+          cute::SM80_16x8x32_S32S8S8S32_TN::fma(d[0], d[1], d[2], d[3], neg0[0], neg1[0], neg0[1], neg1[1], f.z, f.w,
+                                                d[0], d[1], d[2], d[3]);
+          const int v = t < 2 ? int(d[0]) * 128 + int(d[1]) : int(d[2]) * 128 + int(d[3]);
+          acc[b] = fmaf(sc, float(v), acc[b]);
+        }
+      }
+      release_page(&ring_ptr()->empty[slot]);
+    }
+    // The four lanes of row g hold its two blocks (t / 2) and two halves of the parts (t % 2); the
+    // sums wait in scratch.
+    const uint32_t group = blk / kMxDefer, in_group = blk % kMxDefer;
+    float* mine = part + ((group & 1) * kMxDefer + in_group) * kBlockSums + warp * kPageRows * B;
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      float v = acc[b] * unit;
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      if (t == 0) mine[g * B + b] = v * a.unscale[b];
+    }
+    if (in_group + 1 < kMxDefer && blk + 1 < blocks) continue;
+    // The group's sums over the warps, in a fixed order.
+    consumer_sync();
+    const float* sums = part + (group & 1) * kMxDefer * kBlockSums;
+    const uint32_t j0 = group * kMxDefer * kPageRows, n = min((in_group + 1) * kPageRows, cols - j0);
+    for (uint32_t i = threadIdx.x; i < n * B; i += kConsumerThreads) {
+      const uint32_t j = i / B, b = i % B;
+      const float* src = sums + (j / kPageRows) * kBlockSums + (j % kPageRows) * B + b;
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kConsumerWarps; ++w) v += src[w * kPageRows * B];
+      st[size_t(b) * cols + j0 + j] = v;
+    }
+  }
+}
+
+// MXFP4 rows on the tensor cores at batch 3 and 4: mma.sync m16n8k16, fp16
 // inputs, fp32 accumulation, the weights as A. A warp takes pairs of
 // 32-element scale blocks of a page (pair p: blocks 2p and 2p + 1 of the
 // chunk); A's rows g and g + 8 are page row g in block 2p and in block 2p + 1,
@@ -443,16 +631,16 @@ __device__ __forceinline__ void e2m1x8_half2(uint32_t c, uint32_t (&h)[4]) {
 // values are scaled by the power of two that brings its largest to [2^13,
 // 2^14) (inside fp16's range); `unscale[b]` undoes it and the decode's 2^-14.
 template <int B>
-struct MxFrags {
+struct MxHalfFrags {
   static constexpr int kTiles = (B + 1) / 2;
   const uint4* frags;
   float unscale[B];
 };
 
 template <int B, class T>
-__device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, float* area,
-                               MxFrags<B>& out) {
-  constexpr int kTiles = MxFrags<B>::kTiles;
+__device__ void stage_mx_half_frags(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, float* area,
+                               MxHalfFrags<B>& out) {
+  constexpr int kTiles = MxHalfFrags<B>::kTiles;
   __shared__ float rs[B], scale[B];
   for (int b = 0; b < B; ++b) {
     float ss = 0.f;
@@ -501,19 +689,14 @@ __device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm
   for (int b = 0; b < B; ++b) out.unscale[b] = kE2m1Unscale / scale[b];
 }
 
-// The warps' partial sums of kMxDefer row blocks are summed together, one
-// consumer barrier per kMxDefer pages instead of one a page (scratch holds
-// two groups: a group is written while the one before it is summed).
-constexpr uint32_t kMxDefer = 8;
-
-// The page loop of mx_rows_compute on the tensor cores (batch 1 to 4): rows
+// The page loop of mx_rows_compute on the tensor cores at batch 3 and 4: rows
 // of y = x' W^T into st [B, cols] from the fragments `a` staged by
-// stage_mx_frags; the layout is described above e2m1x8_half2.
+// stage_mx_half_frags; the layout is described above e2m1x8_half2.
 template <int B>
-__device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t& it, int warp, float* st) {
-  constexpr int kTiles = MxFrags<B>::kTiles;
+__device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B>& a, uint32_t& it, int warp, float* st) {
+  constexpr int kTiles = MxHalfFrags<B>::kTiles;
   constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;  // one row block's partial sums
-  static_assert(B <= 4, "at most two n-tiles");
+  static_assert(B >= 3 && B <= 4, "the fp16 tensor-core consumer takes batch 3 and 4");
   static_assert(2 * kMxDefer * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][kMxDefer][warp][row, token]
@@ -575,22 +758,32 @@ __device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t
   }
 }
 
-// MXFP4 rows of y = x' W^T, x' = x or RMSNorm(x) * norm: at batch 1 to 4 on the
-// tensor cores (the input staged as B fragments) when the fragments fit the
-// input's area, otherwise on the CUDA cores (staged as fp32); in shared
-// memory, or in `spill` when it does not fit (input_area).
+// MXFP4 rows of y = x' W^T, x' = x or RMSNorm(x) * norm: on the tensor cores
+// at batch 1 and 2 (int8, the input staged as four parts) and 3 and 4 (fp16,
+// two parts) when the fragments fit the input's area, otherwise on the CUDA
+// cores (staged as fp32); in shared memory, or in `spill` when it does not fit
+// (input_area).
 template <int B, class T>
 __device__ void mx_rows_compute(const MxRows& r, const T* x, const __nv_bfloat16* norm, float eps, uint32_t& it,
                                 int warp, float* st, float* spill) {
-  if constexpr (B <= 4) {
-    // The fragments take (k / 64) pairs x 32 lanes x 16 bytes per n-tile: the
-    // fp32 input's size at even B, more at B = 1 and 3 (twice and 4/3): they
-    // fit every k at B = 2 and 4, k <= 8192 at B = 1 and k <= 4096 at B = 3.
-    const size_t bytes = size_t((r.k / 32 + 1) / 2) * MxFrags<B>::kTiles * 512;
-    if (bytes <= (input_fits<B>(r.k) ? size_t(kActivationBytes) : size_t(B) * r.k * sizeof(float))) {
+  // The tensor cores' fragments take (k / 64) pairs x 32 lanes x 16 bytes an
+  // n-tile: a token at batch 1 and 2 (twice the fp32 input's size), two at 3
+  // and 4 (4/3 of it at 3, the same at 4). At K3's widths (k <= 3584) they fit
+  // the shared memory's area at every batch.
+  const size_t area = input_fits<B>(r.k) ? size_t(kActivationBytes) : size_t(B) * r.k * sizeof(float);
+  const size_t pairs = (r.k / 32 + 1) / 2;
+  if constexpr (B <= 2) {
+    if (pairs * B * 512 <= area) {
       MxFrags<B> a;
       stage_mx_frags<B>(x, r.k, norm, eps, input_area<B>(r.k, spill), a);
       mx_rows_pages_mma<B>(r, a, it, warp, st);
+      return;
+    }
+  } else if constexpr (B <= 4) {
+    if (pairs * MxHalfFrags<B>::kTiles * 512 <= area) {
+      MxHalfFrags<B> a;
+      stage_mx_half_frags<B>(x, r.k, norm, eps, input_area<B>(r.k, spill), a);
+      mx_rows_pages_hmma<B>(r, a, it, warp, st);
       return;
     }
   }
