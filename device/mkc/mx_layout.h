@@ -17,6 +17,8 @@
 // the K-major canonical layout of 8 x 16-byte core matrices that Blackwell's
 // tcgen05 MMA reads), and a tile's scales are one copy. Rows past the matrix's
 // last (a partial tile) are zero codes with zero scale bytes (2^-127 x 0 = 0).
+// A scale byte of 255 (e8m0's NaN) is refused on upload (mx_nan_scale), so
+// the device decodes the others without a test for it.
 #pragma once
 
 #include <cstddef>
@@ -75,6 +77,16 @@ inline void mx_tile_scales(const uint8_t* scales, uint64_t rows, uint64_t k, uin
     uint8_t* tile = out + (r / kMxTileRows) * mx_tile_scale_bytes(k) + r % kMxTileRows;
     for (uint64_t c = 0; c < blocks; ++c) tile[c * kMxTileRows] = scales[r * blocks + c];
   }
+}
+
+// The first scale byte of [rows, k / 32] that is 255 (e8m0's NaN): its index,
+// or -1 when there is none.
+inline int64_t mx_nan_scale(const uint8_t* scales, uint64_t rows, uint64_t k) {
+  const uint64_t n = rows * (k / kMxBlock);
+  for (uint64_t i = 0; i < n; ++i) {
+    if (scales[i] == 255) return int64_t(i);
+  }
+  return -1;
 }
 
 }  // namespace mkc

@@ -53,5 +53,11 @@ int main() {
   check_shape(rng, 13, 96);     // a partial tile, three blocks (scales padded)
   check_shape(rng, 8, 32);      // one block
   check_shape(rng, 40, 3584);   // K3's latent width
+  // The NaN scale byte the upload refuses: found at its index, or none.
+  std::vector<uint8_t> scales(13 * 3, 254);
+  EXPECT(mkc::mx_nan_scale(scales.data(), 13, 96) == -1, "no NaN scale in [13, 96]");
+  scales[7 * 3 + 2] = 255;
+  scales[9 * 3] = 255;
+  EXPECT(mkc::mx_nan_scale(scales.data(), 13, 96) == 7 * 3 + 2, "the first NaN scale of [13, 96] at row 7, block 2");
   return report();
 }

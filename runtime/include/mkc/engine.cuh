@@ -315,6 +315,12 @@ class Engine {
                         " [.., " + std::to_string(width) + "]; the tiled layout needs U8 rows of k / " +
                         (codes ? "2" : "32") + " bytes with k a multiple of 32"};
         }
+        const int64_t nan = codes ? -1 : mx_nan_scale(reinterpret_cast<const uint8_t*>(src), rows, k);
+        if (nan >= 0) {
+          throw Failure{std::string("MXFP4 scales ") + s.key + ": row " + std::to_string(uint64_t(nan) / width) +
+                        ", block " + std::to_string(uint64_t(nan) % width) +
+                        " is 255, e8m0's NaN: the checkpoint's weights there are not numbers"};
+        }
         tiled.resize(codes ? mx_code_bytes(rows, k) : mx_scale_bytes(rows, k));
         if (codes) mx_tile_codes(reinterpret_cast<const uint8_t*>(src), rows, k, tiled.data());
         else mx_tile_scales(reinterpret_cast<const uint8_t*>(src), rows, k, tiled.data());
