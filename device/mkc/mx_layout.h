@@ -17,8 +17,9 @@
 // the K-major canonical layout of 8 x 16-byte core matrices that Blackwell's
 // tcgen05 MMA reads), and a tile's scales are one copy. Rows past the matrix's
 // last (a partial tile) are zero codes with zero scale bytes (2^-127 x 0 = 0).
-// A scale byte of 255 (e8m0's NaN) is refused on upload (mx_nan_scale), so
-// the device decodes the others without a test for it.
+// A scale byte of 255 (e8m0's NaN) reads as 0, as SGLang's dequantisation has
+// it: on upload the block's codes are zeroed and the byte set to 0
+// (mx_clear_nan_blocks), so the device decodes scales without a test for it.
 #pragma once
 
 #include <cstddef>
@@ -79,14 +80,21 @@ inline void mx_tile_scales(const uint8_t* scales, uint64_t rows, uint64_t k, uin
   }
 }
 
-// The first scale byte of [rows, k / 32] that is 255 (e8m0's NaN): its index,
-// or -1 when there is none.
-inline int64_t mx_nan_scale(const uint8_t* scales, uint64_t rows, uint64_t k) {
+// Blocks whose scale byte is 255 (e8m0's NaN, read as 0) of a [rows, k]
+// matrix in the checkpoint's layout: their 16 code bytes zeroed (`codes`, or
+// null) and their scale bytes set to 0 (`scales_out`, or null; may be
+// `scales`), so every such weight is 0 x 2^-127 = 0. Returns the count.
+inline uint64_t mx_clear_nan_blocks(const uint8_t* scales, uint64_t rows, uint64_t k, uint8_t* codes,
+                                    uint8_t* scales_out) {
   const uint64_t n = rows * (k / kMxBlock);
+  uint64_t found = 0;
   for (uint64_t i = 0; i < n; ++i) {
-    if (scales[i] == 255) return int64_t(i);
+    if (scales[i] != 255) continue;
+    ++found;
+    if (codes != nullptr) std::memset(codes + i * kMxBlockBytes, 0, kMxBlockBytes);
+    if (scales_out != nullptr) scales_out[i] = 0;
   }
-  return -1;
+  return found;
 }
 
 }  // namespace mkc

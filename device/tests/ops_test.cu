@@ -202,6 +202,7 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
   auto scales = [&] {
     std::vector<uint8_t> v(size_t(n_rows) * k / 32);
     for (auto& x : v) x = uint8_t(sbyte(rng));
+    v[0] = 255;  // e8m0's NaN reads as 0 (cleared on upload, as the runtime does)
     for (size_t row = 0; row < n_rows && k / 32 > 2; ++row) {
       v[row * (k / 32) + 1] = 0;    // 2^-127, a subnormal float
       v[row * (k / 32) + 2] = 133;  // 2^6
@@ -216,14 +217,16 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
   for (auto& v : g) v = __float2bfloat16(1.f + 0.1f * nd(rng));
   const uint32_t n = r1 - r0, cols = n * (pair ? 2 : 1);
   // On the GPU in the tiled layout (mx_layout.h), as the runtime uploads a checkpoint's.
-  auto tiled = [&](const std::vector<uint8_t>& v, bool is_codes) {
+  // e8m0's NaN blocks cleared (mx_clear_nan_blocks) and tiled, as the runtime uploads them.
+  auto tiled = [&](std::vector<uint8_t> v, const std::vector<uint8_t>& scales, bool is_codes) {
+    mkc::mx_clear_nan_blocks(scales.data(), n_rows, k, is_codes ? v.data() : nullptr, is_codes ? nullptr : v.data());
     std::vector<uint8_t> t(is_codes ? mkc::mx_code_bytes(n_rows, k) : mkc::mx_scale_bytes(n_rows, k));
     if (is_codes) mkc::mx_tile_codes(v.data(), n_rows, k, t.data());
     else mkc::mx_tile_scales(v.data(), n_rows, k, t.data());
     return upload(t);
   };
-  MxCase c{mkc::MxRows{tiled(c0, true), tiled(s0, false), pair ? tiled(c1, true) : nullptr,
-                       pair ? tiled(s1, false) : nullptr, r0, r1, k},
+  MxCase c{mkc::MxRows{tiled(c0, s0, true), tiled(s0, s0, false), pair ? tiled(c1, s1, true) : nullptr,
+                       pair ? tiled(s1, s1, false) : nullptr, r0, r1, k},
            upload(x), norm ? upload(g) : nullptr, upload(std::vector<float>(size_t(B) * cols, NAN)), nullptr};
   const bool spill = size_t(B) * k * sizeof(float) > size_t(mkc::kActivationBytes);
   if (spill) c.spill = upload(std::vector<float>(size_t(B) * k, NAN));
@@ -247,7 +250,7 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
       for (uint32_t e = 0; e < k; ++e) {
         const int code = (cv[row * k / 2 + e / 2] >> (4 * (e % 2))) & 15;
         const int sb = sv[row * k / 32 + e / 32];
-        const double w = e2m1_ref(code) * std::ldexp(1.0, sb - 127);
+        const double w = e2m1_ref(code) * (sb == 255 ? 0.0 : std::ldexp(1.0, sb - 127));
         const double xe = double(x[b * k + e]) * (norm ? sc * double(__bfloat162float(g[e])) : 1.0);
         ref += w * xe;
         mag += std::abs(w * xe);

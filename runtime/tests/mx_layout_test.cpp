@@ -53,11 +53,16 @@ int main() {
   check_shape(rng, 13, 96);     // a partial tile, three blocks (scales padded)
   check_shape(rng, 8, 32);      // one block
   check_shape(rng, 40, 3584);   // K3's latent width
-  // The NaN scale byte the upload refuses: found at its index, or none.
-  std::vector<uint8_t> scales(13 * 3, 254);
-  EXPECT(mkc::mx_nan_scale(scales.data(), 13, 96) == -1, "no NaN scale in [13, 96]");
+  // e8m0's NaN blocks (255, read as 0): codes zeroed, scale bytes set to 0, the rest untouched.
+  std::vector<uint8_t> scales(13 * 3, 200), codes(13 * 96 / 2, 0x77), out(scales);
   scales[7 * 3 + 2] = 255;
   scales[9 * 3] = 255;
-  EXPECT(mkc::mx_nan_scale(scales.data(), 13, 96) == 7 * 3 + 2, "the first NaN scale of [13, 96] at row 7, block 2");
+  EXPECT(mkc::mx_clear_nan_blocks(scales.data(), 13, 96, codes.data(), out.data()) == 2, "two NaN blocks in [13, 96]");
+  uint64_t zero_codes = 0, zero_scales = 0;
+  for (auto c : codes) zero_codes += c == 0;
+  for (auto v : out) zero_scales += v == 0;
+  EXPECT(zero_codes == 32 && codes[(7 * 3 + 2) * 16] == 0 && codes[9 * 3 * 16 + 15] == 0 && codes[(9 * 3 + 1) * 16] == 0x77,
+         "the two blocks' 16 code bytes zeroed, no others");
+  EXPECT(zero_scales == 2 && out[7 * 3 + 2] == 0 && out[9 * 3] == 0, "their scale bytes 0, no others");
   return report();
 }

@@ -26,8 +26,7 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -
 
 def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Section 13: two e2m1 codes per byte along K (low nibble first), one
-    e8m0 scale per 32 values; byte 255 (NaN) reads as 0 here (the runtime
-    refuses such a checkpoint on upload)."""
+    e8m0 scale per 32 values; byte 255 (NaN) reads as 0 (SGLang's helper)."""
     n, half = packed.shape
     codes = torch.empty(n, half * 2, dtype=torch.long, device=packed.device)
     codes[:, 0::2] = (packed & 0xF).long()

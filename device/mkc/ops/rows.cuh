@@ -238,7 +238,7 @@ __device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* nor
 // ---------------------------------------------------------------------------
 // MXFP4 weight rows (K3's routed experts): e2m1 codes and one e8m0 scale byte
 // per 32 elements, W[n, k] = e2m1(code) 2^(scale - 127) (a scale byte of 255,
-// NaN, is refused on upload), in the tiled layout of mx_layout.h (tiles of
+// NaN, reads as 0: cleared on upload), in the tiled layout of mx_layout.h (tiles of
 // kMxTileRows rows, each tile's 32-element blocks one after the other), which
 // the runtime makes from the checkpoint's [rows, k / 2] codes and [rows, k /
 // 32] scales.
@@ -289,8 +289,9 @@ __device__ __forceinline__ void e2m1x8_scaled(uint32_t c, float (&w)[8]) {
   }
 }
 constexpr float kE2m1Unscale = 16384.f;  // 2^14, what e2m1x8_scaled's values lack
-// 2^(byte - 127) by its bit pattern (byte 0: 2^-127, a subnormal). The
-// runtime refuses 255 (NaN) on upload (mx_layout.h); it would read as infinity.
+// 2^(byte - 127) by its bit pattern (byte 0: 2^-127, a subnormal). 255 (NaN,
+// read as 0) never reaches the device: the upload zeroes such blocks
+// (mx_clear_nan_blocks); here it would read as infinity.
 __device__ __forceinline__ float e8m0(uint32_t byte) { return __int_as_float(max(int(byte << 23), 0x00400000)); }
 
 // Loader: a task's rows into the page ring, a tile and chunk a page, by lane

@@ -281,7 +281,7 @@ class Engine {
 
   void upload(mkc_checkpoint* ck) {
     std::vector<char> host, wide;
-    std::vector<uint8_t> tiled;
+    std::vector<uint8_t> tiled, scales;
     char err[1024];
     weights_.resize(P::kWeights);
     for (uint32_t i = 0; i < P::kWeights; ++i) {
@@ -315,11 +315,19 @@ class Engine {
                         " [.., " + std::to_string(width) + "]; the tiled layout needs U8 rows of k / " +
                         (codes ? "2" : "32") + " bytes with k a multiple of 32"};
         }
-        const int64_t nan = codes ? -1 : mx_nan_scale(reinterpret_cast<const uint8_t*>(src), rows, k);
-        if (nan >= 0) {
-          throw Failure{std::string("MXFP4 scales ") + s.key + ": row " + std::to_string(uint64_t(nan) / width) +
-                        ", block " + std::to_string(uint64_t(nan) % width) +
-                        " is 255, e8m0's NaN: the checkpoint's weights there are not numbers"};
+        // e8m0's NaN (255) reads as 0: such blocks' codes zeroed and scale bytes set to 0. The
+        // weights table lists an MXFP4 matrix's scales right after its codes.
+        auto* bytes = reinterpret_cast<uint8_t*>(host.data());
+        if (codes) {
+          if (i + 1 >= P::kWeights || P::weight_layouts[i + 1] != WeightLayout::kMxScales) {
+            throw Failure{std::string("MXFP4 codes ") + s.key + ": the weights table lists no scales after them"};
+          }
+          const char* scale_key = P::weights[i + 1].key;
+          scales.resize(rows * (k / kMxBlock));
+          if (mkc_checkpoint_read(ck, scale_key, scales.data(), scales.size(), err, sizeof err) < 0) throw Failure{err};
+          mx_clear_nan_blocks(scales.data(), rows, k, bytes, nullptr);
+        } else {
+          mx_clear_nan_blocks(bytes, rows, k, nullptr, bytes);
         }
         tiled.resize(codes ? mx_code_bytes(rows, k) : mx_scale_bytes(rows, k));
         if (codes) mx_tile_codes(reinterpret_cast<const uint8_t*>(src), rows, k, tiled.data());
