@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use mkc::checkpoint::{self, Problem, Requirement};
+use mkc::checkpoint::{self, GpuLayout, Problem, Requirement};
 use mkc::config::Config;
 use mkc::lower::Limits;
 use mkc::valid::Validated;
@@ -77,6 +77,25 @@ fn mxfp4_experts_need_packed_data_and_scales() {
     assert!(w1[0].key.ends_with("w1.weight_packed"));
     assert_eq!((w1[1].dtype, w1[1].shape.clone()), ("U8", vec![32, 2]));
     assert!(w1[1].key.ends_with("w1.weight_scale"));
+    // The runtime reads an MXFP4 matrix's scales with its codes (clearing e8m0's NaN blocks): the
+    // weights table lists the scales right after the codes, rows alike.
+    let mut matrices = 0;
+    for (i, r) in reqs.iter().enumerate() {
+        if r.layout != GpuLayout::MxCodes {
+            continue;
+        }
+        let s = &reqs[i + 1];
+        assert_eq!(s.layout, GpuLayout::MxScales, "{} is followed by {}", r.key, s.key);
+        assert_eq!(
+            (&s.shape[..s.shape.len() - 1], s.shape[s.shape.len() - 1] * 16),
+            (&r.shape[..r.shape.len() - 1], r.shape[r.shape.len() - 1]),
+            "{}",
+            r.key
+        );
+        matrices += 1;
+    }
+    assert!(matrices > 0);
+    assert_eq!(matrices, reqs.iter().filter(|r| r.layout == GpuLayout::MxScales).count());
 }
 
 #[test]

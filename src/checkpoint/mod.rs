@@ -41,7 +41,9 @@ pub enum GpuLayout {
     /// Bytes as stored (widened to f32 where the plan asks).
     AsStored,
     /// MXFP4 codes `[rows, k / 2]` in tiles of 8 rows, a tile's 32-element
-    /// blocks one after the other.
+    /// blocks one after the other. Always followed by its scales in
+    /// [`requirements`]: the runtime reads them with the codes to zero the
+    /// blocks whose scale is e8m0's NaN (read as 0).
     MxCodes,
     /// MXFP4 scales `[rows, k / 32]` in the same tiles.
     MxScales,
