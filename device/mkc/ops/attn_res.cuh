@@ -88,7 +88,8 @@ __device__ void stack_rows(const T* bank, uint32_t n, const U* row, uint32_t hid
 
 // Projection rows whose input is an element-wise gated value (K3's MLA
 // output gate): x' = x * sigmoid(g) (or x * g), staged as fp32 in shared
-// memory, or in `spill` when it does not fit (input_area).
+// memory, or in `spill` when it does not fit (input_area; read a page ahead,
+// rows_pages_staged).
 template <int B, class T, class G>
 __device__ void rows_compute_mul(const Rows& r, const T* x, const G* g, int sigmoid_gate, uint32_t& it, int warp,
                                  float* st, float* spill) {
@@ -99,7 +100,7 @@ __device__ void rows_compute_mul(const Rows& r, const T* x, const G* g, int sigm
     xs[i] = to_float(x[i]) * (sigmoid_gate ? 1.f / (1.f + expf(-gv)) : gv);
   }
   consumer_sync();
-  rows_pages<B>(r, static_cast<const float*>(xs), nullptr, nullptr, it, warp, st);
+  rows_pages_staged<B>(r, xs, it, warp, st);
 }
 
 }  // namespace mkc

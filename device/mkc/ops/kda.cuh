@@ -117,7 +117,8 @@ __device__ void gated_rms_norm_inplace(float* x, const T* gate, uint32_t heads, 
 
 // Projection rows whose input is KDA's gated output norm (a prologue):
 // x [B, heads d] is staged as fp32 in shared memory, or in `spill` when it
-// does not fit (input_area), normed and gated there, then the pages read it.
+// does not fit (input_area), normed and gated there, then the pages read it
+// (rows_pages_staged: from `spill` a page ahead).
 template <int B, class T>
 __device__ void rows_compute_gated(const Rows& r, const T* x, const T* gate, uint32_t heads, uint32_t d,
                                    const __nv_bfloat16* w, float eps, int sigmoid_act, uint32_t& it, int warp,
@@ -126,7 +127,7 @@ __device__ void rows_compute_gated(const Rows& r, const T* x, const T* gate, uin
   float* xs = stage_input<B>(x, r.k, static_cast<const __nv_bfloat16*>(nullptr), 0.f, input_area<B>(r.k, spill));
   gated_rms_norm_inplace<B>(xs, gate, heads, d, w, eps, sigmoid_act);
   consumer_sync();
-  rows_pages<B>(r, static_cast<const float*>(xs), nullptr, nullptr, it, warp, st);
+  rows_pages_staged<B>(r, xs, it, warp, st);
 }
 
 }  // namespace mkc

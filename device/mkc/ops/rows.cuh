@@ -178,6 +178,23 @@ __device__ inline float* input_area(uint32_t k, float* spill) {
   return spill;
 }
 
+// The page loop over an input staged by stage_input (or like it) in
+// input_area: read in place from shared memory, or, when it was spilled to
+// global memory, each page's slice copied a page ahead into the then unused
+// activation area (rows_pages' look-ahead) where two pages of it fit there
+// (batch 8 at most).
+template <int B>
+__device__ void rows_pages_staged(const Rows& r, const float* xs, uint32_t& it, int warp, float* st) {
+  constexpr bool kAhead = 2 * B * kPageK * sizeof(float) <= size_t(kActivationBytes);
+  if constexpr (kAhead) {
+    if (!input_fits<B>(r.k)) {
+      rows_pages<B, true>(r, xs, nullptr, nullptr, it, warp, st);
+      return;
+    }
+  }
+  rows_pages<B>(r, xs, nullptr, nullptr, it, warp, st);
+}
+
 // Copies x [B, k] into xs (input_area) as fp32, RMS-normed there (x *
 // rsqrt(mean(x^2) + eps) * norm, per token) when `norm` is given; returns
 // it, complete for every consumer.
