@@ -429,6 +429,60 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
 }
 
 // ---------------------------------------------------------------------------
+// The warps' partial sums of kMxDefer row blocks are summed together, one
+// consumer barrier per kMxDefer pages instead of one a page (scratch holds
+// two groups: a group is written while the one before it is summed).
+constexpr uint32_t kMxDefer = 8;
+
+// The tensor-core consumers' per-token factors, complete for every consumer:
+// rs[b] the RMSNorm scale of token b (1 without `norm`) and scale[b] the
+// power of two that brings its largest |x'| under 2^top.
+template <int B, class T>
+__device__ void mx_token_scales(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, int top, float* rs,
+                                float* scale) {
+  for (int b = 0; b < B; ++b) {
+    float ss = 0.f;
+    if (norm != nullptr) {
+      for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) {
+        const float v = to_float(x[size_t(b) * k + e]);
+        ss = fmaf(v, v, ss);
+      }
+      ss = block_sum(ss);
+    }
+    const float r = norm != nullptr ? rsqrtf(ss / float(k) + eps) : 1.f;
+    float m = 0.f;
+    for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) {
+      m = fmaxf(m, fabsf(to_float(x[size_t(b) * k + e]) * r * (norm != nullptr ? bf(norm[e]) : 1.f)));
+    }
+    m = block_max(m);
+    if (threadIdx.x == 0) {
+      rs[b] = r;
+      const int e = m > 0.f ? max(-100, min(100, ilogbf(m) + 1)) : 0;  // m < 2^e
+      scale[b] = ldexpf(1.f, top - e);
+    }
+  }
+  consumer_sync();
+}
+
+// The warps' partial sums of the row blocks of a group (part, as the page
+// loops lay it out: [2][kMxDefer][warp][row, token]) added in a fixed order
+// into st [B, cols]; the group's last block is in_group.
+template <int B>
+__device__ void mx_sum_group(const float* part, uint32_t group, uint32_t in_group, uint32_t cols, float* st) {
+  constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;
+  consumer_sync();
+  const float* sums = part + (group & 1) * kMxDefer * kBlockSums;
+  const uint32_t j0 = group * kMxDefer * kPageRows, n = min((in_group + 1) * kPageRows, cols - j0);
+  for (uint32_t i = threadIdx.x; i < n * B; i += kConsumerThreads) {
+    const uint32_t j = i / B, b = i % B;
+    const float* src = sums + (j / kPageRows) * kBlockSums + (j % kPageRows) * B + b;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) v += src[w * kPageRows * B];
+    st[size_t(b) * cols + j0 + j] = v;
+  }
+}
+
 // MXFP4 rows on the tensor cores at batch 1 and 2: mma.sync m16n8k32 with int8
 // inputs and exact int32 sums, the weights as A. Twice an e2m1 value is an
 // integer (0, 1, 2, 3, 4, 6, 8, 12 and their negatives), looked up by `prmt`
@@ -489,28 +543,7 @@ __device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm
                                MxFrags<B>& out) {
   using F = MxFrags<B>;
   __shared__ float rs[B], scale[B];
-  for (int b = 0; b < B; ++b) {
-    float ss = 0.f;
-    if (norm != nullptr) {
-      for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) {
-        const float v = to_float(x[size_t(b) * k + e]);
-        ss = fmaf(v, v, ss);
-      }
-      ss = block_sum(ss);
-    }
-    const float r = norm != nullptr ? rsqrtf(ss / float(k) + eps) : 1.f;
-    float m = 0.f;
-    for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) {
-      m = fmaxf(m, fabsf(to_float(x[size_t(b) * k + e]) * r * (norm != nullptr ? bf(norm[e]) : 1.f)));
-    }
-    m = block_max(m);
-    if (threadIdx.x == 0) {
-      rs[b] = r;
-      const int e = m > 0.f ? max(-100, min(100, ilogbf(m) + 1)) : 0;  // m < 2^e
-      scale[b] = ldexpf(1.f, 7 - e);
-    }
-  }
-  consumer_sync();
+  mx_token_scales<B>(x, k, norm, eps, 7, rs, scale);
   auto* frags = reinterpret_cast<uint4*>(area);
   const uint32_t pairs = (k / 32 + 1) / 2;
   // A thread per (pair, token, block of the pair, t): eight elements, their parts to four lanes.
@@ -539,11 +572,6 @@ __device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm
   out.frags = frags;
   for (int b = 0; b < B; ++b) out.unscale[b] = 0.5f / scale[b];
 }
-
-// The warps' partial sums of kMxDefer row blocks are summed together, one
-// consumer barrier per kMxDefer pages instead of one a page (scratch holds
-// two groups: a group is written while the one before it is summed).
-constexpr uint32_t kMxDefer = 8;
 
 // The page loop of mx_rows_compute on the tensor cores at batch 1 and 2: rows
 // of y = x' W^T into st [B, cols] from the fragments `a` staged by
@@ -602,18 +630,7 @@ __device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t
       if (t == 0) mine[g * B + b] = v * a.unscale[b];
     }
     if (in_group + 1 < kMxDefer && blk + 1 < blocks) continue;
-    // The group's sums over the warps, in a fixed order.
-    consumer_sync();
-    const float* sums = part + (group & 1) * kMxDefer * kBlockSums;
-    const uint32_t j0 = group * kMxDefer * kPageRows, n = min((in_group + 1) * kPageRows, cols - j0);
-    for (uint32_t i = threadIdx.x; i < n * B; i += kConsumerThreads) {
-      const uint32_t j = i / B, b = i % B;
-      const float* src = sums + (j / kPageRows) * kBlockSums + (j % kPageRows) * B + b;
-      float v = 0.f;
-#pragma unroll
-      for (int w = 0; w < kConsumerWarps; ++w) v += src[w * kPageRows * B];
-      st[size_t(b) * cols + j0 + j] = v;
-    }
+    mx_sum_group<B>(part, group, in_group, cols, st);  // the group's sums over the warps, in a fixed order
   }
 }
 
@@ -660,28 +677,7 @@ __device__ void stage_mx_half_frags(const T* x, uint32_t k, const __nv_bfloat16*
                                MxHalfFrags<B>& out) {
   constexpr int kTiles = MxHalfFrags<B>::kTiles;
   __shared__ float rs[B], scale[B];
-  for (int b = 0; b < B; ++b) {
-    float ss = 0.f;
-    if (norm != nullptr) {
-      for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) {
-        const float v = to_float(x[size_t(b) * k + e]);
-        ss = fmaf(v, v, ss);
-      }
-      ss = block_sum(ss);
-    }
-    const float r = norm != nullptr ? rsqrtf(ss / float(k) + eps) : 1.f;
-    float m = 0.f;
-    for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) {
-      m = fmaxf(m, fabsf(to_float(x[size_t(b) * k + e]) * r * (norm != nullptr ? bf(norm[e]) : 1.f)));
-    }
-    m = block_max(m);
-    if (threadIdx.x == 0) {
-      rs[b] = r;
-      const int e = m > 0.f ? max(-100, min(100, ilogbf(m) + 1)) : 0;  // m < 2^e
-      scale[b] = ldexpf(1.f, 14 - e);
-    }
-  }
-  consumer_sync();
+  mx_token_scales<B>(x, k, norm, eps, 14, rs, scale);
   uint4* frags = reinterpret_cast<uint4*>(area);
   const uint32_t pairs = (k / 32 + 1) / 2;
   for (uint32_t i = threadIdx.x; i < pairs * kTiles * 32; i += kConsumerThreads) {
@@ -761,18 +757,7 @@ __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B>& a, uin
       if (t < 2 && b < B) mine[g * B + b] = v * a.unscale[b];
     }
     if (in_group + 1 < kMxDefer && blk + 1 < blocks) continue;
-    // The group's sums over the warps, in a fixed order.
-    consumer_sync();
-    const float* sums = part + (group & 1) * kMxDefer * kBlockSums;
-    const uint32_t j0 = group * kMxDefer * kPageRows, n = min((in_group + 1) * kPageRows, cols - j0);
-    for (uint32_t i = threadIdx.x; i < n * B; i += kConsumerThreads) {
-      const uint32_t j = i / B, b = i % B;
-      const float* src = sums + (j / kPageRows) * kBlockSums + (j % kPageRows) * B + b;
-      float v = 0.f;
-#pragma unroll
-      for (int w = 0; w < kConsumerWarps; ++w) v += src[w * kPageRows * B];
-      st[size_t(b) * cols + j0 + j] = v;
-    }
+    mx_sum_group<B>(part, group, in_group, cols, st);  // the group's sums over the warps, in a fixed order
   }
 }
 
