@@ -1,6 +1,8 @@
-# CPU emulation of mx_rows_pages_mma's fragment layout (the weights as A, rows.cuh) against a direct
-# product: the staged B fragments, the A words, the m16n8k16 register mapping of the PTX ISA, the
-# kept half of the result and its scale. Needs numpy. python3 device/tests/mx_mma_layout.py
+# CPU emulation of the tensor-core MXFP4 consumers' fragment layouts (the weights as A, rows.cuh)
+# against a direct product: the staged B fragments, the A words, the register mappings of the PTX
+# ISA, the kept half of the result and its scale. First mx_rows_pages_hmma (fp16 m16n8k16, batch 3
+# and 4; run here at 1 to 4), then mx_rows_pages_mma (int8 m16n8k32 with prmt's lookup, batch 1
+# and 2). Needs numpy. python3 device/tests/mx_mma_layout.py
 import numpy as np
 rng = np.random.default_rng(0)
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], np.float32)
@@ -85,4 +87,88 @@ for B in (1, 2, 3, 4):
     err = np.abs(out - ref).max() / np.abs(ref).max()
     print(f"B={B} k={k}: max rel error {err:.2e}")
     assert err < 1e-5, err
+
+# mx_rows_pages_mma: int8. prmt.b32 in its default mode: selector nibble n picks byte n & 7 of
+# {a, b}; its top bit replicates that byte's sign bit instead.
+def prmt(a, b, sel):
+    src = [(a >> (8 * i)) & 0xff for i in range(4)] + [(b >> (8 * i)) & 0xff for i in range(4)]
+    d = 0
+    for n in range(4):
+        q = (sel >> (4 * n)) & 0xf
+        byte = src[q & 7]
+        if q & 8:
+            byte = 0xff if byte & 0x80 else 0
+        d |= byte << (8 * n)
+    return d
+def s8x4(w): return [((w >> (8 * i)) & 0xff) - (256 if (w >> (8 * i)) & 0x80 else 0) for i in range(4)]
+LO, HI = 0x03020100, 0x0C080604  # 2 e2m1 of the magnitudes 0..7
+def e2m1x8_s8(c):
+    n = c ^ 0x88888888
+    return [prmt(LO, HI, c), prmt(LO, HI, c >> 16)], [prmt(LO, HI, n), prmt(LO, HI, n >> 16)]
+f32 = np.float32
+for B in (1, 2):
+  for k in (64, 96, 3584):
+    rows = 8
+    codes = rng.integers(0, 256, size=(rows, k // 2), dtype=np.int64)
+    sc = rng.integers(120, 135, size=(rows, k // 32))
+    W = np.zeros((rows, k))
+    for j in range(rows):
+        for e in range(k):
+            c = (codes[j, e // 2] >> (4 * (e % 2))) & 15
+            W[j, e] = e2m1(c) * 2.0 ** (sc[j, e // 32] - 127)
+    x = rng.standard_normal((B, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ W.T
+    scale = [f32(2.0 ** (7 - np.frexp(np.abs(x[b]).max())[1])) for b in range(B)]
+    pairs = (k // 32 + 1) // 2
+    frags = {}
+    for p in range(pairs):  # stage_mx_frags: a thread per (pair, token, h, t), its parts to 4 lanes
+        for b in range(B):
+            for h in range(2):
+                for t in range(4):
+                    e0 = (2 * p + h) * 32 + 8 * t
+                    r = [f32(x[b, e0 + u] * scale[b]) if e0 + u < k else f32(0) for u in range(8)]
+                    for j in range(4):
+                        q, nq = [0, 0], [0, 0]
+                        for u in range(8):
+                            part = int(max(-127, min(127, np.rint(r[u]))))
+                            r[u] = f32(f32(r[u] - f32(part)) * f32(128))
+                            q[u // 4] |= (part & 0xff) << (8 * (u % 4))
+                            nq[u // 4] |= (-part & 0xff) << (8 * (u % 4))
+                        frags[(p, b, (4 * h + j) * 4 + t)] = (q[0], q[1], nq[0], nq[1])
+    acc = np.zeros((32, B))
+    def word(j, byte):
+        bs = [codes[j, byte + i] if byte + i < k // 2 else 0 for i in range(4)]
+        return bs[0] | bs[1] << 8 | bs[2] << 16 | bs[3] << 24
+    for p in range(pairs):
+        for b in range(B):
+            Ap, An = np.zeros((16, 32), np.int64), np.zeros((16, 32), np.int64)
+            Bp, Bn = np.zeros((32, 8), np.int64), np.zeros((32, 8), np.int64)
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                pos0, neg0 = e2m1x8_s8(word(g, 32 * p + 4 * t))       # row g, block 2p
+                pos1, neg1 = e2m1x8_s8(word(g, 32 * p + 16 + 4 * t))  # row g, block 2p + 1
+                for A, r0, r1 in ((Ap, pos0, pos1), (An, neg0, neg1)):  # a0 a1 a2 a3 of m16n8k32
+                    A[g, 4 * t:4 * t + 4] = s8x4(r0[0]); A[g + 8, 4 * t:4 * t + 4] = s8x4(r1[0])
+                    A[g, 16 + 4 * t:20 + 4 * t] = s8x4(r0[1]); A[g + 8, 16 + 4 * t:20 + 4 * t] = s8x4(r1[1])
+                f = frags[(p, b, lane)]
+                Bp[4 * t:4 * t + 4, g] = s8x4(f[0]); Bp[16 + 4 * t:20 + 4 * t, g] = s8x4(f[1])
+                Bn[4 * t:4 * t + 4, g] = s8x4(f[2]); Bn[16 + 4 * t:20 + 4 * t, g] = s8x4(f[3])
+            D = Ap @ Bp + An @ Bn
+            assert np.abs(D).max() < 2 ** 31
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                blk = 2 * p + t // 2
+                scv = 2.0 ** (sc[g, blk] - 127) if blk < k // 32 else 0.0
+                v = D[g, 2 * t] * 128 + D[g, 2 * t + 1] if t < 2 else D[g + 8, 2 * t] * 128 + D[g + 8, 2 * t + 1]
+                assert abs(v) < 2 ** 24  # exact in an fp32
+                acc[lane, b] += scv * float(v)
+    out = np.zeros((B, rows))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        unit = 1 / 128 if t % 2 == 0 else 1 / 128 ** 3
+        for b in range(B):
+            out[b, g] += acc[lane, b] * unit * 0.5 / scale[b]
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    print(f"int8 B={B} k={k}: max rel error {err:.2e}")
+    assert err < 1e-6, err
 print("ok")
