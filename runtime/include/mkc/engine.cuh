@@ -324,7 +324,13 @@ class Engine {
           }
           const char* scale_key = P::weights[i + 1].key;
           scales.resize(rows * (k / kMxBlock));
-          if (mkc_checkpoint_read(ck, scale_key, scales.data(), scales.size(), err, sizeof err) < 0) throw Failure{err};
+          const int64_t got = mkc_checkpoint_read(ck, scale_key, scales.data(), scales.size(), err, sizeof err);
+          if (got < 0) throw Failure{err};
+          if (uint64_t(got) != scales.size()) {
+            throw Failure{std::string("MXFP4 scales ") + scale_key + ": " + std::to_string(got) + " bytes, where the codes " +
+                          s.key + " [" + std::to_string(rows) + ", " + std::to_string(width) + "] need " +
+                          std::to_string(scales.size())};
+          }
           mx_clear_nan_blocks(scales.data(), rows, k, bytes, nullptr);
         } else {
           mx_clear_nan_blocks(bytes, rows, k, nullptr, bytes);
