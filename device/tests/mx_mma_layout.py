@@ -16,11 +16,7 @@ def half2(c):  # e2m1x8_half2: returns 4 pairs (lo, hi) as float values (x 2^-14
         hi = np.array([h >> 16], np.uint16).view(np.float16)[0]
         out.append((np.float32(lo), np.float32(hi)))
     return out
-def mma(A, Bm, C):  # A: 16x16, Bm: 16x8
-    return C + A.astype(np.float64) @ Bm.astype(np.float64)
-for B in (1, 2, 3, 4):
-  for k in (64, 96, 3584):
-    rows = 8
+def case(B, k, rows=8):  # random codes and scales of a page's rows, x [B, k], and x W^T in fp64
     codes = rng.integers(0, 256, size=(rows, k // 2), dtype=np.int64)
     sc = rng.integers(120, 135, size=(rows, k // 32))
     W = np.zeros((rows, k))
@@ -29,7 +25,12 @@ for B in (1, 2, 3, 4):
             c = (codes[j, e // 2] >> (4 * (e % 2))) & 15
             W[j, e] = e2m1(c) * 2.0 ** (sc[j, e // 32] - 127)
     x = rng.standard_normal((B, k)).astype(np.float32)
-    ref = x.astype(np.float64) @ W.T  # [B, rows]
+    return rows, codes, sc, x, x.astype(np.float64) @ W.T
+def mma(A, Bm, C):  # A: 16x16, Bm: 16x8
+    return C + A.astype(np.float64) @ Bm.astype(np.float64)
+for B in (1, 2, 3, 4):
+  for k in (64, 96, 3584):
+    rows, codes, sc, x, ref = case(B, k)
     # staging
     scale = [2.0 ** (14 - (np.frexp(np.abs(x[b]).max())[1])) for b in range(B)]
     tiles = (B + 1) // 2; pairs = (k // 32 + 1) // 2
@@ -108,16 +109,7 @@ def e2m1x8_s8(c):
 f32 = np.float32
 for B in (1, 2):
   for k in (64, 96, 3584):
-    rows = 8
-    codes = rng.integers(0, 256, size=(rows, k // 2), dtype=np.int64)
-    sc = rng.integers(120, 135, size=(rows, k // 32))
-    W = np.zeros((rows, k))
-    for j in range(rows):
-        for e in range(k):
-            c = (codes[j, e // 2] >> (4 * (e % 2))) & 15
-            W[j, e] = e2m1(c) * 2.0 ** (sc[j, e // 32] - 127)
-    x = rng.standard_normal((B, k)).astype(np.float32)
-    ref = x.astype(np.float64) @ W.T
+    rows, codes, sc, x, ref = case(B, k)
     scale = [f32(2.0 ** (7 - np.frexp(np.abs(x[b]).max())[1])) for b in range(B)]
     pairs = (k // 32 + 1) // 2
     frags = {}
