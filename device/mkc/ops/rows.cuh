@@ -674,7 +674,7 @@ struct MxHalfFrags {
 
 template <int B, class T>
 __device__ void stage_mx_half_frags(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, float* area,
-                               MxHalfFrags<B>& out) {
+                                    MxHalfFrags<B>& out) {
   constexpr int kTiles = MxHalfFrags<B>::kTiles;
   __shared__ float rs[B], scale[B];
   mx_token_scales<B>(x, k, norm, eps, 14, rs, scale);

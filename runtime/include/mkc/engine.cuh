@@ -280,8 +280,8 @@ class Engine {
   }
 
   void upload(mkc_checkpoint* ck) {
-    std::vector<char> host, wide;
-    std::vector<uint8_t> tiled, scales;
+    std::vector<char> host, wide, scales;  // scales: the next tensor's bytes, read with its MXFP4 codes
+    std::vector<uint8_t> tiled;
     char err[1024];
     weights_.resize(P::kWeights);
     for (uint32_t i = 0; i < P::kWeights; ++i) {
@@ -290,8 +290,13 @@ class Engine {
       for (uint32_t d = 0; d < s.ndim; ++d) n *= s.shape[d];
       const char* stored = mkc_checkpoint_dtype(ck, s.key);
       const size_t bytes = n * dtype_bytes(stored);
-      host.resize(bytes);
-      if (mkc_checkpoint_read(ck, s.key, host.data(), host.size(), err, sizeof err) < 0) throw Failure{err};
+      if (P::weight_layouts[i] == WeightLayout::kMxScales && scales.size() == bytes) {
+        host.swap(scales);  // read already, with its codes
+      } else {
+        host.resize(bytes);
+        if (mkc_checkpoint_read(ck, s.key, host.data(), host.size(), err, sizeof err) < 0) throw Failure{err};
+      }
+      scales.clear();
       const char* src = host.data();
       size_t up = bytes;
       if (std::strcmp(s.dtype, stored) != 0) {  // an f32 tensor stored as bf16 or f16: widened exactly
@@ -331,7 +336,7 @@ class Engine {
                           s.key + " [" + std::to_string(rows) + ", " + std::to_string(width) + "] need " +
                           std::to_string(scales.size())};
           }
-          mx_clear_nan_blocks(scales.data(), rows, k, bytes, nullptr);
+          mx_clear_nan_blocks(reinterpret_cast<const uint8_t*>(scales.data()), rows, k, bytes, nullptr);
         } else {
           mx_clear_nan_blocks(bytes, rows, k, nullptr, bytes);
         }
