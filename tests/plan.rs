@@ -425,7 +425,8 @@ fn k2_program_covers_every_stage() {
             assert!(run.contains(&case), "{config}: stage {} ({:?}) has no device code", s.id, s.kind);
             use plan::tile::TaskKind as K;
             let streams = matches!(s.kind, K::ProjectionRows | K::LmHeadRows | K::ExpertUp | K::ExpertDown);
-            let loads = ["rows_load(", "mx_rows_load("].iter().any(|f| load.contains(&format!("case {}: {f}", s.id)));
+            let loads =
+                ["rows_load<kBatch>(", "mx_rows_load("].iter().any(|f| load.contains(&format!("case {}: {f}", s.id)));
             assert_eq!(loads, streams, "{config}: stage {} loader case", s.id);
         }
         let args = program.lines().filter(|l| l.starts_with("    { ") && l.ends_with("} },")).count();

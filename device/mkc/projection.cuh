@@ -108,38 +108,59 @@ struct Rows {
   }
 };
 
+// bf16 rows at batch 2 to 6 run on the tensor cores (rows_pages_mma, in
+// ops/rows.cuh), which take a task's row blocks kBlockGroup at a time, the k
+// chunks outer: the activations of a chunk serve the group's blocks. Other
+// batches take a row block at a time (the CUDA-core consumer). The loader
+// and the consumer of a task agree on the order through kRowsGroup.
+constexpr uint32_t kBlockGroup = 8;
+template <int B>
+constexpr bool kRowsMma = B >= 2 && B <= 6;
+template <int B>
+constexpr uint32_t kRowsGroup = kRowsMma<B> ? kBlockGroup : 1;
+
 // Loader: streams the task's rows into the page ring (kPageRows rows of up to
-// kPageK weights per page). Lane 0 waits for the slot and arms its barrier;
-// then lane j copies row j of the page, the page's copies issued side by side
-// (one lane issuing them all in turn streamed at two thirds of the rate:
-// device/tests/ring_bench.cu).
-__device__ inline void rows_load(const Rows& r, uint32_t& it) {
+// kPageK weights per page), `group` row blocks at a time: for each k chunk,
+// the chunk of each block of the group (group 1: a block's chunks in turn).
+// Lane 0 waits for the slot and arms its barrier; then lane j copies row j of
+// the page, the page's copies issued side by side (one lane issuing them all
+// in turn streamed at two thirds of the rate: device/tests/ring_bench.cu).
+__device__ inline void rows_load_grouped(const Rows& r, uint32_t group, uint32_t& it) {
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t cols = r.cols();
-  for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
-    const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
-    const __nv_bfloat16* src = lane < nr ? r.row(j0 + lane) : nullptr;
-    for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK, ++it) {
+  for (uint32_t g0 = 0; g0 < cols; g0 += group * kPageRows) {
+    const uint32_t g1 = min(cols, g0 + group * kPageRows);
+    for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK) {
       const uint32_t nk = min(uint32_t(kPageK), r.k - k0);
-      const int slot = it % kPages;
-      if (lane == 0) {
-        Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
-        Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * nk * 2);
-      }
-      __syncwarp();
-      if (lane < nr) {
-        cute::SM90_BULK_COPY_G2S::copy(src + k0, &ring_ptr()->full[slot], &ring_ptr()->page[slot][lane * kPageK],
-                                       int32_t(nk * 2));
+      for (uint32_t j0 = g0; j0 < g1; j0 += kPageRows, ++it) {
+        const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
+        const int slot = it % kPages;
+        if (lane == 0) {
+          Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+          Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * nk * 2);
+        }
+        __syncwarp();
+        if (lane < nr) {
+          cute::SM90_BULK_COPY_G2S::copy(r.row(j0 + lane) + k0, &ring_ptr()->full[slot],
+                                         &ring_ptr()->page[slot][lane * kPageK], int32_t(nk * 2));
+        }
       }
     }
   }
   __syncwarp();
 }
 
+// The loader of rows consumed at batch B (rows_compute<B> and the page loops
+// under it).
+template <int B>
+__device__ inline void rows_load(const Rows& r, uint32_t& it) {
+  rows_load_grouped(r, kRowsGroup<B>, it);
+}
+
 // Loader side of a ProjectionTask: its rows through the same loader; `it`
 // is the ring position shared across instructions.
 __device__ inline void projection_load(const ProjectionTask& t, uint32_t& it) {
-  rows_load(Rows{t.w, nullptr, t.row0, t.row0 + t.rows, t.k}, it);
+  rows_load_grouped(Rows{t.w, nullptr, t.row0, t.row0 + t.rows, t.k}, 1, it);  // projection_compute's order
 }
 
 // The RMS prologue's per-token scale, computed by the consumer warps together.

@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(mkc::kConsumerThreads + 32, 1) rows_kernel() {
   const RowsCase c = g_rows;
   for (uint32_t rep = 0; rep < c.repeat; ++rep) {
     if (warp == mkc::kConsumerWarps) {
-      mkc::rows_load(c.rows, it);
+      mkc::rows_load<B>(c.rows, it);
     } else {
       if (c.gate != nullptr) {
         mkc::rows_compute_mul<B>(c.rows, c.x, c.gate, 1, it, warp, c.out, c.spill);
@@ -484,7 +484,7 @@ __global__ void mla_combine_kernel() {
   uint32_t it = 0;
   const int warp = threadIdx.x / 32;
   if (warp == mkc::kConsumerWarps) {
-    mkc::mla_combine_load(g_mla, g_hg, g_hg + 1, g_wkvb, it);
+    mkc::mla_combine_load<kMB>(g_mla, g_hg, g_hg + 1, g_wkvb, it);
   } else {
     mkc::mla_combine<kMB>(g_mla, g_hg, g_hg + 1, g_part, g_wkvb, g_out, it, warp);
   }
@@ -875,6 +875,11 @@ int main() {
   test_rows<2>(rng, 16, 2, 13, 12288, false, false, true);  // and at batch 2: global memory
   test_rows<1>(rng, 20, 2, 19, 33792, true, true);   // the dense layer's down width: x from global memory, 5 row blocks
   test_rows<4>(rng, 12, 0, 11, 17408, false, true);  // batch 4 from global memory, the RMS prologue per page
+  // The tensor-core consumer (batch 2 to 6): groups of eight row blocks, the k chunks outer.
+  test_rows<2>(rng, 200, 3, 141, 3584, false, true);  // 18 blocks: two groups and two blocks, ragged; a half page
+  test_rows<4>(rng, 160, 0, 72, 1536, true, false);   // a gate/up pair, 18 blocks
+  test_rows<6>(rng, 80, 8, 77, 7168, false, true);    // batch 6 from global memory, the RMS prologue
+  test_rows<5>(rng, 40, 0, 33, 520, false, false);    // a chunk ending inside a warp's columns
   test_router(rng, 64, 8, 1, 1);
   test_router(rng, 64, 6, 8, 3);
   test_router(rng, 384, 8, 8, 4);  // Kimi K2

@@ -8,6 +8,9 @@
 //   pieces-8/rows_load: pieces-8's kernel with mkc::rows_load as its loader
 //   rows-12288, rows-33792-global-x, rows-7168-global-x: rows + consumer at K3's dense widths, the
 //                input in shared memory, or read from global memory as a spilled input
+//   bN-fma-K, bN-mma-K[-global-x]: batch N at width K on the CUDA cores (rows_pages_fma, a row
+//                block at a time) and on the tensor cores (rows_pages_mma, kBlockGroup blocks at a
+//                time), the input in shared memory or in global memory
 //   pieces-N:    N rows per page, one bulk copy of 8192/N columns from each (the row's last piece
 //                shorter), consumers only wait and release: how the copy size sets the rate
 // and the MXFP4 variants, 2 GiB of codes and scales of rows [n, 3584] (K3's latent width; GB/s
@@ -83,7 +86,7 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) pieces(const __nv_bfloat16* 
   uint32_t it = 0;
   if (warp == mkc::kConsumerWarps) {
     if (kRowsLoad) {
-      mkc::rows_load(r, it);
+      mkc::rows_load<1>(r, it);
     } else {
       pieces_load<N>(r, it);
     }
@@ -116,7 +119,7 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* 
         __syncwarp();
       }
     } else {
-      mkc::rows_load(r, it);
+      mkc::rows_load<1>(r, it);
     }
   } else if (warp < mkc::kConsumerWarps) {
     if (M == kRows) {
@@ -145,6 +148,47 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* 
       idle_consume(n, it, out);
     }
   }
+}
+
+// bf16 rows of width K at batch B through either consumer, in the loader order
+// each takes; the input (ones) in shared memory where [B, K] fits, else in
+// global memory; the output tiles (1024 rows) in global memory (`st`, per SM),
+// as a projection's staging (the tensor-core consumer's sums use scratch).
+template <int B, bool kMma, uint32_t K>
+__global__ void __launch_bounds__(mkc::kThreads, 1) stream_batch(const __nv_bfloat16* w, uint32_t rows, float* out,
+                                                                const float* ones, float* staging) {
+  const mkc::Rows r = sm_share(w, rows, K);
+  const int warp = threadIdx.x / 32;
+  uint32_t it = 0;
+  if (warp == mkc::kConsumerWarps) {
+    mkc::rows_load_grouped(r, kMma ? mkc::kBlockGroup : 1, it);
+  } else if (warp < mkc::kConsumerWarps) {
+    constexpr bool kFits = size_t(B) * K * sizeof(float) <= size_t(mkc::kActivationBytes);
+    const float* xs = ones;
+    if (kFits) {
+      float* a = mkc::activation_ptr();
+      for (uint32_t i = threadIdx.x; i < B * K; i += mkc::kConsumerThreads) a[i] = 1.f;
+      mkc::consumer_sync();
+      xs = a;
+    }
+    float* st = staging + size_t(blockIdx.x) * 1024 * B;
+    for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 1024) {
+      const mkc::Rows part{w, nullptr, j0, min(j0 + 1024, r.r1), K};
+      if constexpr (kMma) {
+        mkc::rows_pages_mma<B>(part, xs, nullptr, nullptr, it, warp, st);
+      } else {
+        mkc::rows_pages_fma<B, !kFits>(part, xs, nullptr, nullptr, it, warp, st);
+      }
+      mkc::consumer_sync();
+      if (threadIdx.x == 0) out[blockIdx.x] += st[0];
+    }
+  }
+}
+template <int B, bool kMma, uint32_t K>
+static void run_batch(const char* name, const __nv_bfloat16* w, size_t bytes, float* out, int sms, const float* ones,
+                      float* staging) {
+  const uint32_t rows = uint32_t(bytes / (K * 2)) / (8 * sms) * (8 * sms);
+  timed(name, stream_batch<B, kMma, K>, double(rows / sms) * sms * K * 2, sms, w, rows, out, ones, staging);
 }
 
 // MXFP4 rows [n, kMxK]: this SM's contiguous share through mx_rows_load and
@@ -241,11 +285,13 @@ int main() {
   float* out = nullptr;
   CHECK(cudaMalloc(&out, sms * sizeof(float)));
   // Activations of ones for the MXFP4 consumers that stage their own input, [8, kMxK].
-  std::vector<float> host_ones(33792, 1.f);  // also the spilled inputs of the bf16 widths
+  std::vector<float> host_ones(6 * 7168, 1.f);  // also the spilled inputs of the bf16 widths
   float* ones = nullptr;
   CHECK(cudaMalloc(&ones, host_ones.size() * sizeof(float)));
   CHECK(cudaMemcpy(ones, host_ones.data(), host_ones.size() * sizeof(float), cudaMemcpyHostToDevice));
   CHECK(cudaMemset(out, 0, sms * sizeof(float)));
+  float* staging = nullptr;  // the batch variants' output tiles, [sms][1024 rows][8 tokens]
+  CHECK(cudaMalloc(&staging, size_t(sms) * 1024 * 8 * sizeof(float)));
   std::printf("%d SMs, %u rows of %u bf16, %d pages of %d KiB\n", sms, rows, kK, mkc::kPages, mkc::kPageBytes / 1024);
   for (int round = 0; round < 2; ++round) {  // twice: the first round may run before the clocks settle
   std::printf("round %d\n", round);
@@ -262,6 +308,16 @@ int main() {
   run_width<12288>("rows-12288", w, size_t(rows) * kK * 2, out, sms, nullptr);
   run_width<33792>("rows-33792-global-x", w, size_t(rows) * kK * 2, out, sms, ones);
   run_width<7168>("rows-7168-global-x", w, size_t(rows) * kK * 2, out, sms, ones);
+  // Batch 2 and 4 on either consumer: K3's latent width (the input in shared memory) and its
+  // hidden width (batch 4: the input in global memory).
+  const size_t bytes = size_t(rows) * kK * 2;
+  run_batch<4, false, 3584>("b4-fma-3584", w, bytes, out, sms, ones, staging);
+  run_batch<4, true, 3584>("b4-mma-3584", w, bytes, out, sms, ones, staging);
+  run_batch<4, false, 7168>("b4-fma-7168-global-x", w, bytes, out, sms, ones, staging);
+  run_batch<4, true, 7168>("b4-mma-7168-global-x", w, bytes, out, sms, ones, staging);
+  run_batch<2, false, 7168>("b2-fma-7168", w, bytes, out, sms, ones, staging);
+  run_batch<2, true, 7168>("b2-mma-7168", w, bytes, out, sms, ones, staging);
+  run_batch<6, true, 7168>("b6-mma-7168-global-x", w, bytes, out, sms, ones, staging);
   // MXFP4: the same bytes as codes and scales (k / 2 + k / 32 bytes a row).
   const uint32_t mx_row = mkc::kMxK / 2 + mkc::kMxK / 32;
   const uint32_t mx_rows = uint32_t(size_t(rows) * kK * 2 / mx_row) / (8 * sms) * (8 * sms);
@@ -278,5 +334,6 @@ int main() {
   CHECK(cudaFree(w));
   CHECK(cudaFree(out));
   CHECK(cudaFree(ones));
+  CHECK(cudaFree(staging));
   return 0;
 }

@@ -454,7 +454,7 @@ __device__ inline void stage_3(const TaskArgs& t, const Memory& m, uint32_t& it,
 //   rms_norm layer.0/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.0/decoder_layer/mla/o (84:7)
 __device__ inline void stage_4_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_combine_load(mla_24, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[10]), it);
+  mla_combine_load<kBatch>(mla_24, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[10]), it);
 }
 __device__ inline void stage_4(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
   mla_combine<kBatch>(mla_24, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer3 + 0), static_cast<const __nv_bfloat16*>(m.w[10]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
@@ -623,7 +623,7 @@ __device__ inline void stage_10(const TaskArgs& t, const Memory& m, uint32_t& it
 //   rms_norm layer.1/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.1/decoder_layer/mla/o (84:7)
 __device__ inline void stage_11_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_combine_load(mla_55, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[22]), it);
+  mla_combine_load<kBatch>(mla_55, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[22]), it);
 }
 __device__ inline void stage_11(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
   mla_combine<kBatch>(mla_55, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer5 + 0), static_cast<const __nv_bfloat16*>(m.w[22]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
@@ -850,7 +850,7 @@ __device__ inline void stage_21(const TaskArgs& t, const Memory& m, uint32_t& it
 //   rms_norm layer.2/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.2/decoder_layer/mla/o (84:7)
 __device__ inline void stage_22_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_combine_load(mla_95, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[60]), it);
+  mla_combine_load<kBatch>(mla_95, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[60]), it);
 }
 __device__ inline void stage_22(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
   mla_combine<kBatch>(mla_95, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer5 + 0), static_cast<const __nv_bfloat16*>(m.w[60]), reinterpret_cast<float*>(m.arena + kBuffer0 + 0), it, warp);
@@ -1050,32 +1050,32 @@ struct Step {
   static __device__ void load(uint32_t task, const Memory& m, uint32_t& it) {
     const TaskArgs& t = task_args[task];
     switch (t.stage) {
-      case 1: rows_load(stage_1_rows(t, m), it); break;
-      case 2: rows_load(stage_2_rows(t, m), it); break;
+      case 1: rows_load<kBatch>(stage_1_rows(t, m), it); break;
+      case 2: rows_load<kBatch>(stage_2_rows(t, m), it); break;
       case 3: stage_3_load(t, m, it); break;
       case 4: stage_4_load(t, m, it); break;
-      case 5: rows_load(stage_5_rows(t, m), it); break;
-      case 6: rows_load(stage_6_rows(t, m), it); break;
-      case 7: rows_load(stage_7_rows(t, m), it); break;
-      case 8: rows_load(stage_8_rows(t, m), it); break;
-      case 9: rows_load(stage_9_rows(t, m), it); break;
+      case 5: rows_load<kBatch>(stage_5_rows(t, m), it); break;
+      case 6: rows_load<kBatch>(stage_6_rows(t, m), it); break;
+      case 7: rows_load<kBatch>(stage_7_rows(t, m), it); break;
+      case 8: rows_load<kBatch>(stage_8_rows(t, m), it); break;
+      case 9: rows_load<kBatch>(stage_9_rows(t, m), it); break;
       case 10: stage_10_load(t, m, it); break;
       case 11: stage_11_load(t, m, it); break;
-      case 12: rows_load(stage_12_rows(t, m), it); break;
-      case 13: rows_load(stage_13_rows(t, m), it); break;
-      case 15: rows_load(stage_15_rows(t, m), it); break;
-      case 16: rows_load(stage_16_rows(t, m), it); break;
-      case 18: rows_load(stage_18_rows(t, m), it); break;
-      case 19: rows_load(stage_19_rows(t, m), it); break;
-      case 20: rows_load(stage_20_rows(t, m), it); break;
+      case 12: rows_load<kBatch>(stage_12_rows(t, m), it); break;
+      case 13: rows_load<kBatch>(stage_13_rows(t, m), it); break;
+      case 15: rows_load<kBatch>(stage_15_rows(t, m), it); break;
+      case 16: rows_load<kBatch>(stage_16_rows(t, m), it); break;
+      case 18: rows_load<kBatch>(stage_18_rows(t, m), it); break;
+      case 19: rows_load<kBatch>(stage_19_rows(t, m), it); break;
+      case 20: rows_load<kBatch>(stage_20_rows(t, m), it); break;
       case 21: stage_21_load(t, m, it); break;
       case 22: stage_22_load(t, m, it); break;
-      case 23: rows_load(stage_23_rows(t, m), it); break;
-      case 24: rows_load(stage_24_rows(t, m), it); break;
-      case 26: rows_load(stage_26_rows(t, m), it); break;
-      case 27: rows_load(stage_27_rows(t, m), it); break;
-      case 29: rows_load(stage_29_rows(t, m), it); break;
-      case 30: rows_load(stage_30_rows(t, m), it); break;
+      case 23: rows_load<kBatch>(stage_23_rows(t, m), it); break;
+      case 24: rows_load<kBatch>(stage_24_rows(t, m), it); break;
+      case 26: rows_load<kBatch>(stage_26_rows(t, m), it); break;
+      case 27: rows_load<kBatch>(stage_27_rows(t, m), it); break;
+      case 29: rows_load<kBatch>(stage_29_rows(t, m), it); break;
+      case 30: rows_load<kBatch>(stage_30_rows(t, m), it); break;
       default: break;  // reads its weights itself
     }
   }

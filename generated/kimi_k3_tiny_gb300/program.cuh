@@ -1026,7 +1026,7 @@ __device__ inline void stage_24(const TaskArgs& t, const Memory& m, uint32_t& it
 //   rms_norm l.2/layer/mla/c_kv#2 (126:10)
 //   mla_decode l.2/layer/mla/o (128:7)
 __device__ inline void stage_25_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_combine_load(mla_147, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[113]), it);
+  mla_combine_load<kBatch>(mla_147, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[113]), it);
 }
 __device__ inline void stage_25(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
   mla_combine<kBatch>(mla_147, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer9 + 0), static_cast<const __nv_bfloat16*>(m.w[113]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
@@ -1836,7 +1836,7 @@ __device__ inline void stage_64(const TaskArgs& t, const Memory& m, uint32_t& it
 //   rms_norm l.5/layer/mla/c_kv#2 (126:10)
 //   mla_decode l.5/layer/mla/o (128:7)
 __device__ inline void stage_65_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_combine_load(mla_337, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[335]), it);
+  mla_combine_load<kBatch>(mla_337, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[335]), it);
 }
 __device__ inline void stage_65(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
   mla_combine<kBatch>(mla_337, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer9 + 0), static_cast<const __nv_bfloat16*>(m.w[335]), reinterpret_cast<float*>(m.arena + kBuffer4 + 0), it, warp);
@@ -2083,56 +2083,56 @@ struct Step {
   static __device__ void load(uint32_t task, const Memory& m, uint32_t& it) {
     const TaskArgs& t = task_args[task];
     switch (t.stage) {
-      case 1: rows_load(stage_1_rows(t, m), it); break;
-      case 2: rows_load(stage_2_rows(t, m), it); break;
-      case 4: rows_load(stage_4_rows(t, m), it); break;
-      case 6: rows_load(stage_6_rows(t, m), it); break;
-      case 7: rows_load(stage_7_rows(t, m), it); break;
-      case 9: rows_load(stage_9_rows(t, m), it); break;
-      case 10: rows_load(stage_10_rows(t, m), it); break;
-      case 12: rows_load(stage_12_rows(t, m), it); break;
-      case 14: rows_load(stage_14_rows(t, m), it); break;
+      case 1: rows_load<kBatch>(stage_1_rows(t, m), it); break;
+      case 2: rows_load<kBatch>(stage_2_rows(t, m), it); break;
+      case 4: rows_load<kBatch>(stage_4_rows(t, m), it); break;
+      case 6: rows_load<kBatch>(stage_6_rows(t, m), it); break;
+      case 7: rows_load<kBatch>(stage_7_rows(t, m), it); break;
+      case 9: rows_load<kBatch>(stage_9_rows(t, m), it); break;
+      case 10: rows_load<kBatch>(stage_10_rows(t, m), it); break;
+      case 12: rows_load<kBatch>(stage_12_rows(t, m), it); break;
+      case 14: rows_load<kBatch>(stage_14_rows(t, m), it); break;
       case 16: mx_rows_load(stage_16_rows(t, m), it); break;
       case 17: mx_rows_load(stage_17_rows(t, m), it); break;
-      case 19: rows_load(stage_19_rows(t, m), it); break;
-      case 20: rows_load(stage_20_rows(t, m), it); break;
-      case 22: rows_load(stage_22_rows(t, m), it); break;
-      case 23: rows_load(stage_23_rows(t, m), it); break;
+      case 19: rows_load<kBatch>(stage_19_rows(t, m), it); break;
+      case 20: rows_load<kBatch>(stage_20_rows(t, m), it); break;
+      case 22: rows_load<kBatch>(stage_22_rows(t, m), it); break;
+      case 23: rows_load<kBatch>(stage_23_rows(t, m), it); break;
       case 24: stage_24_load(t, m, it); break;
       case 25: stage_25_load(t, m, it); break;
-      case 26: rows_load(stage_26_rows(t, m), it); break;
-      case 28: rows_load(stage_28_rows(t, m), it); break;
+      case 26: rows_load<kBatch>(stage_26_rows(t, m), it); break;
+      case 28: rows_load<kBatch>(stage_28_rows(t, m), it); break;
       case 30: mx_rows_load(stage_30_rows(t, m), it); break;
       case 31: mx_rows_load(stage_31_rows(t, m), it); break;
-      case 33: rows_load(stage_33_rows(t, m), it); break;
-      case 34: rows_load(stage_34_rows(t, m), it); break;
-      case 36: rows_load(stage_36_rows(t, m), it); break;
-      case 37: rows_load(stage_37_rows(t, m), it); break;
-      case 39: rows_load(stage_39_rows(t, m), it); break;
-      case 41: rows_load(stage_41_rows(t, m), it); break;
+      case 33: rows_load<kBatch>(stage_33_rows(t, m), it); break;
+      case 34: rows_load<kBatch>(stage_34_rows(t, m), it); break;
+      case 36: rows_load<kBatch>(stage_36_rows(t, m), it); break;
+      case 37: rows_load<kBatch>(stage_37_rows(t, m), it); break;
+      case 39: rows_load<kBatch>(stage_39_rows(t, m), it); break;
+      case 41: rows_load<kBatch>(stage_41_rows(t, m), it); break;
       case 43: mx_rows_load(stage_43_rows(t, m), it); break;
       case 44: mx_rows_load(stage_44_rows(t, m), it); break;
-      case 46: rows_load(stage_46_rows(t, m), it); break;
-      case 47: rows_load(stage_47_rows(t, m), it); break;
-      case 49: rows_load(stage_49_rows(t, m), it); break;
-      case 50: rows_load(stage_50_rows(t, m), it); break;
-      case 52: rows_load(stage_52_rows(t, m), it); break;
-      case 54: rows_load(stage_54_rows(t, m), it); break;
+      case 46: rows_load<kBatch>(stage_46_rows(t, m), it); break;
+      case 47: rows_load<kBatch>(stage_47_rows(t, m), it); break;
+      case 49: rows_load<kBatch>(stage_49_rows(t, m), it); break;
+      case 50: rows_load<kBatch>(stage_50_rows(t, m), it); break;
+      case 52: rows_load<kBatch>(stage_52_rows(t, m), it); break;
+      case 54: rows_load<kBatch>(stage_54_rows(t, m), it); break;
       case 56: mx_rows_load(stage_56_rows(t, m), it); break;
       case 57: mx_rows_load(stage_57_rows(t, m), it); break;
-      case 59: rows_load(stage_59_rows(t, m), it); break;
-      case 60: rows_load(stage_60_rows(t, m), it); break;
-      case 62: rows_load(stage_62_rows(t, m), it); break;
-      case 63: rows_load(stage_63_rows(t, m), it); break;
+      case 59: rows_load<kBatch>(stage_59_rows(t, m), it); break;
+      case 60: rows_load<kBatch>(stage_60_rows(t, m), it); break;
+      case 62: rows_load<kBatch>(stage_62_rows(t, m), it); break;
+      case 63: rows_load<kBatch>(stage_63_rows(t, m), it); break;
       case 64: stage_64_load(t, m, it); break;
       case 65: stage_65_load(t, m, it); break;
-      case 66: rows_load(stage_66_rows(t, m), it); break;
-      case 68: rows_load(stage_68_rows(t, m), it); break;
+      case 66: rows_load<kBatch>(stage_66_rows(t, m), it); break;
+      case 68: rows_load<kBatch>(stage_68_rows(t, m), it); break;
       case 70: mx_rows_load(stage_70_rows(t, m), it); break;
       case 71: mx_rows_load(stage_71_rows(t, m), it); break;
-      case 73: rows_load(stage_73_rows(t, m), it); break;
-      case 74: rows_load(stage_74_rows(t, m), it); break;
-      case 76: rows_load(stage_76_rows(t, m), it); break;
+      case 73: rows_load<kBatch>(stage_73_rows(t, m), it); break;
+      case 74: rows_load<kBatch>(stage_74_rows(t, m), it); break;
+      case 76: rows_load<kBatch>(stage_76_rows(t, m), it); break;
       default: break;  // reads its weights itself
     }
   }

@@ -1062,7 +1062,7 @@ __device__ inline void stage_31(const TaskArgs& t, const Memory& m, uint32_t& it
 //   rms_norm layer.3/decoder_layer/mla/c_kv#2 (96:10)
 //   mla_decode layer.3/decoder_layer/mla/o (98:7)
 __device__ inline void stage_32_load(const TaskArgs& t, const Memory& m, uint32_t& it) {
-  mla_combine_load(mla_183, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[120]), it);
+  mla_combine_load<kBatch>(mla_183, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[120]), it);
 }
 __device__ inline void stage_32(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {
   mla_combine<kBatch>(mla_183, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + kBuffer8 + 0), static_cast<const __nv_bfloat16*>(m.w[120]), reinterpret_cast<float*>(m.arena + kBuffer5 + 0), it, warp);
@@ -1264,37 +1264,37 @@ struct Step {
   static __device__ void load(uint32_t task, const Memory& m, uint32_t& it) {
     const TaskArgs& t = task_args[task];
     switch (t.stage) {
-      case 1: rows_load(stage_1_rows(t, m), it); break;
-      case 2: rows_load(stage_2_rows(t, m), it); break;
-      case 4: rows_load(stage_4_rows(t, m), it); break;
-      case 5: rows_load(stage_5_rows(t, m), it); break;
-      case 6: rows_load(stage_6_rows(t, m), it); break;
-      case 7: rows_load(stage_7_rows(t, m), it); break;
-      case 8: rows_load(stage_8_rows(t, m), it); break;
-      case 9: rows_load(stage_9_rows(t, m), it); break;
-      case 11: rows_load(stage_11_rows(t, m), it); break;
-      case 12: rows_load(stage_12_rows(t, m), it); break;
-      case 13: rows_load(stage_13_rows(t, m), it); break;
-      case 15: rows_load(stage_15_rows(t, m), it); break;
-      case 16: rows_load(stage_16_rows(t, m), it); break;
-      case 18: rows_load(stage_18_rows(t, m), it); break;
-      case 19: rows_load(stage_19_rows(t, m), it); break;
-      case 20: rows_load(stage_20_rows(t, m), it); break;
-      case 22: rows_load(stage_22_rows(t, m), it); break;
-      case 23: rows_load(stage_23_rows(t, m), it); break;
-      case 24: rows_load(stage_24_rows(t, m), it); break;
-      case 26: rows_load(stage_26_rows(t, m), it); break;
-      case 27: rows_load(stage_27_rows(t, m), it); break;
-      case 29: rows_load(stage_29_rows(t, m), it); break;
-      case 30: rows_load(stage_30_rows(t, m), it); break;
+      case 1: rows_load<kBatch>(stage_1_rows(t, m), it); break;
+      case 2: rows_load<kBatch>(stage_2_rows(t, m), it); break;
+      case 4: rows_load<kBatch>(stage_4_rows(t, m), it); break;
+      case 5: rows_load<kBatch>(stage_5_rows(t, m), it); break;
+      case 6: rows_load<kBatch>(stage_6_rows(t, m), it); break;
+      case 7: rows_load<kBatch>(stage_7_rows(t, m), it); break;
+      case 8: rows_load<kBatch>(stage_8_rows(t, m), it); break;
+      case 9: rows_load<kBatch>(stage_9_rows(t, m), it); break;
+      case 11: rows_load<kBatch>(stage_11_rows(t, m), it); break;
+      case 12: rows_load<kBatch>(stage_12_rows(t, m), it); break;
+      case 13: rows_load<kBatch>(stage_13_rows(t, m), it); break;
+      case 15: rows_load<kBatch>(stage_15_rows(t, m), it); break;
+      case 16: rows_load<kBatch>(stage_16_rows(t, m), it); break;
+      case 18: rows_load<kBatch>(stage_18_rows(t, m), it); break;
+      case 19: rows_load<kBatch>(stage_19_rows(t, m), it); break;
+      case 20: rows_load<kBatch>(stage_20_rows(t, m), it); break;
+      case 22: rows_load<kBatch>(stage_22_rows(t, m), it); break;
+      case 23: rows_load<kBatch>(stage_23_rows(t, m), it); break;
+      case 24: rows_load<kBatch>(stage_24_rows(t, m), it); break;
+      case 26: rows_load<kBatch>(stage_26_rows(t, m), it); break;
+      case 27: rows_load<kBatch>(stage_27_rows(t, m), it); break;
+      case 29: rows_load<kBatch>(stage_29_rows(t, m), it); break;
+      case 30: rows_load<kBatch>(stage_30_rows(t, m), it); break;
       case 31: stage_31_load(t, m, it); break;
       case 32: stage_32_load(t, m, it); break;
-      case 33: rows_load(stage_33_rows(t, m), it); break;
-      case 34: rows_load(stage_34_rows(t, m), it); break;
-      case 36: rows_load(stage_36_rows(t, m), it); break;
-      case 37: rows_load(stage_37_rows(t, m), it); break;
-      case 39: rows_load(stage_39_rows(t, m), it); break;
-      case 40: rows_load(stage_40_rows(t, m), it); break;
+      case 33: rows_load<kBatch>(stage_33_rows(t, m), it); break;
+      case 34: rows_load<kBatch>(stage_34_rows(t, m), it); break;
+      case 36: rows_load<kBatch>(stage_36_rows(t, m), it); break;
+      case 37: rows_load<kBatch>(stage_37_rows(t, m), it); break;
+      case 39: rows_load<kBatch>(stage_39_rows(t, m), it); break;
+      case 40: rows_load<kBatch>(stage_40_rows(t, m), it); break;
       default: break;  // reads its weights itself
     }
   }

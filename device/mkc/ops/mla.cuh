@@ -346,20 +346,23 @@ __device__ inline Rows mla_value_rows(const MlaShape& s, const __nv_bfloat16* wk
 }
 
 // Loader side of a combine task: W_UV of each of its heads [h0, h1), in order.
+template <int B>
 __device__ inline void mla_combine_load(const MlaShape& s, uint32_t h0, uint32_t h1, const __nv_bfloat16* wkvb,
                                         uint32_t& it) {
-  for (uint32_t h = h0; h < h1; ++h) rows_load(mla_value_rows(s, wkvb, h), it);
+  for (uint32_t h = h0; h < h1; ++h) rows_load<B>(mla_value_rows(s, wkvb, h), it);
 }
 
 // Heads [h0, h1), one at a time: merges the splits by log-sum-exp into the
-// latent output olat [B, c] (scratch), then applies W_UV, its rows streamed
-// through the page ring (rows_compute; staging [B, v_dim] in scratch after
-// olat).
+// latent output olat [B, c], then applies W_UV, its rows streamed through the
+// page ring (rows_compute, which stages olat where it already is; its result
+// [B, v_dim] after olat), both in the activation area (the tensor-core rows
+// consumer keeps its partial sums in scratch).
 template <int B, class T>
 __device__ void mla_combine(const MlaShape& s, uint32_t h0, uint32_t h1, const float* partials,
                             const __nv_bfloat16* wkvb, T* out, uint32_t& it, int warp) {
-  float* olat = reinterpret_cast<float*>(scratch_ptr());  // [B, c]
-  float* st = olat + B * s.c;                             // [B, v_dim]
+  float* olat = activation_ptr();  // [B, c]
+  float* st = olat + B * s.c;      // [B, v_dim]
+  if (size_t(B) * (s.c + s.v_dim) * sizeof(float) > size_t(kActivationBytes)) __trap();  // the code generator's check
   for (uint32_t h = h0; h < h1; ++h) {
     for (uint32_t i = threadIdx.x; i < B * s.c; i += kConsumerThreads) {
       const uint32_t b = i / s.c, cc = i % s.c;

@@ -93,8 +93,9 @@ __device__ __forceinline__ void rows_load_x(const T* x, size_t ld, const __nv_bf
   }
 }
 
-// The page loop of rows_compute: rows of y = x' W^T into st [B, cols], x'
-// = x, or x * scale[b] * norm when `norm` is given. A page holds kPageRows
+// The page loop of rows_compute on the CUDA cores (batch 1, and 7 or more):
+// rows of y = x' W^T into st [B, cols], x' = x, or x * scale[b] * norm when
+// `norm` is given. A page holds kPageRows
 // rows of up to kPageK weights; warp w takes columns [128 w, 128 w + 128) of
 // every row of the page, four per lane, so each activation a lane loads
 // serves all rows of the page. With kAhead (x in global memory, the
@@ -105,8 +106,8 @@ __device__ __forceinline__ void rows_load_x(const T* x, size_t ld, const __nv_bf
 // reduced over the warp (shuffles), then over the warps (shared memory, in a
 // fixed order: the result does not depend on timing).
 template <int B, bool kAhead = false, class T>
-__device__ void rows_pages(const Rows& r, const T* x, const __nv_bfloat16* norm, const float* scale, uint32_t& it,
-                           int warp, float* st) {
+__device__ void rows_pages_fma(const Rows& r, const T* x, const __nv_bfloat16* norm, const float* scale, uint32_t& it,
+                               int warp, float* st) {
   static_assert(kPageK == kConsumerWarps * 128, "a warp covers 128 columns of a page");
   static_assert(!kAhead || 2 * B * kPageK * sizeof(T) <= size_t(kActivationBytes), "two pages of x fit");
   const int lane = threadIdx.x % 32;
@@ -160,6 +161,137 @@ __device__ void rows_pages(const Rows& r, const T* x, const __nv_bfloat16* norm,
       release_page(&ring_ptr()->empty[slot]);
     }
     reduce_row_block<B>(acc, part[block & 1], nr, cols, j0, warp, st);
+  }
+}
+
+// The warps' partial sums of kBlockGroup row blocks (projection.cuh) are
+// summed together, one consumer barrier per group instead of one a block:
+// scratch holds two groups, [2][kBlockGroup][warp][row, token], a group
+// written while the one before it is summed. sum_block_group adds a group's
+// (its last block in_group) over the warps in a fixed order into st [B,
+// cols].
+template <int B>
+__device__ void sum_block_group(const float* part, uint32_t group, uint32_t in_group, uint32_t cols, float* st) {
+  constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;
+  consumer_sync();
+  const float* sums = part + (group & 1) * kBlockGroup * kBlockSums;
+  const uint32_t j0 = group * kBlockGroup * kPageRows, n = min((in_group + 1) * kPageRows, cols - j0);
+  for (uint32_t i = threadIdx.x; i < n * B; i += kConsumerThreads) {
+    const uint32_t j = i / B, b = i % B;
+    const float* src = sums + (j / kPageRows) * kBlockSums + (j % kPageRows) * B + b;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) v += src[w * kPageRows * B];
+    st[size_t(b) * cols + j0 + j] = v;
+  }
+}
+
+// Two fp32 values as a bf16 pair (the first in the low half) and what they
+// lack: x = hi + lo to about 16 bits.
+__device__ __forceinline__ void bf16_split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 back = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - back.x, x1 - back.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+// The page loop of rows_compute on the tensor cores at batch 2 to 6
+// (kRowsMma): mma.sync m16n8k16, bf16 inputs, fp32 sums, the activations as
+// A and a page's eight rows as B. A's row b is token b's bf16 high part and
+// row 8 + b its low part (rows past the batch are zeros), so the products
+// keep the fp32 activation to about 2^-17; the result's rows b and 8 + b are
+// added. Warp w takes columns [128 w, 128 w + 128) of every page: lane (g, t)
+// reads page row g's columns 32 i + 8 t .. + 7 (i < 4, one 16-byte load) as
+// its k-slots (2t, 2t+1, 2t+8, 2t+9) of step 2i (columns + 0 .. 3) and of
+// step 2i + 1 (+ 4 .. 7), and token g's activations of the same columns as
+// A's. The pages come kBlockGroup row blocks at a time, the k chunks outer
+// (rows_load<B>): a chunk's A fragments are made once for the group's blocks
+// (from x in shared or global memory, times scale[b] * norm when `norm` is
+// given), and the group's sums wait in scratch (sum_block_group).
+template <int B, class T>
+__device__ void rows_pages_mma(const Rows& r, const T* x, const __nv_bfloat16* norm, const float* scale,
+                               uint32_t& it, int warp, float* st) {
+  constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;
+  static_assert(kRowsMma<B> && B <= 8, "A's eight token rows");
+  static_assert(2 * kBlockGroup * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
+  static_assert(kPageK == kConsumerWarps * 128, "a warp covers 128 columns of a page");
+  if (r.k % 8 != 0) __trap();  // whole 16-byte pieces (the loader's bulk copies need them too)
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][kBlockGroup][warp][row, token]
+  const uint32_t cols = r.cols(), blocks = (cols + kPageRows - 1) / kPageRows;
+  const uint32_t c0 = uint32_t(warp) * 128 + 8 * uint32_t(t);  // + 32 i: this lane's columns of a page
+  for (uint32_t b0 = 0, group = 0; b0 < blocks; b0 += kBlockGroup, ++group) {
+    const uint32_t nb = min(kBlockGroup, blocks - b0);
+    float acc[kBlockGroup][4] = {};
+    for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK) {
+      const uint32_t nk = min(uint32_t(kPageK), r.k - k0);
+      uint32_t hi[4][4], lo[4][4];  // [i][pair]: columns 32 i + 8 t + 2 pair, + 1
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float v[8] = {};
+        const uint32_t e = c0 + 32 * i;
+        if (g < B && e < nk) {
+          const T* xg = x + size_t(g) * r.k + k0 + e;
+          const float4 p = load_four(xg), q = load_four(xg + 4);
+          v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z, v[7] = q.w;
+          if (norm != nullptr) {
+            const float4 m = load_four(norm + k0 + e), n = load_four(norm + k0 + e + 4);
+            const float s = scale[g];
+            v[0] *= s * m.x, v[1] *= s * m.y, v[2] *= s * m.z, v[3] *= s * m.w;
+            v[4] *= s * n.x, v[5] *= s * n.y, v[6] *= s * n.z, v[7] *= s * n.w;
+          }
+        }
+#pragma unroll
+        for (int pr = 0; pr < 4; ++pr) bf16_split(v[2 * pr], v[2 * pr + 1], hi[i][pr], lo[i][pr]);
+      }
+#pragma unroll
+      for (int j = 0; j < int(kBlockGroup); ++j) {
+        if (uint32_t(j) >= nb) break;
+        const int slot = it % kPages;
+        Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+        if (uint32_t(warp) * 128 < nk) {  // the warp has columns in this chunk
+          const __nv_bfloat16* row = ring_ptr()->page[slot] + g * kPageK + c0;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            // Columns past the chunk hold an earlier page's bytes: zeros, as their activations.
+            const uint4 w = c0 + 32 * i < nk ? *reinterpret_cast<const uint4*>(row + 32 * i) : make_uint4(0, 0, 0, 0);
+            cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(acc[j][0], acc[j][1], acc[j][2], acc[j][3], hi[i][0], lo[i][0],
+                                                      hi[i][1], lo[i][1], w.x, w.y, acc[j][0], acc[j][1], acc[j][2],
+                                                      acc[j][3]);
+            cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(acc[j][0], acc[j][1], acc[j][2], acc[j][3], hi[i][2], lo[i][2],
+                                                      hi[i][3], lo[i][3], w.z, w.w, acc[j][0], acc[j][1], acc[j][2],
+                                                      acc[j][3]);
+          }
+        }
+        release_page(&ring_ptr()->empty[slot]);
+        ++it;
+      }
+    }
+    // Lane (g, t) holds token g's rows 2t and 2t + 1 of each block: high part + low part.
+#pragma unroll
+    for (int j = 0; j < int(kBlockGroup); ++j) {
+      if (uint32_t(j) >= nb) break;
+      float* mine = part + ((group & 1) * kBlockGroup + j) * kBlockSums + warp * kPageRows * B;
+      if (g < B) {
+        mine[(2 * t) * B + g] = acc[j][0] + acc[j][2];
+        mine[(2 * t + 1) * B + g] = acc[j][1] + acc[j][3];
+      }
+    }
+    sum_block_group<B>(part, group, nb - 1, cols, st);  // over the warps, in a fixed order
+  }
+}
+
+// The page loop of rows_compute: on the tensor cores where the batch has
+// them (rows_pages_mma, which reads x in place: kAhead unused), otherwise on
+// the CUDA cores (rows_pages_fma). The task's loader is rows_load<B>.
+template <int B, bool kAhead = false, class T>
+__device__ void rows_pages(const Rows& r, const T* x, const __nv_bfloat16* norm, const float* scale, uint32_t& it,
+                           int warp, float* st) {
+  if constexpr (kRowsMma<B>) {
+    rows_pages_mma<B>(r, x, norm, scale, it, warp, st);
+  } else {
+    rows_pages_fma<B, kAhead>(r, x, norm, scale, it, warp, st);
   }
 }
 
@@ -429,11 +561,6 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
 }
 
 // ---------------------------------------------------------------------------
-// The warps' partial sums of kMxDefer row blocks are summed together, one
-// consumer barrier per kMxDefer pages instead of one a page (scratch holds
-// two groups: a group is written while the one before it is summed).
-constexpr uint32_t kMxDefer = 8;
-
 // The tensor-core consumers' per-token factors, complete for every consumer:
 // rs[b] the RMSNorm scale of token b (1 without `norm`) and scale[b] the
 // power of two that brings its largest |x'| under 2^top.
@@ -462,25 +589,6 @@ __device__ void mx_token_scales(const T* x, uint32_t k, const __nv_bfloat16* nor
     }
   }
   consumer_sync();
-}
-
-// The warps' partial sums of the row blocks of a group (part, as the page
-// loops lay it out: [2][kMxDefer][warp][row, token]) added in a fixed order
-// into st [B, cols]; the group's last block is in_group.
-template <int B>
-__device__ void mx_sum_group(const float* part, uint32_t group, uint32_t in_group, uint32_t cols, float* st) {
-  constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;
-  consumer_sync();
-  const float* sums = part + (group & 1) * kMxDefer * kBlockSums;
-  const uint32_t j0 = group * kMxDefer * kPageRows, n = min((in_group + 1) * kPageRows, cols - j0);
-  for (uint32_t i = threadIdx.x; i < n * B; i += kConsumerThreads) {
-    const uint32_t j = i / B, b = i % B;
-    const float* src = sums + (j / kPageRows) * kBlockSums + (j % kPageRows) * B + b;
-    float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < kConsumerWarps; ++w) v += src[w * kPageRows * B];
-    st[size_t(b) * cols + j0 + j] = v;
-  }
 }
 
 // MXFP4 rows on the tensor cores at batch 1 and 2: mma.sync m16n8k32 with int8
@@ -580,11 +688,11 @@ template <int B>
 __device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t& it, int warp, float* st) {
   constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;  // one row block's partial sums
   static_assert(B <= 2, "the int8 tensor-core consumer takes batch 1 and 2");
-  static_assert(2 * kMxDefer * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
+  static_assert(2 * kBlockGroup * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   // The lane's parts j, j + 1 (j = 2 (t % 2)), summed as 128 d_j + d_j+1: 128^-(j+1) each.
   const float unit = t % 2 == 1 ? 1.f / (128.f * 128.f * 128.f) : 1.f / 128.f;
-  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][kMxDefer][warp][row, token]
+  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][kBlockGroup][warp][row, token]
   const uint32_t cols = r.cols();
   const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
   const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
@@ -620,8 +728,8 @@ __device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t
     }
     // The four lanes of row g hold its two blocks (t / 2) and two halves of the parts (t % 2); the
     // sums wait in scratch.
-    const uint32_t group = blk / kMxDefer, in_group = blk % kMxDefer;
-    float* mine = part + ((group & 1) * kMxDefer + in_group) * kBlockSums + warp * kPageRows * B;
+    const uint32_t group = blk / kBlockGroup, in_group = blk % kBlockGroup;
+    float* mine = part + ((group & 1) * kBlockGroup + in_group) * kBlockSums + warp * kPageRows * B;
 #pragma unroll
     for (int b = 0; b < B; ++b) {
       float v = acc[b] * unit;
@@ -629,8 +737,8 @@ __device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t
       v += __shfl_xor_sync(0xffffffffu, v, 2);
       if (t == 0) mine[g * B + b] = v * a.unscale[b];
     }
-    if (in_group + 1 < kMxDefer && blk + 1 < blocks) continue;
-    mx_sum_group<B>(part, group, in_group, cols, st);  // the group's sums over the warps, in a fixed order
+    if (in_group + 1 < kBlockGroup && blk + 1 < blocks) continue;
+    sum_block_group<B>(part, group, in_group, cols, st);  // the group's sums over the warps, in a fixed order
   }
 }
 
@@ -711,9 +819,9 @@ __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B>& a, uin
   constexpr int kTiles = MxHalfFrags<B>::kTiles;
   constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;  // one row block's partial sums
   static_assert(B >= 3 && B <= 4, "the fp16 tensor-core consumer takes batch 3 and 4");
-  static_assert(2 * kMxDefer * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
+  static_assert(2 * kBlockGroup * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][kMxDefer][warp][row, token]
+  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][kBlockGroup][warp][row, token]
   const uint32_t cols = r.cols();
   const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
   const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
@@ -748,16 +856,16 @@ __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B>& a, uin
       release_page(&ring_ptr()->empty[slot]);
     }
     // Lanes t and t ^ 2 hold the two blocks of each pair; the block's sums wait in scratch.
-    const uint32_t group = blk / kMxDefer, in_group = blk % kMxDefer;
-    float* mine = part + ((group & 1) * kMxDefer + in_group) * kBlockSums + warp * kPageRows * B;
+    const uint32_t group = blk / kBlockGroup, in_group = blk % kBlockGroup;
+    float* mine = part + ((group & 1) * kBlockGroup + in_group) * kBlockSums + warp * kPageRows * B;
 #pragma unroll
     for (int s = 0; s < kTiles; ++s) {
       const float v = acc[s] + __shfl_xor_sync(0xffffffffu, acc[s], 2);
       const int b = 2 * s + t;
       if (t < 2 && b < B) mine[g * B + b] = v * a.unscale[b];
     }
-    if (in_group + 1 < kMxDefer && blk + 1 < blocks) continue;
-    mx_sum_group<B>(part, group, in_group, cols, st);  // the group's sums over the warps, in a fixed order
+    if (in_group + 1 < kBlockGroup && blk + 1 < blocks) continue;
+    sum_block_group<B>(part, group, in_group, cols, st);  // the group's sums over the warps, in a fixed order
   }
 }
 

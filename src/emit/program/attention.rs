@@ -32,11 +32,12 @@ impl Gen<'_> {
         let ctx = self.plan.options.context;
         let sms = self.plan.schedule.sms.len() as u32;
         let (groups, hpt, splits) = mla_split_shape(heads, ctx, sms);
-        // qlat, q_pe, q_nope (fp32), the new row (bf16).
+        // The split's scratch: qlat, q_pe, q_nope (fp32), the new row (bf16);
+        // the combine's activation area: the latent output and W_UV's result.
         let scratch = 4 * hpt * (c + rope as u64 + nope as u64) + 2 * (c + rope as u64);
-        let combine_scratch = 4 * self.batch * (c + v_dim as u64);
+        let combine_bytes = 4 * self.batch * (c + v_dim as u64);
         if scratch > SCRATCH_BYTES
-            || combine_scratch > SCRATCH_BYTES
+            || combine_bytes > ACTIVATION_BYTES
             || !c.is_multiple_of(8)
             || c > 512
             || c + rope as u64 > 576
@@ -44,7 +45,7 @@ impl Gen<'_> {
             || nope % 4 != 0
             || hpt > 8
         {
-            return Err(unsupported(op, &format!("MLA scratch of {scratch} and {combine_scratch} bytes (at most {SCRATCH_BYTES}) a latent width (at most 512) and RoPE width that are multiples of 8 and together at most 576 (the split's lanes hold a cache row in registers), a no-PE width that is a multiple of 4, at most 8 heads per task")));
+            return Err(unsupported(op, &format!("MLA scratch of {scratch} bytes (at most {SCRATCH_BYTES}), a combine staging of {combine_bytes} bytes (at most {ACTIVATION_BYTES}), a latent width (at most 512) and RoPE width that are multiples of 8 and together at most 576 (the split's lanes hold a cache row in registers), a no-PE width that is a multiple of 4, at most 8 heads per task")));
         }
         self.check_reads(split, &[ops[0], raw, ops[2]])?;
         let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
@@ -70,7 +71,7 @@ impl Gen<'_> {
         let _ = writeln!(
             self.code,
             "__device__ inline void stage_{combine}_load(const TaskArgs& t, const Memory& m, uint32_t& it) {{\n  \
-             mla_combine_load(mla_{i}, t.a[0], t.a[1], {wkvb}, it);\n}}\n\
+             mla_combine_load<kBatch>(mla_{i}, t.a[0], t.a[1], {wkvb}, it);\n}}\n\
              __device__ inline void stage_{combine}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
              mla_combine<kBatch>(mla_{i}, t.a[0], t.a[1], {partials}, {wkvb}, {out}, it, warp);\n}}",
             i = n.index()

@@ -116,7 +116,7 @@ impl Gen<'_> {
         let (rows_t, rows_fn, load_fn, compute_fn) = if mx {
             ("MxRows", "expert_mx_rows", "mx_rows_load", "mx_rows_compute")
         } else {
-            ("Rows", "expert_rows", "rows_load", "rows_compute")
+            ("Rows", "expert_rows", "rows_load<kBatch>", "rows_compute")
         };
         let act = format!("reinterpret_cast<float*>({act_at})");
         let dn = format!("reinterpret_cast<float*>({down_at})");

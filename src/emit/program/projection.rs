@@ -351,7 +351,8 @@ impl Gen<'_> {
              const Rows r = stage_{rows_stage}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
              {compute}\n  consumer_sync();\n{body}}}"
         );
-        self.load_cases.push(format!("case {rows_stage}: rows_load(stage_{rows_stage}_rows(t, m), it); break;"));
+        self.load_cases
+            .push(format!("case {rows_stage}: rows_load<kBatch>(stage_{rows_stage}_rows(t, m), it); break;"));
         self.run_cases.push(format!("case {rows_stage}: stage_{rows_stage}(t, m, it, warp); break;"));
         if let Some((ptr, tiles, out)) = lm_tiles {
             let stage = stages[1];
