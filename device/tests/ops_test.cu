@@ -67,6 +67,8 @@ struct RowsCase {
   uint32_t repeat;  // run the task this many times back to back (ring wrap-around)
   const float* gate;  // rows_compute_mul's sigmoid gate [B, k], or null
   float* spill;       // its global staging when [B, k] does not fit in shared memory
+  const __nv_bfloat16* head_norm;  // with gate: rows_compute_gated's norm weights [d] (KDA's gated output norm)
+  uint32_t head_dim;
 };
 __device__ RowsCase g_rows;
 
@@ -82,7 +84,10 @@ __global__ void __launch_bounds__(mkc::kConsumerThreads + 32, 1) rows_kernel() {
     if (warp == mkc::kConsumerWarps) {
       mkc::rows_load<B>(c.rows, it);
     } else {
-      if (c.gate != nullptr) {
+      if (c.head_norm != nullptr) {
+        mkc::rows_compute_gated<B>(c.rows, c.x, c.gate, c.rows.k / c.head_dim, c.head_dim, c.head_norm, 1e-5f, 1, it,
+                                   warp, c.out, c.spill);
+      } else if (c.gate != nullptr) {
         mkc::rows_compute_mul<B>(c.rows, c.x, c.gate, 1, it, warp, c.out, c.spill);
       } else {
         mkc::rows_compute<B>(c.rows, c.x, c.norm, 1e-6f, it, warp, c.out);
@@ -93,10 +98,13 @@ __global__ void __launch_bounds__(mkc::kConsumerThreads + 32, 1) rows_kernel() {
 }
 
 // gated: the input is x * sigmoid(gate) (rows_compute_mul, K3's MLA output
-// gate), staged in global memory when [B, k] does not fit in shared memory.
+// gate), staged in global memory when [B, k] does not fit in shared memory
+// (before the batches of the tensor-core consumer, which reads it in place);
+// with head_dim as well, KDA's gated output norm, x RMS-normed per head of
+// head_dim channels times norm weights (rows_compute_gated).
 template <int B>
 static void test_rows(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1, uint32_t k, bool pair,
-                      bool norm, bool gated = false) {
+                      bool norm, bool gated = false, uint32_t head_dim = 0) {
   std::normal_distribution<float> nd(0.f, 1.f);
   auto bf_vec = [&](size_t n, float sd, float mean) {
     std::vector<__nv_bfloat16> v(n);
@@ -118,7 +126,7 @@ static void test_rows(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t 
   float* d_x = upload(x);
   float* d_out = upload(std::vector<float>(size_t(B) * cols, NAN));
   const RowsCase c{mkc::Rows{d_w0, pair ? d_w1 : nullptr, r0, r1, k}, d_x, norm ? d_g : nullptr, d_out, 3, d_gate,
-                   d_spill};
+                   d_spill, head_dim > 0 ? d_g : nullptr, head_dim};
   CHECK(cudaMemcpyToSymbol(g_rows, &c, sizeof c));
   launch_with_loader(rows_kernel<B>);
   const auto out = download(d_out, size_t(B) * cols);
@@ -137,6 +145,12 @@ static void test_rows(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t 
       double ref = 0, mag = 0;
       for (uint32_t e = 0; e < k; ++e) {
         double xe = double(x[b * k + e]) * (norm ? scale * double(__bfloat162float(g[e])) : 1.0);
+        if (head_dim > 0) {  // the head's RMS scale, the norm weights g[0, head_dim)
+          const uint32_t h0 = e / head_dim * head_dim;
+          double ss = 0;
+          for (uint32_t j = h0; j < h0 + head_dim; ++j) ss += double(x[b * k + j]) * x[b * k + j];
+          xe *= double(__bfloat162float(g[e - h0])) / std::sqrt(ss / head_dim + 1e-5);
+        }
         if (gated) xe /= 1.0 + std::exp(-double(gate[b * k + e]));
         const double t = double(__bfloat162float(w[row * k + e])) * xe;
         ref += t;
@@ -150,7 +164,11 @@ static void test_rows(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t 
   char detail[160];
   std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s%s: max error / sum|terms| %.2e", B, r0,
                 r1, n_rows, k, pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "",
-                gated ? (spill ? ", sigmoid-gated input staged in global memory" : ", sigmoid-gated input") : "", worst);
+                head_dim > 0 ? ", KDA's gated output norm"
+                : gated      ? (spill && !mkc::kRowsMma<B> ? ", sigmoid-gated input staged in global memory"
+                                                           : ", sigmoid-gated input")
+                             : "",
+                worst);
   report("projection rows through the page ring", finite && worst < 1e-5, detail);
   for (void* p : {(void*)d_w0, (void*)d_w1, (void*)d_g, (void*)d_x, (void*)d_out, (void*)d_gate, (void*)d_spill})
     if (p != nullptr) CHECK(cudaFree(p));
@@ -872,7 +890,7 @@ int main() {
   test_rows<8>(rng, 24, 0, 24, 2048, true, true);
   test_rows<3>(rng, 20, 1, 18, 1024, true, true);   // a batch that is not a power of two (the warp sums padded)
   test_rows<1>(rng, 16, 0, 16, 12288, false, false, true);  // K3's MLA output gate at batch 1: shared memory
-  test_rows<2>(rng, 16, 2, 13, 12288, false, false, true);  // and at batch 2: global memory
+  test_rows<2>(rng, 16, 2, 13, 12288, false, false, true);  // and at batch 2: read in place (tensor cores)
   test_rows<1>(rng, 20, 2, 19, 33792, true, true);   // the dense layer's down width: x from global memory, 5 row blocks
   test_rows<4>(rng, 12, 0, 11, 17408, false, true);  // batch 4 from global memory, the RMS prologue per page
   // The tensor-core consumer (batch 2 to 6): groups of eight row blocks, the k chunks outer.
@@ -880,6 +898,13 @@ int main() {
   test_rows<4>(rng, 160, 0, 72, 1536, true, false);   // a gate/up pair, 18 blocks
   test_rows<6>(rng, 80, 8, 77, 7168, false, true);    // batch 6 from global memory, the RMS prologue
   test_rows<5>(rng, 40, 0, 33, 520, false, false);    // a chunk ending inside a warp's columns
+  test_rows<4>(rng, 24, 0, 20, 12288, false, false, true);  // K3's MLA output gate at batch 4, read in place
+  // KDA's gated output norm: K3's heads (96 x 128) at batch 1 (staged in shared memory) and 4 (read in
+  // place), Kimi Linear's tiny head size at batch 2, and batch 8 (staged in global memory).
+  test_rows<1>(rng, 16, 0, 16, 12288, false, false, true, 128);
+  test_rows<4>(rng, 40, 3, 37, 12288, false, false, true, 128);
+  test_rows<2>(rng, 16, 0, 16, 64, false, false, true, 16);
+  test_rows<8>(rng, 16, 0, 16, 4096, false, false, true, 128);
   test_router(rng, 64, 8, 1, 1);
   test_router(rng, 64, 6, 8, 3);
   test_router(rng, 384, 8, 8, 4);  // Kimi K2

@@ -86,13 +86,37 @@ __device__ void stack_rows(const T* bank, uint32_t n, const U* row, uint32_t hid
   consumer_sync();
 }
 
+// x * sigmoid(g) (or x * g) as the tensor-core rows consumer reads it,
+// computed where it is read.
+template <class T, class G>
+struct MulInput {
+  const T* x;
+  const G* g;
+  uint32_t k;
+  int sigmoid_gate;
+  __device__ void operator()(uint32_t b, uint32_t e, float (&v)[8]) const {
+    const size_t at = size_t(b) * k + e;
+    const float4 xp = load_four(x + at), xq = load_four(x + at + 4);
+    const float4 gp = load_four(g + at), gq = load_four(g + at + 4);
+    const float xs[8] = {xp.x, xp.y, xp.z, xp.w, xq.x, xq.y, xq.z, xq.w};
+    const float gs[8] = {gp.x, gp.y, gp.z, gp.w, gq.x, gq.y, gq.z, gq.w};
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = xs[u] * (sigmoid_gate ? 1.f / (1.f + expf(-gs[u])) : gs[u]);
+  }
+};
+
 // Projection rows whose input is an element-wise gated value (K3's MLA
-// output gate): x' = x * sigmoid(g) (or x * g), staged as fp32 in shared
-// memory, or in `spill` when it does not fit (input_area; read a page ahead,
-// rows_pages_staged).
+// output gate): x' = x * sigmoid(g) (or x * g). On the tensor cores (batch 2
+// to 6) the pages read it where it is (MulInput); otherwise it is staged as
+// fp32 in shared memory, or in `spill` when it does not fit (input_area; read
+// a page ahead, rows_pages_staged).
 template <int B, class T, class G>
 __device__ void rows_compute_mul(const Rows& r, const T* x, const G* g, int sigmoid_gate, uint32_t& it, int warp,
                                  float* st, float* spill) {
+  if constexpr (kRowsMma<B>) {
+    rows_pages_mma<B>(r, MulInput<T, G>{x, g, r.k, sigmoid_gate}, it, warp, st);
+    return;
+  }
   const uint32_t n = uint32_t(B) * r.k;
   float* xs = input_area<B>(r.k, spill);
   for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) {

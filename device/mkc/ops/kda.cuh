@@ -115,15 +115,85 @@ __device__ void gated_rms_norm_inplace(float* x, const T* gate, uint32_t heads, 
   }
 }
 
-// Projection rows whose input is KDA's gated output norm (a prologue):
-// x [B, heads d] is staged as fp32 in shared memory, or in `spill` when it
-// does not fit (input_area), normed and gated there, then the pages read it
-// (rows_pages_staged: from `spill` a page ahead).
+// The RMS scales of KDA's gated output norm, r[b, h] = rsqrt(mean over head
+// h's d channels of x[b]^2 + eps), into r [B, heads], complete for every
+// consumer: a warp takes eight (token, head) rows at a time, four channels a
+// lane a load (x may be in L2: the eight rows' loads are independent); d a
+// multiple of 4.
+template <int B, class T>
+__device__ void gated_rms_scales(const T* x, uint32_t heads, uint32_t d, float eps, float* r) {
+  constexpr uint32_t kRows = 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t n = uint32_t(B) * heads;
+  for (uint32_t r0 = uint32_t(warp) * kRows; r0 < n; r0 += kConsumerWarps * kRows) {
+    float ss[kRows] = {};
+    for (uint32_t j = uint32_t(lane) * 4; j < d; j += 128) {
+#pragma unroll
+      for (uint32_t u = 0; u < kRows; ++u) {
+        if (r0 + u < n) {
+          const float4 v = load_four(x + size_t(r0 + u) * d + j);
+          ss[u] = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss[u]))));
+        }
+      }
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < kRows; ++u) {
+      const float v = warp_sum(ss[u]);
+      if (lane == 0 && r0 + u < n) r[r0 + u] = rsqrtf(v / float(d) + eps);
+    }
+  }
+  consumer_sync();
+}
+
+// KDA's gated output norm as the tensor-core rows consumer reads it, computed
+// where it is read: x[b, c] r[b, c / d] w[c % d] act(gate[b, c]) (act sigmoid
+// or SiLU, as gated_rms_norm_inplace), d a multiple of 8.
+template <class T>
+struct GatedInput {
+  const T* x;
+  const T* gate;
+  const float* r;  // [B, heads]: gated_rms_scales
+  const __nv_bfloat16* w;
+  uint32_t k, heads, d;
+  int sigmoid_act;
+  __device__ void operator()(uint32_t b, uint32_t e, float (&v)[8]) const {
+    const size_t at = size_t(b) * k + e;
+    const float rs = r[b * heads + e / d];
+    const uint32_t c = e % d;
+    const float4 xp = load_four(x + at), xq = load_four(x + at + 4);
+    const float4 gp = load_four(gate + at), gq = load_four(gate + at + 4);
+    const float4 wp = load_four(w + c), wq = load_four(w + c + 4);
+    const float xs[8] = {xp.x, xp.y, xp.z, xp.w, xq.x, xq.y, xq.z, xq.w};
+    const float gs[8] = {gp.x, gp.y, gp.z, gp.w, gq.x, gq.y, gq.z, gq.w};
+    const float ws[8] = {wp.x, wp.y, wp.z, wp.w, wq.x, wq.y, wq.z, wq.w};
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const float a = sigmoid_act ? 1.f / (1.f + expf(-gs[u])) : gs[u] / (1.f + expf(-gs[u]));
+      v[u] = xs[u] * rs * ws[u] * a;
+    }
+  }
+};
+
+// Projection rows whose input is KDA's gated output norm (a prologue). On the
+// tensor cores (batch 2 to 6, d a multiple of 8) the per-head scales are
+// computed first (into the activation area) and the pages read the normed,
+// gated input where it is (GatedInput); otherwise x [B, heads d] is staged as
+// fp32 in shared memory, or in `spill` when it does not fit (input_area),
+// normed and gated there, then the pages read it (rows_pages_staged: from
+// `spill` a page ahead).
 template <int B, class T>
 __device__ void rows_compute_gated(const Rows& r, const T* x, const T* gate, uint32_t heads, uint32_t d,
                                    const __nv_bfloat16* w, float eps, int sigmoid_act, uint32_t& it, int warp,
                                    float* st, float* spill) {
   if (heads * d != r.k) __trap();
+  if constexpr (kRowsMma<B>) {
+    if (d % 8 == 0 && size_t(B) * heads * sizeof(float) <= size_t(kActivationBytes)) {
+      float* rs = activation_ptr();  // [B, heads]
+      gated_rms_scales<B>(x, heads, d, eps, rs);
+      rows_pages_mma<B>(r, GatedInput<T>{x, gate, rs, w, r.k, heads, d, sigmoid_act}, it, warp, st);
+      return;
+    }
+  }
   float* xs = stage_input<B>(x, r.k, static_cast<const __nv_bfloat16*>(nullptr), 0.f, input_area<B>(r.k, spill));
   gated_rms_norm_inplace<B>(xs, gate, heads, d, w, eps, sigmoid_act);
   consumer_sync();

@@ -196,6 +196,29 @@ __device__ __forceinline__ void bf16_split(float x0, float x1, uint32_t& hi, uin
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
+// The tensor-core consumer's inputs: eight activations of token b from
+// column e (a multiple of 8) as fp32, computed where they are read.
+// RowsInput: x [B, k] (shared or global memory), times scale[b] * norm[e]
+// when `norm` is given (rows_compute's RMS prologue).
+template <class T>
+struct RowsInput {
+  const T* x;
+  uint32_t k;
+  const __nv_bfloat16* norm;
+  const float* scale;
+  __device__ void operator()(uint32_t b, uint32_t e, float (&v)[8]) const {
+    const T* xb = x + size_t(b) * k + e;
+    const float4 p = load_four(xb), q = load_four(xb + 4);
+    v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z, v[7] = q.w;
+    if (norm != nullptr) {
+      const float4 m = load_four(norm + e), n = load_four(norm + e + 4);
+      const float s = scale[b];
+      v[0] *= s * m.x, v[1] *= s * m.y, v[2] *= s * m.z, v[3] *= s * m.w;
+      v[4] *= s * n.x, v[5] *= s * n.y, v[6] *= s * n.z, v[7] *= s * n.w;
+    }
+  }
+};
+
 // The page loop of rows_compute on the tensor cores at batch 2 to 6
 // (kRowsMma): mma.sync m16n8k16, bf16 inputs, fp32 sums, the activations as
 // A and a page's eight rows as B. A's row b is token b's bf16 high part and
@@ -207,11 +230,11 @@ __device__ __forceinline__ void bf16_split(float x0, float x1, uint32_t& hi, uin
 // step 2i + 1 (+ 4 .. 7), and token g's activations of the same columns as
 // A's. The pages come kBlockGroup row blocks at a time, the k chunks outer
 // (rows_load<B>): a chunk's A fragments are made once for the group's blocks
-// (from x in shared or global memory, times scale[b] * norm when `norm` is
-// given), and the group's sums wait in scratch (sum_block_group).
-template <int B, class T>
-__device__ void rows_pages_mma(const Rows& r, const T* x, const __nv_bfloat16* norm, const float* scale,
-                               uint32_t& it, int warp, float* st) {
+// from `in` (RowsInput and the like: eight activations of a token, computed
+// where they are read), and the group's sums wait in scratch
+// (sum_block_group).
+template <int B, class In>
+__device__ void rows_pages_mma(const Rows& r, const In& in, uint32_t& it, int warp, float* st) {
   constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;
   static_assert(kRowsMma<B> && B <= 8, "A's eight token rows");
   static_assert(2 * kBlockGroup * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
@@ -231,17 +254,7 @@ __device__ void rows_pages_mma(const Rows& r, const T* x, const __nv_bfloat16* n
       for (int i = 0; i < 4; ++i) {
         float v[8] = {};
         const uint32_t e = c0 + 32 * i;
-        if (g < B && e < nk) {
-          const T* xg = x + size_t(g) * r.k + k0 + e;
-          const float4 p = load_four(xg), q = load_four(xg + 4);
-          v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z, v[7] = q.w;
-          if (norm != nullptr) {
-            const float4 m = load_four(norm + k0 + e), n = load_four(norm + k0 + e + 4);
-            const float s = scale[g];
-            v[0] *= s * m.x, v[1] *= s * m.y, v[2] *= s * m.z, v[3] *= s * m.w;
-            v[4] *= s * n.x, v[5] *= s * n.y, v[6] *= s * n.z, v[7] *= s * n.w;
-          }
-        }
+        if (g < B && e < nk) in(uint32_t(g), k0 + e, v);
 #pragma unroll
         for (int pr = 0; pr < 4; ++pr) bf16_split(v[2 * pr], v[2 * pr + 1], hi[i][pr], lo[i][pr]);
       }
@@ -289,7 +302,7 @@ template <int B, bool kAhead = false, class T>
 __device__ void rows_pages(const Rows& r, const T* x, const __nv_bfloat16* norm, const float* scale, uint32_t& it,
                            int warp, float* st) {
   if constexpr (kRowsMma<B>) {
-    rows_pages_mma<B>(r, x, norm, scale, it, warp, st);
+    rows_pages_mma<B>(r, RowsInput<T>{x, r.k, norm, scale}, it, warp, st);
   } else {
     rows_pages_fma<B, kAhead>(r, x, norm, scale, it, warp, st);
   }
@@ -327,6 +340,38 @@ __device__ void rows_pages_staged(const Rows& r, const float* xs, uint32_t& it, 
   rows_pages<B>(r, xs, nullptr, nullptr, it, warp, st);
 }
 
+// The RMSNorm scale of every token of x [B, k] (k a multiple of 4), rsqrt(mean
+// of x^2 + eps), into scale[B] (shared memory), complete for every consumer:
+// one pass over x for all the tokens, four elements a load (x may be in L2:
+// the loads of a pass are independent), the warps' sums added in order.
+template <int B, class T>
+__device__ void rms_scales(const T* x, uint32_t k, float eps, float* scale) {
+  __shared__ float part[kConsumerWarps][B];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (k % 4 != 0) __trap();  // rows' widths are multiples of 8 (the loader's bulk copies)
+  float ss[B] = {};
+  for (uint32_t e = threadIdx.x * 4; e < k; e += kConsumerThreads * 4) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const float4 v = load_four(x + size_t(b) * k + e);
+      ss[b] = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss[b]))));
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    const float v = warp_sum(ss[b]);
+    if (lane == 0) part[warp][b] = v;
+  }
+  consumer_sync();
+  if (threadIdx.x < uint32_t(B)) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) v += part[w][threadIdx.x];
+    scale[threadIdx.x] = rsqrtf(v / float(k) + eps);
+  }
+  consumer_sync();
+}
+
 // Copies x [B, k] into xs (input_area) as fp32, RMS-normed there (x *
 // rsqrt(mean(x^2) + eps) * norm, per token) when `norm` is given; returns
 // it, complete for every consumer.
@@ -339,13 +384,7 @@ __device__ float* stage_input(const T* x, uint32_t k, const __nv_bfloat16* norm,
   }
   if (norm != nullptr) {
     consumer_sync();
-    for (int b = 0; b < B; ++b) {
-      float ss = 0.f;
-      for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) ss = fmaf(xs[b * k + e], xs[b * k + e], ss);
-      ss = block_sum(ss);
-      if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(k) + eps);
-    }
-    consumer_sync();
+    rms_scales<B>(static_cast<const float*>(xs), k, eps, scale);
     for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) xs[i] = xs[i] * scale[i / k] * bf(norm[i % k]);
   }
   consumer_sync();
@@ -366,18 +405,7 @@ __device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* nor
     rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps, activation_ptr()), nullptr, nullptr, it, warp, st);
     return;
   }
-  if (norm != nullptr) {
-    for (int b = 0; b < B; ++b) {
-      float ss = 0.f;
-      for (uint32_t e = threadIdx.x; e < r.k; e += kConsumerThreads) {
-        const float v = to_float(x[size_t(b) * r.k + e]);
-        ss = fmaf(v, v, ss);
-      }
-      ss = block_sum(ss);
-      if (threadIdx.x == 0) scale[b] = rsqrtf(ss / float(r.k) + eps);
-    }
-    consumer_sync();
-  }
+  if (norm != nullptr) rms_scales<B>(x, r.k, eps, scale);
   // x from L2, each page's slice copied a page ahead where two pages of it fit the activation area
   // (fp32 input up to batch 8, bf16 up to 16); beyond, read in place.
   constexpr bool kAhead = 2 * B * kPageK * sizeof(T) <= size_t(kActivationBytes);
