@@ -86,6 +86,11 @@ __device__ void stack_rows(const T* bank, uint32_t n, const U* row, uint32_t hid
   consumer_sync();
 }
 
+// K3's MLA output gate's factor: sigmoid(g) (sigmoid_gate 1) or g itself (0).
+__device__ __forceinline__ float output_gate(float g, int sigmoid_gate) {
+  return sigmoid_gate ? 1.f / (1.f + expf(-g)) : g;
+}
+
 // x * sigmoid(g) (or x * g) as the tensor-core rows consumer reads it,
 // computed where it is read.
 template <class T, class G>
@@ -101,7 +106,7 @@ struct MulInput {
     const float xs[8] = {xp.x, xp.y, xp.z, xp.w, xq.x, xq.y, xq.z, xq.w};
     const float gs[8] = {gp.x, gp.y, gp.z, gp.w, gq.x, gq.y, gq.z, gq.w};
 #pragma unroll
-    for (int u = 0; u < 8; ++u) v[u] = xs[u] * (sigmoid_gate ? 1.f / (1.f + expf(-gs[u])) : gs[u]);
+    for (int u = 0; u < 8; ++u) v[u] = xs[u] * output_gate(gs[u], sigmoid_gate);
   }
 };
 
@@ -120,8 +125,7 @@ __device__ void rows_compute_mul(const Rows& r, const T* x, const G* g, int sigm
   const uint32_t n = uint32_t(B) * r.k;
   float* xs = input_area<B>(r.k, spill);
   for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) {
-    const float gv = to_float(g[i]);
-    xs[i] = to_float(x[i]) * (sigmoid_gate ? 1.f / (1.f + expf(-gv)) : gv);
+    xs[i] = to_float(x[i]) * output_gate(to_float(g[i]), sigmoid_gate);
   }
   consumer_sync();
   rows_pages_staged<B>(r, xs, it, warp, st);

@@ -93,6 +93,11 @@ __device__ void kda_decode(const KdaShape& s, uint32_t h0, uint32_t h1, const T*
   }
 }
 
+// The gated norm's activation of the gate: sigmoid (sigmoid_act 1) or SiLU (0).
+__device__ __forceinline__ float gated_norm_act(float g, int sigmoid_act) {
+  return sigmoid_act ? 1.f / (1.f + expf(-g)) : g / (1.f + expf(-g));
+}
+
 // Gated RMSNorm per head (KDA's output norm), as a projection's prologue:
 // x'[c] = x[c] rsqrt(mean over the head's d channels of x^2 + eps) w[c % d]
 // act(gate[c]), act sigmoid (1) or SiLU (0); in place on x [B, heads d] in
@@ -109,8 +114,7 @@ __device__ void gated_rms_norm_inplace(float* x, const T* gate, uint32_t heads, 
     const float r = rsqrtf(warp_sum(ss) / float(d) + eps);
     for (uint32_t j = lane; j < d; j += 32) {
       const float gv = to_float(gh[j]);
-      const float a = sigmoid_act ? 1.f / (1.f + expf(-gv)) : gv / (1.f + expf(-gv));
-      xh[j] = xh[j] * r * bf(w[j]) * a;
+      xh[j] = xh[j] * r * bf(w[j]) * gated_norm_act(gv, sigmoid_act);
     }
   }
 }
@@ -168,8 +172,7 @@ struct GatedInput {
     const float ws[8] = {wp.x, wp.y, wp.z, wp.w, wq.x, wq.y, wq.z, wq.w};
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
-      const float a = sigmoid_act ? 1.f / (1.f + expf(-gs[u])) : gs[u] / (1.f + expf(-gs[u]));
-      v[u] = xs[u] * rs * ws[u] * a;
+      v[u] = xs[u] * rs * ws[u] * gated_norm_act(gs[u], sigmoid_act);
     }
   }
 };
