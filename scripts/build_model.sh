@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds a generated model's runtime with the pinned toolchain:
 #   scripts/build_model.sh generated/kimi_k2_tiny_h200 [OUT_DIR] [--object-only]
-# writes OUT_DIR/lib<name>.so (the C ABI of runtime/include/mkc/model.h) and
+# writes OUT_DIR/lib<name>.so (the C ABI of runtime/include/mkc/model.h), its
+# plan file OUT_DIR/plan.mkcplan (the library reads it from beside itself) and
 # OUT_DIR/<name>_generate. --object-only compiles model.cu and stops (CI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,8 @@ if [ "${3:-}" = "--object-only" ]; then
   "$nvcc" "${flags[@]}" -c -o "$out/model.o" "$dir/model.cu"
   exit 0
 fi
+test -f "$dir/plan.mkcplan" || { echo "error: $dir has no plan.mkcplan (run mkc codegen)" >&2; exit 2; }
+cp "$dir/plan.mkcplan" "$out/plan.mkcplan"
 "$nvcc" "${flags[@]}" -shared -o "$out/lib$name.so" "$dir/model.cu" runtime/src/checkpoint.cpp \
   -L "$cu13/lib" -cudart static
 "$nvcc" -std=c++17 -O2 -I runtime/include -o "$out/${name}_generate" runtime/tools/generate.cpp \

@@ -1,17 +1,31 @@
 #!/usr/bin/env bash
-# Regenerates generated/ from the model graphs (tiny configs, every target).
-# With --check (CI), fails if anything differs from what is committed, then
-# compiles every generated header with nvcc for its target.
+# Regenerates generated/ from the model graphs: the tiny configs and the full
+# 93-layer K3 for every target, Kimi Linear's full config and K2's
+# per-layer-dims config for the H200. With --check (CI), fails if anything
+# differs from what is committed, then compiles every generated program with
+# nvcc for its target, reporting each one's time and peak memory.
+#
+# Plan files (plan.mkcplan) of the tiny configs are committed; those of the
+# full-size models are not (megabytes that change with every plan change):
+# their plan_summary.txt (section sizes, sha256) is, so the diff sees them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --quiet
-# Every model compiles to a whole program (tables, weights, program, runtime).
+gen() {  # model config target folder
+  rm -rf "generated/$4"
+  ./target/release/mkc codegen "model_graphs/$1/graph.mkc" --config "model_graphs/$1/$2" --target "$3" \
+    -o "generated/$4" > /dev/null
+}
 for model in kimi_k2 kimi_k3 kimi_linear; do
   for target in h200 b200 gb300; do
-    ./target/release/mkc codegen "model_graphs/$model/graph.mkc" --config "model_graphs/$model/tiny.json" \
-      --target "$target" -o "generated/${model}_tiny_${target}" > /dev/null
+    gen "$model" tiny.json "$target" "${model}_tiny_${target}"
   done
 done
+for target in h200 b200 gb300; do
+  gen kimi_k3 config.json "$target" "kimi_k3_${target}"
+done
+gen kimi_linear config.json h200 kimi_linear_h200
+gen kimi_k2 test_2l16e.json h200 kimi_k2_dims_2l16e_h200
 if [ "${1:-}" = "--check" ]; then
   untracked=$(git ls-files --others --exclude-standard -- generated)
   if ! git diff --quiet HEAD -- generated || [ -n "$untracked" ]; then
@@ -20,19 +34,15 @@ if [ "${1:-}" = "--check" ]; then
     echo "generated/ is out of date: run scripts/generate.sh and commit the result" >&2
     exit 1
   fi
-  nvcc=$(scripts/toolchain.sh)
-  cutlass=.toolchain/site/cutlass_library/source
+  scripts/toolchain.sh > /dev/null
   tmp=$(mktemp -d)
   for dir in generated/*/; do
     name=$(basename "$dir")
-    case "$name" in *_h200) arch=90a ;; *_b200) arch=100a ;; *_gb300) arch=103a ;; *) continue ;; esac
-    if [ -f "$dir/model.cu" ]; then
-      scripts/build_model.sh "$dir" "$tmp/$name" --object-only
-      continue
-    fi
-    printf '#include "plan_tables.h"\n#include "weights.h"\n' > "$tmp/$name.cu"
-    "$nvcc" -std=c++17 -c -gencode="arch=compute_${arch},code=sm_${arch}" -I "$dir" -I device -I runtime/include \
-      -I "$cutlass/include" -o "$tmp/$name.o" "$tmp/$name.cu"
+    start=$(date +%s)
+    /usr/bin/time -f "%M" -o "$tmp/$name.mem" scripts/build_model.sh "$dir" "$tmp/$name" --object-only
+    lines=$(cat "$dir"/*.cuh "$dir"/*.cu | wc -l)
+    printf '%-32s %6s lines  %4ss  %5s MB peak\n' "$name" "$lines" "$(( $(date +%s) - start ))" \
+      "$(( $(tail -n 1 "$tmp/$name.mem") / 1024 ))"
   done
   rm -rf "$tmp"
   echo "generated/ is up to date and compiles"

@@ -14,6 +14,13 @@ g++ -std=c++17 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sa
   -I device runtime/tests/mx_layout_test.cpp -o "$out/mx_layout_test"
 "$out/mx_layout_test"
 
+# The plan-file reader on the plan files of generated/: the right one reads; another
+# model's, target's or format's, a truncated one and flipped bytes are refused by name.
+g++ -std=c++17 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
+  -I runtime/include -I device runtime/tests/plan_file_test.cpp -o "$out/plan_file_test"
+mkdir -p "$out/plan_scratch"
+"$out/plan_file_test" generated "$out/plan_scratch"
+
 # The runtime of a generated model (tiny K2, built with the pinned toolchain),
 # opened on the transformers fixture and on broken copies of it.
 scripts/build_model.sh generated/kimi_k2_tiny_h200 "$out/kimi_k2_tiny_h200" > /dev/null

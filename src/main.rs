@@ -67,7 +67,8 @@ enum Command {
         #[arg(long)]
         html: Option<PathBuf>,
     },
-    /// Generate the plan's device tables and the weight list into a folder.
+    /// Generate the program (one device function per kind of stage), its plan
+    /// file (schedule, stage parameters, weight table) and runtime into a folder.
     Codegen {
         /// The graph file.
         graph: PathBuf,
@@ -86,7 +87,7 @@ enum Command {
         /// The output folder (created if missing).
         #[arg(short, long)]
         out: PathBuf,
-        /// Emit only the plan's tables and the weight list (for graphs with
+        /// Emit only the plan file, without stage kinds (for graphs with
         /// operations the device library does not compute yet).
         #[arg(long)]
         tables_only: bool,
@@ -208,9 +209,12 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             let name = out.file_name().map_or_else(|| v.graph().model.clone(), |n| n.to_string_lossy().into_owned());
             let artifact = emit::emit(&v, &p, &name, &from, &source, tables_only).map_err(|e| render(&e))?;
             std::fs::create_dir_all(&out).map_err(|e| format!("error: cannot create {}: {e}\n", out.display()))?;
-            for (file, text) in &artifact.files {
-                let path = out.join(file);
-                std::fs::write(&path, text).map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
+            let plan_file = (emit::PLAN_FILE.to_string(), artifact.plan.clone());
+            for (file, bytes) in
+                artifact.files.iter().map(|(f, t)| (f.clone(), t.as_bytes().to_vec())).chain([plan_file])
+            {
+                let path = out.join(&file);
+                std::fs::write(&path, bytes).map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
                 println!("wrote {}", path.display());
             }
             Ok(ExitCode::SUCCESS)

@@ -372,8 +372,14 @@ fn device_tables_follow_the_schedule_and_the_device_opcodes() {
     assert_eq!(names, expected);
 }
 
+/// The section of a plan file with id `id`.
+fn section(file: &[u8], id: mkc::emit::plan_file::Section) -> mkc::emit::plan_file::SectionEntry {
+    mkc::emit::plan_file::sections(file).into_iter().find(|e| e.id == id as u32).expect("every section is written")
+}
+
 #[test]
 fn codegen_is_deterministic_and_names_are_legal() {
+    use mkc::emit::plan_file::{Section, MAGIC};
     let v = compile("kimi_linear", "tiny.json");
     let t = Target::load("b200").unwrap();
     let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
@@ -384,20 +390,23 @@ fn codegen_is_deterministic_and_names_are_legal() {
         mkc::emit::emit(&v, &plan::plan(&v, &t, Options::default()).unwrap(), "kimi-linear tiny/b200", &from, "", true)
             .unwrap();
     assert_eq!(a.files, b.files);
-    assert!(a.files[0].1.contains("namespace mkc::generated::kimi_linear_tiny_b200 {"));
+    assert_eq!(a.plan, b.plan);
+    assert_eq!(&a.plan[..8], MAGIC);
+    assert!(a.file("plan_summary.txt").unwrap().contains("model kimi_linear_tiny_b200\n"));
     assert_eq!(mkc::emit::namespace("9lives"), "m9lives");
-    // Every instruction of the plan is in the table.
-    let rows =
-        a.files[0].1.lines().filter(|l| l.trim_start().starts_with("{ ") && l.trim_end().ends_with("},")).count();
+    // Every instruction of the plan is in the table, and every task.
     let tasks: usize = plan::plan(&v, &t, Options::default()).unwrap().tiling.tasks.len();
-    assert!(rows >= tasks, "{rows} rows for {tasks} tasks");
+    assert_eq!(section(&a.plan, Section::Instructions).count, tasks as u64);
+    assert_eq!(section(&a.plan, Section::Tasks).count, tasks as u64);
 }
 
 /// The whole K2-family and Kimi Linear program: every stage has device code
-/// in the consumers' dispatch, every projection and expert stage a loader
-/// case, every task its arguments, and two renderings are identical.
+/// in the consumers' dispatch (its kind's role), every projection and expert
+/// stage a loader case, every task its arguments, and two renderings are
+/// identical.
 #[test]
 fn k2_program_covers_every_stage() {
+    use mkc::emit::plan_file::Section;
     for (model, config, batch) in [
         ("kimi_k2", "tiny.json", 1),
         ("kimi_k2", "tiny.json", 4),
@@ -416,22 +425,49 @@ fn k2_program_covers_every_stage() {
         let a = mkc::emit::emit(&v, &p, "k2_h200", &from, "", false).unwrap();
         let b = mkc::emit::emit(&v, &plan::plan(&v, &t, opts).unwrap(), "k2_h200", &from, "", false).unwrap();
         assert_eq!(a.files, b.files, "{config}: codegen is not deterministic");
+        assert_eq!(a.plan, b.plan, "{config}: the plan file is not deterministic");
         let names: Vec<&str> = a.files.iter().map(|f| f.0.as_str()).collect();
-        assert_eq!(names, ["plan_tables.h", "weights.h", "program.cuh", "model.cu", "CMakeLists.txt"]);
-        let program = &a.files[2].1;
+        assert_eq!(names, ["program.cuh", "model.cu", "CMakeLists.txt", "plan_summary.txt"]);
+        let program = a.file("program.cuh").unwrap();
         let (load, run) = program.split_once("static __device__ void run(").unwrap();
+        let stages = section(&a.plan, Section::Stages);
+        assert_eq!(stages.count, p.tiling.stages.len() as u64, "{config}: one record per stage");
+        let records = stages.bytes(&a.plan);
         for s in &p.tiling.stages {
-            let case = format!("case {}: stage_{}(", s.id, s.id);
+            let role = u32::from_le_bytes(records[16 * s.id..16 * s.id + 4].try_into().unwrap());
+            let case = format!("case {role}: {{");
             assert!(run.contains(&case), "{config}: stage {} ({:?}) has no device code", s.id, s.kind);
             use plan::tile::TaskKind as K;
             let streams = matches!(s.kind, K::ProjectionRows | K::LmHeadRows | K::ExpertUp | K::ExpertDown);
-            let loads =
-                ["rows_load<kBatch>(", "mx_rows_load("].iter().any(|f| load.contains(&format!("case {}: {f}", s.id)));
+            let loads = load.split("case ").skip(1).any(|c| {
+                c.starts_with(&format!("{role}: {{"))
+                    && ["rows_load<kBatch>(", "mx_rows_load("]
+                        .iter()
+                        .any(|f| c.split("break;").next().unwrap().contains(f))
+            });
             assert_eq!(loads, streams, "{config}: stage {} loader case", s.id);
         }
-        let args = program.lines().filter(|l| l.starts_with("    { ") && l.ends_with("} },")).count();
-        assert_eq!(args, p.tiling.tasks.len(), "{config}: one argument row per task");
+        assert_eq!(section(&a.plan, Section::Tasks).count, p.tiling.tasks.len() as u64, "{config}: one row per task");
         assert!(program.contains(&format!("inline constexpr int kBatch = {batch};")));
+    }
+}
+
+/// The full 93-layer K3 is a program of its kinds: every layer of a kind
+/// shares its code, so the generated sources stay far below the budget of
+/// 12,000 lines (the layers, experts and tasks are data in the plan file).
+#[test]
+fn full_k3_program_is_the_size_of_its_kinds() {
+    let v = compile("kimi_k3", "config.json");
+    let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "config.json".into() };
+    for target in ["gb300", "h200"] {
+        let t = Target::load(target).unwrap();
+        let p = plan::plan(&v, &t, Options::default()).unwrap();
+        let a = mkc::emit::emit(&v, &p, "kimi_k3", &from, "", false).unwrap();
+        let lines: usize = a.files.iter().filter(|(n, _)| !n.ends_with(".txt")).map(|(_, t)| t.lines().count()).sum();
+        assert!(lines < 12_000, "{target}: {lines} lines");
+        let kinds = a.file("program.cuh").unwrap().matches("_params {").count();
+        assert!(kinds < 64, "{target}: {kinds} kinds for {} stages", p.tiling.stages.len());
+        assert!(p.tiling.stages.len() > 1000);
     }
 }
 
@@ -463,7 +499,7 @@ fn attention_residual_mix_beyond_its_scratch_is_refused() {
     let v = compile("kimi_k3", "tiny.json");
     let p = plan::plan(&v, &t, Options { batch: 12, ..Options::default() }).unwrap();
     let a = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap();
-    assert!(a.files[2].1.contains("attn_res_mix"), "batch 12 emits the mix");
+    assert!(a.file("program.cuh").unwrap().contains("attn_res_mix"), "batch 12 emits the mix");
     let p = plan::plan(&v, &t, Options { batch: 16, ..Options::default() }).unwrap();
     let err = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap_err().to_string();
     assert!(err.contains("attention-residual mix at batch 16") && err.contains("batch 12 at most"), "{err}");
@@ -491,7 +527,7 @@ fn wide_staged_inputs_spill_to_global_staging() {
     for (batch, spilled) in [(1, false), (8, true)] {
         let p = plan::plan(&v, &t, Options { batch, ..Options::default() }).unwrap();
         let a = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap();
-        let program = &a.files[2].1;
+        let program = a.file("program.cuh").unwrap();
         for call in ["rows_compute_mul<kBatch>(", "mx_rows_compute<kBatch>("] {
             let lines: Vec<&str> = program.lines().filter(|l| l.contains(call)).collect();
             assert!(!lines.is_empty(), "batch {batch}: no {call}");

@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "plan_types.h"
+
 namespace mkc {
 
 // What a task does: the planner's TaskKind, in the same order
@@ -30,21 +32,6 @@ enum Opcode : uint16_t {
   kLmHeadRows,
   kArgmax,
   kElementwise,
-};
-
-// A wait for `target` bumps per step of counter `counter`.
-struct Wait {
-  uint32_t counter;
-  uint32_t target;
-};
-
-// One entry of an SM's instruction list.
-struct Instruction {
-  uint16_t opcode;      // Opcode
-  uint16_t n_waits;     // waits[first_wait .. first_wait + n_waits)
-  uint32_t first_wait;
-  uint32_t signal;      // the counter this instruction bumps when done
-  uint32_t task;        // index into the opcode's task table
 };
 
 // What a debug build reports instead of hanging.

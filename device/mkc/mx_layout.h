@@ -35,7 +35,7 @@
 namespace mkc {
 
 // How the runtime lays a checkpoint tensor out on the GPU (the code
-// generator's weights.h says, per tensor).
+// generator's plan file says, per tensor).
 enum class WeightLayout : uint8_t {
   kAsStored,  // the stored bytes (an f32 tensor stored as bf16 or f16 widened)
   kMxCodes,   // MXFP4 codes [rows, k / 2], tiled as below

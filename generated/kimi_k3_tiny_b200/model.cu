@@ -3,13 +3,14 @@
 //
 // The runtime of this model: the generic engine (runtime/include/mkc/engine.cuh)
 // instantiated with this program, behind the C ABI of mkc/model.h.
-#include <iterator>
+#include <dlfcn.h>
+
 #include <new>
+#include <string>
 
 #include "mkc/engine.cuh"
 #include "mkc/model.h"
 #include "program.cuh"
-#include "weights.h"
 
 namespace {
 
@@ -17,32 +18,32 @@ namespace g = mkc::generated::kimi_k3_tiny_b200;
 
 struct Program {
   using Step = g::Step;
+  static constexpr const char* kModel = g::kModel;
+  static constexpr const char* kTarget = g::kTarget;
+  static constexpr uint32_t kRoles = g::kRoles;
   static constexpr int kBatch = g::kBatch;
-  static constexpr uint32_t kSms = g::kSms;
-  static constexpr uint32_t kCounters = g::kCounters;
-  static constexpr uint32_t kTasks = g::kTasks;
   static constexpr uint64_t kContext = g::kContext;
   static constexpr uint64_t kArenaBytes = g::kArenaBytes;
   static constexpr uint64_t kRouteLog = g::kRouteLog;
   static constexpr uint64_t kRouteLogInts = g::kRouteLogInts;
   static constexpr uint64_t kStagingFloats = g::kStagingFloats;
-  static constexpr uint32_t kStates = g::kStates;
   static constexpr uint32_t kOutputs = g::kOutputs;
   static constexpr uint32_t kNextTokenOutput = g::kNextTokenOutput;
   static constexpr uint32_t kLogitsOutput = g::kLogitsOutput;
   static constexpr uint64_t kVocab = g::kVocab;
-  static constexpr uint32_t kWeights = std::size(g::weights);
-  static constexpr uint32_t kWaits = std::size(g::waits);
-  static constexpr const mkc_tensor_spec* weights = g::weights;
-  static constexpr const mkc::WeightLayout* weight_layouts = g::weight_layouts;
-  static constexpr const mkc::Instruction* instructions = g::instructions;
-  static constexpr const uint32_t* sm_begin = g::sm_begin;
-  static constexpr const mkc::Wait* waits = g::waits;
-  static constexpr const uint64_t* state_bytes = g::state_bytes;
   static constexpr const uint64_t* output_bytes = g::output_bytes;
-  static constexpr const uint16_t* task_stage = g::task_stage;
-  static constexpr const char* const* stage_names = g::stage_names;
 };
+
+// The plan file beside this library (scripts/build_model.sh puts it there).
+std::string plan_beside_library() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<const void*>(&plan_beside_library), &info) == 0 || info.dli_fname == nullptr) {
+    return "plan.mkcplan";
+  }
+  const std::string lib = info.dli_fname;
+  const size_t slash = lib.rfind('/');
+  return (slash == std::string::npos ? std::string() : lib.substr(0, slash + 1)) + "plan.mkcplan";
+}
 
 void copy_message(const std::string& msg, char* dst, size_t len) {
   if (dst == nullptr || len == 0) return;
@@ -68,14 +69,18 @@ int guarded(char* err, size_t err_len, F&& f) {
 
 struct mkc_model {
   mkc::Engine<Program> engine;
-  explicit mkc_model(const char* dir) : engine(dir) {}
+  mkc_model(const char* dir, const std::string& plan) : engine(dir, plan) {}
 };
 
 extern "C" {
 
 int mkc_model_open(const char* dir, mkc_model** out, char* err, size_t err_len) {
+  return mkc_model_open_plan(dir, plan_beside_library().c_str(), out, err, err_len);
+}
+
+int mkc_model_open_plan(const char* dir, const char* plan, mkc_model** out, char* err, size_t err_len) {
   try {
-    *out = new mkc_model(dir);
+    *out = new mkc_model(dir, plan);
     return 0;
   } catch (const mkc::Failure& f) {
     copy_message(f.message, err, err_len);

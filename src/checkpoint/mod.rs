@@ -168,8 +168,35 @@ pub fn accepts(need: &str, found: &str) -> bool {
     need == found || (need == "F32" && matches!(found, "BF16" | "F16"))
 }
 
-/// The tensors `graph` reads from a checkpoint, in declaration order.
-pub fn requirements(graph: &Validated) -> Vec<Requirement> {
+/// A set of checkpoint tensors named by one key pattern: `count` members
+/// (a weight's experts, or one member for a plain weight), each of which is
+/// its `tensors` in order with `{var}` in their keys replaced by the member's
+/// index. The plan file lists these; [`requirements`] expands them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightGroup {
+    /// The placeholder (`expert`), or `None` for a plain weight.
+    pub var: Option<String>,
+    /// Members.
+    pub count: u64,
+    /// Each member's tensors, keys still holding `{var}`.
+    pub tensors: Vec<Requirement>,
+}
+
+impl WeightGroup {
+    /// Member `i`'s tensors.
+    pub fn member(&self, i: u64) -> impl Iterator<Item = Requirement> + '_ {
+        self.tensors.iter().map(move |t| {
+            let key = match &self.var {
+                Some(var) => t.key.replace(&format!("{{{var}}}"), &i.to_string()),
+                None => t.key.clone(),
+            };
+            Requirement { key, ..t.clone() }
+        })
+    }
+}
+
+/// The tensors `graph` reads, as key patterns, in declaration order.
+pub fn weight_groups(graph: &Validated) -> Vec<WeightGroup> {
     let g = graph.graph();
     let mut out = Vec::new();
     for id in g.nodes() {
@@ -197,26 +224,30 @@ pub fn requirements(graph: &Validated) -> Vec<Requirement> {
             DType::Mxfp4 => (GpuLayout::MxCodes, GpuLayout::MxScales),
             _ => (GpuLayout::AsStored, GpuLayout::AsStored),
         };
-        for i in 0..w.count() {
-            out.push(Requirement {
-                key: w.key_at(i),
-                dtype: storage_dtype(w.ty.dtype),
-                shape: data_shape.clone(),
+        let mut tensors = vec![Requirement {
+            key: w.key.clone(),
+            dtype: storage_dtype(w.ty.dtype),
+            shape: data_shape,
+            node: node.name.clone(),
+            layout: data_layout,
+        }];
+        if let (Some(key), Some(s)) = (&w.scale_key, scale_shape) {
+            tensors.push(Requirement {
+                key: key.clone(),
+                dtype: scale_dtype,
+                shape: s,
                 node: node.name.clone(),
-                layout: data_layout,
+                layout: scale_layout,
             });
-            if let (Some(key), Some(s)) = (w.scale_key_at(i), &scale_shape) {
-                out.push(Requirement {
-                    key,
-                    dtype: scale_dtype,
-                    shape: s.clone(),
-                    node: node.name.clone(),
-                    layout: scale_layout,
-                });
-            }
         }
+        out.push(WeightGroup { var: w.family.as_ref().map(|f| f.0.clone()), count: w.count(), tensors });
     }
     out
+}
+
+/// The tensors `graph` reads from a checkpoint, in declaration order.
+pub fn requirements(graph: &Validated) -> Vec<Requirement> {
+    weight_groups(graph).iter().flat_map(|g| (0..g.count).flat_map(move |i| g.member(i))).collect()
 }
 
 fn io(msg: String) -> Error {

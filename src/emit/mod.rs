@@ -3,21 +3,26 @@
 //! undefined variables); identifiers come from [`namespace`].
 //!
 //! Emitted into `generated/<model>_<target>/`:
-//! - `plan_tables.h`: the schedule as the megakernel reads it;
-//! - `weights.h`: the checkpoint tensors the runtime checks and uploads;
-//! - `program.cuh`: what each task computes ([`program`]), the arena layout
-//!   and the megakernel's task policy;
+//! - `plan.mkcplan` ([`plan_file`]): the schedule, the tasks, each stage's
+//!   kind and parameters, the weight table (key patterns) and the states, as
+//!   a versioned binary file the runtime reads, checks and uploads;
+//! - `plan_summary.txt`: that file's identity, section sizes and sha256;
+//! - `program.cuh`: one device function per kind of stage ([`program`]), the
+//!   constants every layer shares and the megakernel's dispatch;
 //! - `model.cu`: the runtime (C ABI of `runtime/include/mkc/model.h`);
 //! - `CMakeLists.txt`: builds the runtime library and the generate tool.
 //!
-//! With `tables_only`, only the first two (for graphs whose operations the
-//! device library does not compute yet).
+//! The generated sources do not grow with layers, experts or tasks: those
+//! are data in the plan file. With `tables_only`, only the plan file (with
+//! no stage kinds) and its summary, for graphs whose operations the device
+//! library does not compute yet.
 
+pub mod plan_file;
 pub mod program;
 
 use serde::Serialize;
 
-use crate::checkpoint::requirements;
+use crate::checkpoint::weight_groups;
 use crate::diag::{Error, ErrorKind, Result};
 use crate::plan::{tables::tables, Plan};
 use crate::valid::Validated;
@@ -36,9 +41,21 @@ pub struct Provenance {
 pub struct Artifact {
     /// The folder name, `<model>_<target>` or as asked.
     pub name: String,
-    /// (file name, contents), in a fixed order.
+    /// Text files: (file name, contents), in a fixed order.
     pub files: Vec<(String, String)>,
+    /// The plan file (`plan.mkcplan`).
+    pub plan: Vec<u8>,
 }
+
+impl Artifact {
+    /// A text file by name.
+    pub fn file(&self, name: &str) -> Option<&str> {
+        self.files.iter().find(|(n, _)| n == name).map(|(_, t)| t.as_str())
+    }
+}
+
+/// The plan file's name in a generated folder.
+pub const PLAN_FILE: &str = "plan.mkcplan";
 
 /// A legal, readable C++ identifier from any name.
 pub fn namespace(name: &str) -> String {
@@ -50,19 +67,22 @@ pub fn namespace(name: &str) -> String {
     id
 }
 
+/// A kind's code as the template renders it.
 #[derive(Serialize)]
-struct SmList {
-    index: usize,
-    instructions: Vec<crate::plan::tables::DeviceInstruction>,
+struct KindView {
+    name: String,
+    fields: Vec<(String, &'static str)>,
+    comment: String,
+    code: String,
+    uses: usize,
 }
 
+/// One `case` of the dispatch.
 #[derive(Serialize)]
-struct WeightRow {
-    key: String,
-    dtype: &'static str,
-    shape: Vec<u64>,
-    node: String,
-    layout: &'static str,
+struct CaseView {
+    role: u32,
+    kind: String,
+    call: String,
 }
 
 fn render(env: &minijinja::Environment, name: &str, ctx: minijinja::Value) -> Result<String> {
@@ -85,43 +105,19 @@ pub fn emit(
     let mut env = minijinja::Environment::new();
     env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
     env.set_keep_trailing_newline(true);
-    env.add_template("plan_tables.h", include_str!("../../templates/plan_tables.h.j2"))
-        .and_then(|_| env.add_template("weights.h", include_str!("../../templates/weights.h.j2")))
-        .and_then(|_| env.add_template("program.cuh", include_str!("../../templates/program.cuh.j2")))
+    env.add_template("program.cuh", include_str!("../../templates/program.cuh.j2"))
         .and_then(|_| env.add_template("model.cu", include_str!("../../templates/model.cu.j2")))
         .and_then(|_| env.add_template("CMakeLists.txt", include_str!("../../templates/CMakeLists.txt.j2")))
         .map_err(|e| Error::new(ErrorKind::Invalid, format!("internal error: templates do not parse: {e:#}")))?;
     let t = tables(plan);
-    let mut sms_lists = vec![];
-    for s in 0..plan.schedule.sms.len() {
-        let (a, b) = (t.sm_begin[s] as usize, t.sm_begin[s + 1] as usize);
-        sms_lists.push(SmList { index: s, instructions: t.instructions[a..b].to_vec() });
-    }
     let ns = namespace(name);
-    // What every file's header says produced it.
-    let provenance = minijinja::context! {
-        version => env!("CARGO_PKG_VERSION"), graph => from.graph, config => from.config,
-        target => plan.target, namespace => ns,
+    let id = plan_file::Identity {
+        model: ns.clone(),
+        target: plan.target.clone(),
+        batch: plan.options.batch,
+        sms: plan.schedule.sms.len() as u32,
+        context: plan.options.context,
     };
-    let tables_h = render(
-        &env,
-        "plan_tables.h",
-        minijinja::context! {
-            batch => plan.options.batch, context => plan.options.context,
-            sms => plan.schedule.sms.len(), expected => t.expected, sms_lists, sm_begin => t.sm_begin,
-            waits => t.waits, ..provenance.clone()
-        },
-    )?;
-    let weights: Vec<WeightRow> = requirements(v)
-        .into_iter()
-        .map(|r| WeightRow { key: r.key, dtype: r.dtype, shape: r.shape, node: r.node, layout: r.layout.cpp_name() })
-        .collect();
-    let weights_h = render(&env, "weights.h", minijinja::context! { weights, ..provenance.clone() })?;
-    let mut files = vec![("plan_tables.h".into(), tables_h), ("weights.h".into(), weights_h)];
-    if tables_only {
-        return Ok(Artifact { name: name.to_string(), files });
-    }
-    let p = program::program(&plan.graph, plan, source)?;
     let stage_names: Vec<String> = plan
         .tiling
         .stages
@@ -129,7 +125,56 @@ pub fn emit(
         .map(|s| {
             let kind =
                 serde_json::to_value(s.kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-            format!("{} {}", kind, plan.fusion.ops[s.op].name).replace(['"', '\\'], "_")
+            format!("{} {}", kind, plan.fusion.ops[s.op].name)
+        })
+        .collect();
+    let groups = weight_groups(v);
+    if tables_only {
+        let mut in_stage = vec![0usize; plan.tiling.stages.len()];
+        let tasks = plan
+            .tiling
+            .tasks
+            .iter()
+            .map(|t| {
+                in_stage[t.stage] += 1;
+                (t.stage, in_stage[t.stage] - 1, t.args)
+            })
+            .collect();
+        let p = program::Program::tables_only(tasks);
+        let file = plan_file::write(&id, &t, &p, &groups, &stage_names);
+        let summary = plan_file::summary(&file, &id);
+        return Ok(Artifact { name: name.to_string(), files: vec![("plan_summary.txt".into(), summary)], plan: file });
+    }
+    let p = program::program(&plan.graph, plan, source)?;
+    let file = plan_file::write(&id, &t, &p, &groups, &stage_names);
+    let summary = plan_file::summary(&file, &id);
+    // What every file's header says produced it.
+    let provenance = minijinja::context! {
+        version => env!("CARGO_PKG_VERSION"), graph => one_line(&from.graph), config => one_line(&from.config),
+        target => plan.target, namespace => ns,
+    };
+    let mut cases = vec![];
+    let mut load_cases = vec![];
+    let mut role = 0u32;
+    for k in &p.kinds {
+        for r in &k.roles {
+            let spell = |s: &str| s.replace("@K@", &k.name);
+            cases.push(CaseView { role, kind: k.name.clone(), call: spell(&r.run) });
+            if let Some(l) = &r.load {
+                load_cases.push(CaseView { role, kind: k.name.clone(), call: spell(l) });
+            }
+            role += 1;
+        }
+    }
+    let kinds: Vec<KindView> = p
+        .kinds
+        .iter()
+        .map(|k| KindView {
+            name: k.name.clone(),
+            fields: k.fields.clone(),
+            comment: k.comment.clone(),
+            code: k.code.replace("@K@", &k.name),
+            uses: k.uses,
         })
         .collect();
     let program_h = render(
@@ -137,19 +182,27 @@ pub fn emit(
         "program.cuh",
         minijinja::context! {
             batch => plan.options.batch, context => plan.options.context,
-            arena_bytes => p.arena_bytes, route_log => p.route_log, routers => p.routers,
+            arena_bytes => p.arena_bytes, route_log => p.route_log, routers => p.routers.len(),
             router_top_k => p.router_top_k, route_log_ints => p.route_log_ints,
-            buffers => p.buffers, staging_floats => p.staging_floats, pages => p.pages, states => p.states,
+            staging_floats => p.staging_floats, pages => p.pages,
             outputs => p.outputs, next_token_output => p.next_token_output, logits_output => p.logits_output,
-            vocab => p.vocab, tasks => p.tasks, code => p.code, load_cases => p.load_cases,
-            run_cases => p.run_cases, load_waits => p.load_waits, stage_names, ..provenance.clone()
+            vocab => p.vocab, kinds, cases, load_cases, format => plan_file::FORMAT,
+            stages => plan.tiling.stages.len(), tasks => plan.tiling.tasks.len(), ..provenance.clone()
         },
     )?;
     let model_cu = render(&env, "model.cu", provenance.clone())?;
     let arch = plan.arch.trim_start_matches("sm_");
     let cmake = render(&env, "CMakeLists.txt", minijinja::context! { arch, ..provenance })?;
-    files.push(("program.cuh".into(), program_h));
-    files.push(("model.cu".into(), model_cu));
-    files.push(("CMakeLists.txt".into(), cmake));
-    Ok(Artifact { name: name.to_string(), files })
+    let files = vec![
+        ("program.cuh".into(), program_h),
+        ("model.cu".into(), model_cu),
+        ("CMakeLists.txt".into(), cmake),
+        ("plan_summary.txt".into(), summary),
+    ];
+    Ok(Artifact { name: name.to_string(), files, plan: file })
+}
+
+/// A path as it may stand in a one-line comment (control characters shown as `?`).
+fn one_line(s: &str) -> String {
+    s.chars().map(|c| if c.is_control() { '?' } else { c }).collect()
 }

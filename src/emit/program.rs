@@ -5,7 +5,7 @@
 //! region of the stage that writes them (the plan's regions and buffers, so
 //! the verifier's reuse proof covers them); graph outputs go to their own
 //! buffers, per-sequence state to its own allocations, weights are read
-//! through the runtime's pointer table in `weights.h` order.
+//! through the runtime's pointer table in the plan file's weight-table order.
 //!
 //! Each stage becomes one device function (its comment names the graph nodes
 //! it covers) that calls the library in `device/mkc/ops.cuh` with the stage's
@@ -99,15 +99,116 @@ pub struct Program {
     pub vocab: u64,
     /// Per plan task: (stage, index in its stage, args).
     pub tasks: Vec<(usize, usize, [u32; 4])>,
-    /// Device code: constants and one function per stage.
+    /// The stage kinds: the device code, one per distinct kind of stage.
+    pub kinds: Vec<Kind>,
+    /// Per plan stage: its kind's function, its parameters and its loader wait.
+    pub stages: Vec<StageRecord>,
+}
+
+/// The device code of one kind of fused operation: what is the same for
+/// every operation of the kind is compiled in; what differs (weights, arena
+/// addresses, states, bank rows) is a field of its parameter struct, read from
+/// the plan file per stage.
+#[derive(Debug, Clone)]
+pub struct Kind {
+    /// Its C++ name (`projection3`, `mla0`, ...).
+    pub name: String,
+    /// The fused operations' kind, as a name (`projection`, `mla`, ...).
+    pub family: &'static str,
+    /// The parameter struct's fields: (name, what it holds).
+    pub fields: Vec<(String, &'static str)>,
+    /// What it computes, and the graph operations it covers.
+    pub comment: String,
+    /// Constants and functions.
     pub code: String,
-    /// `case` lines of the loader's dispatch.
-    pub load_cases: Vec<String>,
-    /// `case` lines of the consumers' dispatch.
-    pub run_cases: Vec<String>,
-    /// Stages whose weights the loader may stream only after a wait
-    /// (routed experts: the router's counter): (stage, counter, bumps per step).
-    pub load_waits: Vec<(usize, u32, u32)>,
+    /// Per stage of the operation: the consumers' and the loader's calls.
+    pub roles: Vec<Role>,
+    /// How many fused operations share it.
+    pub uses: usize,
+}
+
+/// One stage of a kind: its dispatch.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Role {
+    /// The consumers' call (`p` the parameters).
+    pub run: String,
+    /// The loader's call, if it streams weights.
+    pub load: Option<String>,
+}
+
+/// A stage as the plan file lists it.
+#[derive(Debug, Clone, Default)]
+pub struct StageRecord {
+    /// The role's global index (the dispatch's `case`).
+    pub role: u32,
+    /// The parameter values, in the kind's field order.
+    pub params: Vec<u64>,
+    /// What the loader waits for before streaming (routed experts: the
+    /// router's counter and its bumps per step); (0, 0) for none.
+    pub load_wait: (u32, u32),
+}
+
+/// A per-stage value the generated code reads from the plan file: the layers
+/// of a kind differ in these only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Param {
+    /// A weight's index in the weight table.
+    Weight(usize),
+    /// A per-sequence state's index.
+    State(usize),
+    /// An arena address: a buffer and an offset in it (buffers are laid out last).
+    Arena { buffer: usize, offset: u64 },
+    /// An offset in the routing log (laid out after the buffers).
+    RouteLog(u64),
+    /// A count that differs per layer (attention-residual bank rows).
+    Int(u64),
+}
+
+impl Param {
+    fn what(self) -> &'static str {
+        match self {
+            Param::Weight(_) => "weight index",
+            Param::State(_) => "state index",
+            Param::Arena { .. } => "arena offset",
+            Param::RouteLog(_) => "arena offset (routing log)",
+            Param::Int(_) => "count",
+        }
+    }
+}
+
+/// Where a value lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Loc {
+    /// A graph output buffer.
+    Output(usize),
+    /// The arena.
+    Arena { buffer: usize, offset: u64 },
+}
+
+impl Program {
+    /// A program of tasks only (no kinds, no stage records): the plan file
+    /// of `codegen --tables-only`.
+    pub fn tables_only(tasks: Vec<(usize, usize, [u32; 4])>) -> Program {
+        Program {
+            layout: vec![],
+            buffers: vec![],
+            arena_bytes: 0,
+            route_log: 0,
+            routers: vec![],
+            route_log_ints: 0,
+            router_top_k: 0,
+            staging_floats: 0,
+            pages: 0,
+            states: vec![],
+            outputs: vec![],
+            next_token_output: 0,
+            logits_output: 0,
+            vocab: 0,
+            tasks,
+            kinds: vec![],
+            stages: vec![],
+        }
+    }
 }
 
 fn unsupported(op: &FusedOp, what: &str) -> Error {
@@ -145,6 +246,21 @@ fn act_and_mul_call(attrs: &Attrs, span: &str) -> std::result::Result<String, St
     }
 }
 
+/// A kind family's name in C++ identifiers.
+fn family_name(k: FusedKind) -> &'static str {
+    match k {
+        FusedKind::Projection => "projection",
+        FusedKind::Router => "router",
+        FusedKind::Moe => "moe",
+        FusedKind::MlaDecode => "mla",
+        FusedKind::KdaDecode => "kda",
+        FusedKind::AttnRes => "attn_res",
+        FusedKind::Embedding => "embedding",
+        FusedKind::LmHead => "lm_head",
+        FusedKind::Elementwise => "elementwise",
+    }
+}
+
 fn align(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
@@ -154,11 +270,20 @@ fn float(x: f64) -> String {
     format!("{s}f")
 }
 
-/// Where a value is, as a C++ pointer expression.
+/// Where a value is.
 #[derive(Debug, Clone)]
 struct Slot {
-    ptr: String,
+    loc: Loc,
     ty: TensorType,
+    /// Its parameter field's name (the graph node's short name).
+    name: String,
+}
+
+/// A C++ identifier from a graph node's last name part (`l.0/layer/kda/w_q`: `w_q`).
+fn short_name(node: &str) -> String {
+    let last = node.rsplit('/').next().unwrap_or(node);
+    let id = super::namespace(last);
+    id.trim_matches('_').to_string()
 }
 
 struct Gen<'a> {
@@ -174,10 +299,18 @@ struct Gen<'a> {
     region_bytes: Vec<u64>,
     buffer_offset: Vec<u64>,
     staging: u64,
+    /// The operation being emitted: its code (`@K@` for the kind's name),
+    /// its parameter fields, its comment and its stages' roles.
     code: String,
-    load_cases: Vec<String>,
-    run_cases: Vec<String>,
-    load_waits: Vec<(usize, u32, u32)>,
+    params: Vec<(String, Param)>,
+    roles: Vec<(usize, Role)>,
+    /// Per stage: (operation's load wait).
+    load_waits: HashMap<usize, (u32, u32)>,
+    /// The kinds so far, by their code.
+    kinds: Vec<Kind>,
+    kind_of: HashMap<String, usize>,
+    /// Per stage: (kind, role in the kind, parameter values).
+    stage_kind: Vec<Option<(usize, usize, Vec<Param>)>>,
     routers: Vec<(String, u64)>,
     /// Bytes of the routing log so far (the next router's offset in it).
     route_log_bytes: u64,
@@ -212,6 +345,17 @@ impl<'a> Gen<'a> {
         }
     }
 
+    /// A node's last name part and source position (the same in every layer).
+    fn where_short(&self, n: NodeId) -> String {
+        let node = self.g.node(n);
+        let short = node.name.rsplit('/').next().unwrap_or(&node.name);
+        if self.source.is_empty() {
+            return short.to_string();
+        }
+        let (l, c) = node.span.line_col(self.source);
+        format!("{short} ({l}:{c})")
+    }
+
     fn where_(&self, n: NodeId) -> String {
         let node = self.g.node(n);
         if self.source.is_empty() {
@@ -221,39 +365,91 @@ impl<'a> Gen<'a> {
         format!("{} ({l}:{c})", node.name)
     }
 
+    /// A parameter field of the operation being emitted, as C++ (`p.name`):
+    /// the same value under the same name shares a field.
+    fn param(&mut self, hint: &str, value: Param) -> String {
+        let base = if hint.is_empty() { "v".to_string() } else { hint.to_string() };
+        let mut name = base.clone();
+        let mut n = 1;
+        loop {
+            match self.params.iter().find(|(f, _)| *f == name) {
+                Some((_, v)) if *v == value => return format!("p.{name}"),
+                None => break,
+                Some(_) => {
+                    n += 1;
+                    name = format!("{base}_{n}");
+                }
+            }
+        }
+        self.params.push((name.clone(), value));
+        format!("p.{name}")
+    }
+
     /// The pointer to a weight (member `i` of a family).
-    fn weight(&self, n: NodeId, i: u64) -> Result<String> {
+    fn weight(&mut self, n: NodeId, i: u64) -> Result<String> {
         let NodeKind::Weight(w) = &self.g.node(n).kind else {
             return Err(Error::new(ErrorKind::Invalid, format!("codegen: {} is not a weight", self.g.node(n).name)));
         };
         let idx = self.weight_index[&w.key_at(i)];
-        Ok(format!("static_cast<const {}*>(m.w[{idx}])", ctype(w.ty.dtype)))
+        let ty = ctype(w.ty.dtype);
+        let field = self.param(&short_name(&self.g.node(n).name), Param::Weight(idx));
+        Ok(format!("static_cast<const {ty}*>(m.w[{field}])"))
     }
 
-    /// The index of family member 0 (members are consecutive).
-    fn family_base(&self, n: NodeId) -> usize {
+    /// The parameter holding the index of family member 0 (members are consecutive).
+    fn family_base(&mut self, n: NodeId) -> String {
         let NodeKind::Weight(w) = &self.g.node(n).kind else { unreachable!("a weight") };
-        self.weight_index[&w.key_at(0)]
+        let idx = self.weight_index[&w.key_at(0)];
+        self.param(&short_name(&self.g.node(n).name), Param::Weight(idx))
+    }
+
+    /// The pointer to a state, as `T*`.
+    fn state(&mut self, n: NodeId, ty: &str) -> String {
+        let field = self.param(&short_name(&self.g.node(n).name), Param::State(self.state_index[&n]));
+        format!("static_cast<{ty}*>(m.state[{field}])")
+    }
+
+    /// An arena address as C++ (`m.arena + p.name`).
+    fn arena(&mut self, hint: &str, loc: Loc) -> String {
+        match loc {
+            Loc::Output(k) => format!("m.out[{k}]"),
+            Loc::Arena { buffer, offset } => {
+                let field = self.param(hint, Param::Arena { buffer, offset });
+                format!("m.arena + {field}")
+            }
+        }
+    }
+
+    /// A slot's pointer, typed.
+    fn slot_ptr(&mut self, slot: &Slot) -> String {
+        let ty = ctype(slot.ty.dtype);
+        match slot.loc {
+            Loc::Output(k) => format!("static_cast<{ty}*>(m.out[{k}])"),
+            loc => format!("reinterpret_cast<{ty}*>({})", self.arena(&slot.name, loc)),
+        }
     }
 
     /// The pointer to an activation value.
-    fn value(&self, v: ValueRef, op: &FusedOp) -> Result<String> {
+    fn value(&mut self, v: ValueRef, op: &FusedOp) -> Result<String> {
         let node = self.g.node(v.node);
         match &node.kind {
             NodeKind::Input => Ok("m.tokens".into()),
             NodeKind::Weight(_) => self.weight(v.node, 0),
-            _ => self
-                .slots
-                .get(&v)
-                .map(|s| s.ptr.clone())
-                .ok_or_else(|| unsupported(op, &format!("{}'s value in the arena", node.name))),
+            _ => match self.slots.get(&v).cloned() {
+                // A value from another operation is named by its place among
+                // this one's inputs (`in`, `in_2`, ...): its producer's name
+                // differs from layer to layer, this operation's code does not.
+                Some(slot) if !op.nodes.contains(&v.node.index()) => {
+                    Ok(self.slot_ptr(&Slot { name: "in".into(), ..slot }))
+                }
+                Some(slot) => Ok(self.slot_ptr(&slot)),
+                None => Err(unsupported(op, &format!("{}'s value in the arena", node.name))),
+            },
         }
     }
 
-    /// Reserves `bytes` in the region `stage` writes; returns the address as
-    /// C++ (`m.arena + kBuffer<b> + offset`: buffer offsets are known once
-    /// every region is sized, and the header defines them).
-    fn reserve(&mut self, stage: usize, bytes: u64) -> Result<String> {
+    /// Reserves `bytes` in the region `stage` writes.
+    fn reserve(&mut self, stage: usize, bytes: u64) -> Result<Loc> {
         let Some(r) = self.plan.tiling.regions.iter().find(|r| r.writer == stage) else {
             return Err(Error::new(
                 ErrorKind::Invalid,
@@ -263,7 +459,7 @@ impl<'a> Gen<'a> {
         let at = self.region_bytes[r.id];
         self.region_bytes[r.id] = align(at + bytes, 16);
         self.layout.push(ArenaSlot { region: r.id, buffer: r.buffer, offset: at, bytes, writer: stage });
-        Ok(format!("m.arena + kBuffer{} + {at}", r.buffer))
+        Ok(Loc::Arena { buffer: r.buffer, offset: at })
     }
 
     /// Gives every value of `op` read elsewhere a slot in `stage`'s region
@@ -280,16 +476,16 @@ impl<'a> Gen<'a> {
                         e.weight().output == o as u16 && !inside(NodeId(petgraph::visit::EdgeRef::target(&e)))
                     });
                 self.writer.insert(v, stage);
+                let name = short_name(&node.name);
                 if let Some(k) = self.g.outputs.iter().position(|(_, ov)| *ov == v) {
-                    let ptr = format!("static_cast<{}*>(m.out[{k}])", ctype(ty.dtype));
-                    self.slots.insert(v, Slot { ptr, ty: ty.clone() });
+                    self.slots.insert(v, Slot { loc: Loc::Output(k), ty: ty.clone(), name });
                 } else if outside {
                     // Activations cross operations in fp32 (see ACTIVATIONS).
                     let dtype = if ty.dtype == DType::Bf16 { ACTIVATIONS } else { ty.dtype };
                     let kept = TensorType::new(dtype, ty.shape.clone());
-                    let at = self.reserve(stage, kept.bytes() * self.batch)?;
-                    let ptr = format!("reinterpret_cast<{}*>({at})", ctype(dtype));
-                    self.slots.insert(v, Slot { ptr, ty: kept });
+                    let loc = self.reserve(stage, kept.bytes() * self.batch)?;
+                    let name = if o == 0 { name } else { format!("{name}_{o}") };
+                    self.slots.insert(v, Slot { loc, ty: kept, name });
                 }
             }
         }
@@ -319,7 +515,7 @@ impl<'a> Gen<'a> {
     /// An operation's input `v` with its optional RMSNorm prologue: the
     /// value actually read, its pointer, the norm weight's pointer (or
     /// `nullptr`) and epsilon. Any other prologue is refused.
-    fn with_norm_prologue(&self, op: &FusedOp, v: ValueRef) -> Result<(ValueRef, String, String, f64)> {
+    fn with_norm_prologue(&mut self, op: &FusedOp, v: ValueRef) -> Result<(ValueRef, String, String, f64)> {
         if !op.nodes.contains(&v.node.index()) {
             return Ok((v, self.value(v, op)?, "nullptr".into(), 1e-6));
         }
@@ -341,15 +537,87 @@ impl<'a> Gen<'a> {
         self.plan.tiling.stages.iter().filter(|s| s.op == op.id).map(|s| s.id).collect()
     }
 
-    fn header(&mut self, stage: usize, op: &FusedOp, what: &str) {
-        let _ = writeln!(self.code, "\n// Stage {stage}: {what} of fused operation {}, {}", op.id, op.name);
-        for &n in &op.nodes {
-            let (o, _) = self.op_of(nid(n)).expect("fused ops hold ops");
-            let _ = writeln!(self.code, "//   {} {}", o.name(), self.where_(nid(n)));
+    /// The comment of a stage's functions: what it computes (the kind's
+    /// comment lists the graph nodes once).
+    fn header(&mut self, stage: usize, _op: &FusedOp, what: &str) {
+        let kind = serde_json::to_value(self.plan.tiling.stages[stage].kind)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        let _ = writeln!(self.code, "\n// {kind}: {what}");
+    }
+
+    /// The name of `stage`'s functions in its kind: `@K@`, or `@K@_<task
+    /// kind>` for operations of several stages.
+    fn fname(&self, op: &FusedOp, stage: usize) -> String {
+        if self.stages_of(op).len() == 1 {
+            return "@K@".into();
         }
+        let kind = serde_json::to_value(self.plan.tiling.stages[stage].kind)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        format!("@K@_{kind}")
+    }
+
+    /// Records a stage's dispatch: the consumers' call and the loader's.
+    fn role(&mut self, stage: usize, run: String, load: Option<String>) {
+        self.roles.push((stage, Role { run, load }));
+    }
+
+    /// Closes the operation: its code becomes a new kind, or the existing
+    /// kind of the same code; each of its stages records its kind, role and
+    /// parameter values.
+    fn finish(&mut self, op: &FusedOp) -> Result<()> {
+        let code = std::mem::take(&mut self.code);
+        let params = std::mem::take(&mut self.params);
+        let roles = std::mem::take(&mut self.roles);
+        let fields: Vec<(String, &'static str)> = params.iter().map(|(n, p)| (n.clone(), p.what())).collect();
+        let mut key = code.clone();
+        for (f, w) in &fields {
+            let _ = write!(key, "\n{f}:{w}");
+        }
+        for (_, r) in &roles {
+            let _ = write!(key, "\n{}|{:?}", r.run, r.load);
+        }
+        let kind = match self.kind_of.get(&key) {
+            Some(k) => {
+                self.kinds[*k].uses += 1;
+                *k
+            }
+            None => {
+                let family = family_name(op.kind);
+                let n = self.kinds.iter().filter(|k| k.family == family).count();
+                let mut comment = String::new();
+                for &nd in &op.nodes {
+                    let (o, _) = self.op_of(nid(nd)).expect("fused ops hold ops");
+                    let _ = writeln!(comment, "//   {} {}", o.name(), self.where_(nid(nd)));
+                }
+                self.kinds.push(Kind {
+                    name: format!("{family}{n}"),
+                    family,
+                    fields,
+                    comment,
+                    code,
+                    roles: roles.iter().map(|(_, r)| r.clone()).collect(),
+                    uses: 1,
+                });
+                self.kind_of.insert(key, self.kinds.len() - 1);
+                self.kinds.len() - 1
+            }
+        };
+        for (j, (stage, _)) in roles.iter().enumerate() {
+            self.stage_kind[*stage] = Some((kind, j, params.iter().map(|(_, p)| *p).collect()));
+        }
+        Ok(())
     }
 
     fn fused(&mut self, op: &FusedOp) -> Result<()> {
+        self.emit_op(op)?;
+        self.finish(op)
+    }
+
+    fn emit_op(&mut self, op: &FusedOp) -> Result<()> {
         match op.kind {
             FusedKind::Embedding => self.embedding(op),
             FusedKind::Projection | FusedKind::LmHead => self.projection(op),
@@ -381,6 +649,7 @@ impl<'a> Gen<'a> {
                         return Err(unsupported(op, "an embedding epilogue that stacks more than its row"));
                     }
                     let bank = self.value(ValueRef { node: e, output: 0 }, op)?;
+                    let out = out.clone();
                     let _ = write!(
                         extra,
                         "\n  consumer_sync();\n  stack_rows<kBatch>(static_cast<const float*>(nullptr), 0, {out}, {hidden}, {bank});"
@@ -390,11 +659,12 @@ impl<'a> Gen<'a> {
             }
         }
         self.header(stage, op, "token rows");
+        let f = self.fname(op, stage);
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  embedding<kBatch>({table}, m.tokens, {hidden}, {out});{extra}\n}}"
+            "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  embedding<kBatch>({table}, m.tokens, {hidden}, {out});{extra}\n}}"
         );
-        self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+        self.role(stage, format!("{f}(m, p);"), None);
         Ok(())
     }
 }
@@ -493,9 +763,12 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         buffer_offset: vec![],
         staging: 0,
         code: String::new(),
-        load_cases: vec![],
-        run_cases: vec![],
-        load_waits: vec![],
+        params: vec![],
+        roles: vec![],
+        load_waits: HashMap::new(),
+        kinds: vec![],
+        kind_of: HashMap::new(),
+        stage_kind: vec![None; plan.tiling.stages.len()],
         routers: vec![],
         route_log_bytes: 0,
     };
@@ -527,6 +800,31 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
             (t.stage, in_stage[t.stage] - 1, t.args)
         })
         .collect();
+    // Each stage's record: its kind's role and its parameters, now that the
+    // buffers are laid out.
+    let mut role_base = vec![0u32; gen.kinds.len()];
+    let mut next = 0u32;
+    for (k, kind) in gen.kinds.iter().enumerate() {
+        role_base[k] = next;
+        next += kind.roles.len() as u32;
+    }
+    let mut stages = vec![];
+    for (s, rec) in gen.stage_kind.iter().enumerate() {
+        let Some((kind, role, params)) = rec else {
+            return Err(Error::new(ErrorKind::Invalid, format!("internal error: stage {s} has no code")));
+        };
+        let params = params
+            .iter()
+            .map(|p| match *p {
+                Param::Weight(i) | Param::State(i) => i as u64,
+                Param::Arena { buffer, offset } => gen.buffer_offset[buffer] + offset,
+                Param::RouteLog(o) => route_log + o,
+                Param::Int(v) => v,
+            })
+            .collect();
+        let load_wait = gen.load_waits.get(&s).copied().unwrap_or((0, 0));
+        stages.push(StageRecord { role: role_base[*kind] + *role as u32, params, load_wait });
+    }
     let layout =
         gen.layout.iter().map(|s| ArenaSlot { offset: gen.buffer_offset[s.buffer] + s.offset, ..*s }).collect();
     let buffers = gen.buffer_offset.iter().copied().zip(sizes.iter().copied()).collect();
@@ -546,9 +844,7 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         logits_output,
         vocab,
         tasks,
-        code: gen.code,
-        load_cases: gen.load_cases,
-        run_cases: gen.run_cases,
-        load_waits: gen.load_waits,
+        kinds: gen.kinds,
+        stages,
     })
 }

@@ -90,8 +90,8 @@ pub struct Task {
     /// of the FLOPs.
     pub decoded: u64,
     /// Which part of its operation the task computes, as the generated code
-    /// reads it: projections `[linear node, paired up node or u32::MAX, row0,
-    /// row1]`; MLA `[head group, split]`; expert stages `[slot, row0, row1]`;
+    /// reads it: projections `[linear, paired up linear or u32::MAX, row0,
+    /// row1]` (linears by position among the operation's linears); MLA `[head group, split]`; expert stages `[slot, row0, row1]`;
     /// expert combine `[tile, tiles]`.
     #[serde(skip)]
     pub args: [u32; 4],
@@ -326,8 +326,11 @@ impl Builder<'_> {
                 label = format!("{label}+{}", g.node(node(g, *up)).name.rsplit('/').next().unwrap_or(""));
             }
             let align = self.align_for(*l, nodes).min(rows.max(1));
-            let up = coupled.iter().find(|(_, gate)| **gate == *l).map(|(up, _)| *up as u32).unwrap_or(u32::MAX);
-            segments.push((label, rows, row_bytes, k, align, coupled.values().any(|gte| gte == l), *l as u32, up));
+            // Linears by their position in the operation (the generated code's
+            // row-source switch), so that every layer's tasks read alike.
+            let ordinal = |n: usize| linears.iter().position(|x| *x == n).expect("a linear of the op") as u32;
+            let up = coupled.iter().find(|(_, gate)| **gate == *l).map(|(up, _)| ordinal(*up)).unwrap_or(u32::MAX);
+            segments.push((label, rows, row_bytes, k, align, coupled.values().any(|gte| gte == l), ordinal(*l), up));
         }
         let total: u64 = segments.iter().map(|s| s.1 * s.2).sum();
         let per_task = (total / u64::from(self.target.sms)).max(32 << 10);

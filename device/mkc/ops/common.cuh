@@ -10,6 +10,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "../instruction.cuh"
 #include "../projection.cuh"
 
 namespace mkc {
@@ -23,22 +24,24 @@ constexpr int kActivationBytes = 64 << 10;
 
 // Everything a step reads and writes, as the runtime resolved it.
 struct Memory {
-  void* const* w;         // weight tensors, in weights.h order
-  char* arena;            // values crossing operations (the plan's buffers)
-  void* const* state;     // per-sequence state (KV caches), [batch, ...] each
-  void* const* out;       // graph outputs, [batch, ...] each
-  const int32_t* tokens;  // [batch] the tokens of this step
-  const int32_t* pos;     // [batch] tokens already in each sequence
-  float* staging;         // fp32 projection tiles, one slice per SM
+  void* const* w;            // weight tensors, in the plan file's weight-table order
+  char* arena;               // values crossing operations (the plan's buffers)
+  void* const* state;        // per-sequence state (KV caches), [batch, ...] each
+  void* const* out;          // graph outputs, [batch, ...] each
+  const int32_t* tokens;     // [batch] the tokens of this step
+  const int32_t* pos;        // [batch] tokens already in each sequence
+  float* staging;            // fp32 projection tiles, one slice per SM
+  const TaskArgs* tasks;     // every plan task
+  const StageRecord* stages; // every plan stage
+  const uint64_t* params;    // the stages' parameters
 };
 
-// One plan task: its stage, its index in the stage, and what part of the
-// operation it computes (src/plan/tile.rs, Task::args).
-struct TaskArgs {
-  uint16_t stage;
-  uint16_t index;
-  uint32_t a[4];
-};
+// A stage's parameters as its kind's struct P (all uint64_t fields), by value.
+template <class P>
+__device__ __forceinline__ P stage_params(const Memory& m, const TaskArgs& t) {
+  static_assert(sizeof(P) % sizeof(uint64_t) == 0, "parameter structs hold uint64_t fields");
+  return *reinterpret_cast<const P*>(m.params + m.stages[t.stage].params);
+}
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 3, %0;" ::"r"(kConsumerThreads) : "memory"); }
 

@@ -20,6 +20,7 @@
 
 #include "mkc/checkpoint.h"
 #include "mkc/megakernel.cuh"
+#include "mkc/plan_file.h"
 
 namespace mkc {
 
@@ -59,19 +60,32 @@ inline float half_bits_to_float(uint16_t h, bool bf16) {
   return sign ? -f : f;
 }
 
-// P: the generated program's namespace as a struct of its tables (see
-// model.cu.j2): kBatch, kSms, kCounters, kTasks, weights, instructions, ...
+// P: the generated program's constants (see model.cu.j2): kModel, kTarget,
+// kBatch, kContext, kArenaBytes, ...; what grows with the model (schedule,
+// tasks, stage parameters, weight table, states) is in its plan file.
 template <class P>
 class Engine {
  public:
-  // The checkpoint is checked first, before any CUDA call: a wrong
-  // checkpoint is reported by tensor name on any machine.
-  explicit Engine(const char* dir) {
+  // The plan file is read and checked first, then the checkpoint against
+  // its weight table, before any CUDA call: a wrong plan or checkpoint is
+  // reported by name on any machine.
+  Engine(const char* dir, const std::string& plan_path) {
+    std::string why;
+    if (!read_plan_file(plan_path, PlanIdentity{P::kModel, P::kTarget, uint32_t(P::kBatch), P::kContext}, &plan_, &why)) {
+      throw Failure{why};
+    }
+    for (size_t s = 0; s < plan_.stages.size(); ++s) {
+      if (plan_.stages[s].role >= P::kRoles) {
+        throw Failure{"plan file " + plan_path + ": stage " + std::to_string(s) + " names role " +
+                      std::to_string(plan_.stages[s].role) + "; this library has " + std::to_string(P::kRoles)};
+      }
+    }
     char err[4096];
     mkc_checkpoint* ck = nullptr;
     if (mkc_checkpoint_open(dir, &ck, err, sizeof err) != 0) throw Failure{err};
     std::vector<char> report(1 << 16);
-    const int problems = mkc_checkpoint_check(ck, P::weights, P::kWeights, report.data(), report.size());
+    const int problems =
+        mkc_checkpoint_check(ck, plan_.weights.data(), plan_.weights.size(), report.data(), report.size());
     if (problems != 0) {
       mkc_checkpoint_close(ck);
       throw Failure{std::string(dir) + " does not match the plan (" + std::to_string(problems) + " problems):\n" +
@@ -81,8 +95,8 @@ class Engine {
       int device = 0, sms = 0;
       MKC_CUDA(cudaGetDevice(&device));
       MKC_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      if (uint32_t(sms) < P::kSms) {
-        throw Failure{"this program was planned for " + std::to_string(P::kSms) + " SMs; the GPU has " +
+      if (uint32_t(sms) < plan_.sms) {
+        throw Failure{"this program was planned for " + std::to_string(plan_.sms) + " SMs; the GPU has " +
                       std::to_string(sms)};
       }
       upload(ck);
@@ -102,7 +116,7 @@ class Engine {
   // KDA conv windows and recurrent states start each sequence from zero; the
   // KV caches are zeroed too, though rows past a position are never read).
   void reset() {
-    for (uint32_t s = 0; s < P::kStates; ++s) MKC_CUDA(cudaMemset(states_[s], 0, P::state_bytes[s] * P::kBatch));
+    for (size_t s = 0; s < states_.size(); ++s) MKC_CUDA(cudaMemset(states_[s], 0, plan_.states[s] * P::kBatch));
     std::fill(pos_.begin(), pos_.end(), 0);
   }
 
@@ -124,7 +138,7 @@ class Engine {
     ++step_;
     void* args[] = {&schedule_, &memory_, &step_};
     const void* fn = debug ? kernel<true>() : kernel<false>();
-    MKC_CUDA(cudaLaunchCooperativeKernel(fn, dim3(P::kSms), dim3(kThreads), args, kSmemBytes, 0));
+    MKC_CUDA(cudaLaunchCooperativeKernel(fn, dim3(plan_.sms), dim3(kThreads), args, kSmemBytes, 0));
     const cudaError_t e = cudaDeviceSynchronize();
     if (e != cudaSuccess) {
       std::string msg = std::string("the megakernel failed: ") + cudaGetErrorString(e);
@@ -151,8 +165,9 @@ class Engine {
   // SM's previous instruction ended) to its end; args.ready is when its waits
   // were done.
   void profile_step(const int32_t* tokens, int32_t* next, const char* path) {
-    uint64_t* d = device_alloc<uint64_t>(sizeof(uint64_t) * 2 * P::kTasks);
-    MKC_CUDA(cudaMemset(d, 0, sizeof(uint64_t) * 2 * P::kTasks));
+    const size_t n_ins = plan_.instructions.size();
+    uint64_t* d = device_alloc<uint64_t>(sizeof(uint64_t) * 2 * n_ins);
+    MKC_CUDA(cudaMemset(d, 0, sizeof(uint64_t) * 2 * n_ins));
     schedule_.profile = d;
     try {
       step(tokens, next, nullptr, false);
@@ -161,25 +176,25 @@ class Engine {
       throw;
     }
     schedule_.profile = nullptr;
-    std::vector<uint64_t> t(2 * P::kTasks);
+    std::vector<uint64_t> t(2 * n_ins);
     MKC_CUDA(cudaMemcpy(t.data(), d, sizeof(uint64_t) * t.size(), cudaMemcpyDeviceToHost));
     uint64_t t0 = UINT64_MAX;
-    for (uint32_t i = 0; i < P::kTasks; ++i) t0 = std::min(t0, t[2 * i]);
+    for (size_t i = 0; i < n_ins; ++i) t0 = std::min(t0, t[2 * i]);
     FILE* f = std::fopen(path, "w");
     if (f == nullptr) throw Failure{std::string("cannot write the trace ") + path};
     std::fprintf(f, "{\"traceEvents\": [\n");
     bool first = true;
-    for (uint32_t sm = 0; sm < P::kSms; ++sm) {
+    for (uint32_t sm = 0; sm < plan_.sms; ++sm) {
       uint64_t prev_end = 0;
-      for (uint32_t i = P::sm_begin[sm]; i < P::sm_begin[sm + 1]; ++i) {
-        const uint32_t task = P::instructions[i].task;
+      for (uint32_t i = plan_.sm_begin[sm]; i < plan_.sm_begin[sm + 1]; ++i) {
+        const uint32_t task = plan_.instructions[i].task;
         // Runs from the later of its waits done and the previous instruction's end.
         const uint64_t begin = std::max(t[2 * i], prev_end);
         prev_end = t[2 * i + 1];
         const double ts = double(begin - t0) / 1e3, dur = double(t[2 * i + 1] - begin) / 1e3;
         std::fprintf(f, "%s{\"name\": \"%s\", \"ph\": \"X\", \"ts\": %.3f, \"dur\": %.3f, \"pid\": 0, \"tid\": %u, "
                      "\"args\": {\"task\": %u, \"instruction\": %u, \"ready\": %.3f}}",
-                     first ? "" : ",\n", P::stage_names[P::task_stage[task]], ts, dur, sm, task, i, double(t[2 * i] - t0) / 1e3);
+                     first ? "" : ",\n", plan_.stage_names[plan_.tasks[task].stage].c_str(), ts, dur, sm, task, i, double(t[2 * i] - t0) / 1e3);
         first = false;
       }
     }
@@ -201,7 +216,7 @@ class Engine {
       if (i == warmup) MKC_CUDA(cudaEventRecord(start));
       ++step_;
       void* args[] = {&schedule_, &memory_, &step_};
-      MKC_CUDA(cudaLaunchCooperativeKernel(kernel<false>(), dim3(P::kSms), dim3(kThreads), args, kSmemBytes, 0));
+      MKC_CUDA(cudaLaunchCooperativeKernel(kernel<false>(), dim3(plan_.sms), dim3(kThreads), args, kSmemBytes, 0));
     }
     MKC_CUDA(cudaEventRecord(stop));
     MKC_CUDA(cudaEventSynchronize(stop));
@@ -226,7 +241,7 @@ class Engine {
   // positions, as bytes: what a restart needs.
   size_t state_size() const {
     size_t need = sizeof(int32_t) * P::kBatch;
-    for (uint32_t s = 0; s < P::kStates; ++s) need += P::state_bytes[s] * P::kBatch;
+    for (uint64_t bytes : plan_.states) need += bytes * P::kBatch;
     return need;
   }
 
@@ -237,8 +252,8 @@ class Engine {
     }
     std::memcpy(out, pos_.data(), sizeof(int32_t) * P::kBatch);
     size_t at = sizeof(int32_t) * P::kBatch;
-    for (uint32_t s = 0; s < P::kStates; ++s) {
-      const size_t n = P::state_bytes[s] * P::kBatch;
+    for (size_t s = 0; s < states_.size(); ++s) {
+      const size_t n = plan_.states[s] * P::kBatch;
       MKC_CUDA(cudaMemcpy(out + at, states_[s], n, cudaMemcpyDeviceToHost));
       at += n;
     }
@@ -251,8 +266,8 @@ class Engine {
     }
     std::memcpy(pos_.data(), data, sizeof(int32_t) * P::kBatch);
     size_t at = sizeof(int32_t) * P::kBatch;
-    for (uint32_t s = 0; s < P::kStates; ++s) {
-      const size_t n = P::state_bytes[s] * P::kBatch;
+    for (size_t s = 0; s < states_.size(); ++s) {
+      const size_t n = plan_.states[s] * P::kBatch;
       MKC_CUDA(cudaMemcpy(states_[s], data + at, n, cudaMemcpyHostToDevice));
       at += n;
     }
@@ -283,14 +298,16 @@ class Engine {
     std::vector<char> host, wide, scales;  // scales: the next tensor's bytes, read with its MXFP4 codes
     std::vector<uint8_t> tiled;
     char err[1024];
-    weights_.resize(P::kWeights);
-    for (uint32_t i = 0; i < P::kWeights; ++i) {
-      const mkc_tensor_spec& s = P::weights[i];
+    const size_t n_weights = plan_.weights.size();
+    weights_.resize(n_weights);
+    for (size_t i = 0; i < n_weights; ++i) {
+      const mkc_tensor_spec& s = plan_.weights[i];
       uint64_t n = 1;
       for (uint32_t d = 0; d < s.ndim; ++d) n *= s.shape[d];
       const char* stored = mkc_checkpoint_dtype(ck, s.key);
       const size_t bytes = n * dtype_bytes(stored);
-      if (P::weight_layouts[i] == WeightLayout::kMxScales && scales.size() == bytes) {
+      const WeightLayout layout = plan_.layouts[i];
+      if (layout == WeightLayout::kMxScales && scales.size() == bytes) {
         host.swap(scales);  // read already, with its codes
       } else {
         host.resize(bytes);
@@ -311,9 +328,9 @@ class Engine {
         src = wide.data();
         up = n * 4;
       }
-      if (P::weight_layouts[i] != WeightLayout::kAsStored) {  // MXFP4 codes or scales, tiled (mkc/mx_layout.h)
+      if (layout != WeightLayout::kAsStored) {  // MXFP4 codes or scales, tiled (mkc/mx_layout.h)
         const uint64_t width = s.shape[s.ndim - 1], rows = width == 0 ? 0 : n / width;
-        const bool codes = P::weight_layouts[i] == WeightLayout::kMxCodes;
+        const bool codes = layout == WeightLayout::kMxCodes;
         const uint64_t k = width * (codes ? 2 : kMxBlock);
         if (k % kMxBlock != 0 || std::strcmp(stored, "U8") != 0) {
           throw Failure{std::string("MXFP4 ") + (codes ? "codes " : "scales ") + s.key + ": stored as " + stored +
@@ -324,10 +341,10 @@ class Engine {
         // weights table lists an MXFP4 matrix's scales right after its codes.
         auto* bytes = reinterpret_cast<uint8_t*>(host.data());
         if (codes) {
-          if (i + 1 >= P::kWeights || P::weight_layouts[i + 1] != WeightLayout::kMxScales) {
+          if (i + 1 >= n_weights || plan_.layouts[i + 1] != WeightLayout::kMxScales) {
             throw Failure{std::string("MXFP4 codes ") + s.key + ": the weights table lists no scales after them"};
           }
-          const char* scale_key = P::weights[i + 1].key;
+          const char* scale_key = plan_.weights[i + 1].key;
           scales.resize(rows * (k / kMxBlock));
           const int64_t got = mkc_checkpoint_read(ck, scale_key, scales.data(), scales.size(), err, sizeof err);
           if (got < 0) throw Failure{err};
@@ -357,29 +374,37 @@ class Engine {
   }
 
   void allocate() {
-    void** w = device_alloc<void*>(sizeof(void*) * P::kWeights);
-    MKC_CUDA(cudaMemcpy(w, weights_.data(), sizeof(void*) * P::kWeights, cudaMemcpyHostToDevice));
+    void** w = device_alloc<void*>(sizeof(void*) * weights_.size());
+    MKC_CUDA(cudaMemcpy(w, weights_.data(), sizeof(void*) * weights_.size(), cudaMemcpyHostToDevice));
     char* arena = device_alloc<char>(P::kArenaBytes);
     MKC_CUDA(cudaMemset(arena, 0, P::kArenaBytes));
-    for (uint32_t s = 0; s < P::kStates; ++s) {
-      states_.push_back(device_alloc<char>(P::state_bytes[s] * P::kBatch));
-      MKC_CUDA(cudaMemset(states_.back(), 0, P::state_bytes[s] * P::kBatch));
+    for (uint64_t bytes : plan_.states) {
+      states_.push_back(device_alloc<char>(bytes * P::kBatch));
+      MKC_CUDA(cudaMemset(states_.back(), 0, bytes * P::kBatch));
     }
-    void** st = device_alloc<void*>(sizeof(void*) * (P::kStates + 1));
-    if (P::kStates > 0) MKC_CUDA(cudaMemcpy(st, states_.data(), sizeof(void*) * P::kStates, cudaMemcpyHostToDevice));
+    void** st = device_alloc<void*>(sizeof(void*) * (states_.size() + 1));
+    if (!states_.empty()) {
+      MKC_CUDA(cudaMemcpy(st, states_.data(), sizeof(void*) * states_.size(), cudaMemcpyHostToDevice));
+    }
     for (uint32_t o = 0; o < P::kOutputs; ++o) outputs_.push_back(device_alloc<char>(P::output_bytes[o] * P::kBatch));
     void** out = device_alloc<void*>(sizeof(void*) * P::kOutputs);
     MKC_CUDA(cudaMemcpy(out, outputs_.data(), sizeof(void*) * P::kOutputs, cudaMemcpyHostToDevice));
     d_tokens_ = device_alloc<int32_t>(sizeof(int32_t) * P::kBatch);
     d_pos_ = device_alloc<int32_t>(sizeof(int32_t) * P::kBatch);
-    float* staging = device_alloc<float>(sizeof(float) * P::kStagingFloats * P::kSms);
-    memory_ = Memory{w, arena, st, out, d_tokens_, d_pos_, staging};
+    float* staging = device_alloc<float>(sizeof(float) * P::kStagingFloats * plan_.sms);
+    const TaskArgs* tasks = device_copy(plan_.tasks.data(), plan_.tasks.size());
+    const StageRecord* stages = device_copy(plan_.stages.data(), plan_.stages.size());
+    // One zero past the end: a kind without parameters reads a (dummy) field there.
+    std::vector<uint64_t> params = plan_.params;
+    params.push_back(0);
+    const uint64_t* param_table = device_copy(params.data(), params.size());
+    memory_ = Memory{w, arena, st, out, d_tokens_, d_pos_, staging, tasks, stages, param_table};
 
-    schedule_.instructions = device_copy(P::instructions, P::kTasks);
-    schedule_.sm_begin = device_copy(P::sm_begin, P::kSms + 1);
-    schedule_.waits = device_copy(P::waits, P::kWaits);
-    schedule_.counters = device_alloc<uint32_t>(sizeof(uint32_t) * P::kCounters);
-    MKC_CUDA(cudaMemset(schedule_.counters, 0, sizeof(uint32_t) * P::kCounters));
+    schedule_.instructions = device_copy(plan_.instructions.data(), plan_.instructions.size());
+    schedule_.sm_begin = device_copy(plan_.sm_begin.data(), plan_.sm_begin.size());
+    schedule_.waits = device_copy(plan_.waits.data(), plan_.waits.size());
+    schedule_.counters = device_alloc<uint32_t>(sizeof(uint32_t) * plan_.counters.size());
+    MKC_CUDA(cudaMemset(schedule_.counters, 0, sizeof(uint32_t) * plan_.counters.size()));
     MKC_CUDA(cudaHostAlloc(&report_, sizeof(HangReport), cudaHostAllocMapped));
     std::memset(report_, 0, sizeof(HangReport));
     MKC_CUDA(cudaHostGetDevicePointer(&schedule_.report, report_, 0));
@@ -395,6 +420,7 @@ class Engine {
     return d;
   }
 
+  PlanFile plan_;
   std::vector<void*> owned_;
   std::vector<void*> weights_;
   std::vector<void*> states_;

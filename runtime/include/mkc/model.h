@@ -28,9 +28,15 @@ typedef struct mkc_model_info {
   uint32_t router_top_k; /* experts each router picks per sequence (0: they differ) */
 } mkc_model_info;
 
-/* Checks the checkpoint in `dir` against the plan (every tensor, by name),
- * uploads it and allocates caches and state on the current CUDA device. */
+/* Reads the plan file (plan.mkcplan, written by `mkc codegen`) beside this
+ * library, checks it is this model's (format, model, target, batch, context,
+ * checksum), checks the checkpoint in `dir` against its weight table (every
+ * tensor, by name), uploads it and allocates caches and state on the current
+ * CUDA device. */
 int mkc_model_open(const char* dir, mkc_model** out, char* err, size_t err_len);
+
+/* As mkc_model_open, with the plan file at `plan`. */
+int mkc_model_open_plan(const char* dir, const char* plan, mkc_model** out, char* err, size_t err_len);
 
 void mkc_model_get_info(const mkc_model* m, mkc_model_info* info);
 

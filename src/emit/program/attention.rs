@@ -27,7 +27,7 @@ impl Gen<'_> {
         let NodeKind::State(_) = &g.node(ops[4].node).kind else {
             return Err(unsupported(op, "a cache that is state"));
         };
-        let cache = format!("static_cast<__nv_bfloat16*>(m.state[{}])", self.state_index[&ops[4].node]);
+        let cache = self.state(ops[4].node, "__nv_bfloat16");
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
         let ctx = self.plan.options.context;
         let sms = self.plan.schedule.sms.len() as u32;
@@ -50,36 +50,33 @@ impl Gen<'_> {
         self.check_reads(split, &[ops[0], raw, ops[2]])?;
         let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
         let at = self.reserve(split, partial_bytes)?;
-        let partials = format!("reinterpret_cast<float*>({at})");
+        let partials = format!("reinterpret_cast<float*>({})", self.arena("partials", at));
         let _ = writeln!(
             self.code,
-            "\n__device__ constexpr MlaShape mla_{}{{{heads}, {hpt}, {groups}, {splits}, {ctx}, {c}, {nope}, {rope}, {v_dim}, {}}};",
-            n.index(),
+            "\n__device__ constexpr MlaShape @K@_shape{{{heads}, {hpt}, {groups}, {splits}, {ctx}, {c}, {nope}, {rope}, {v_dim}, {}}};",
             float(attrs.float("scale"))
         );
         self.header(split, op, "attention over one KV split (cache rows through the page ring, online softmax)");
+        let f = self.fname(op, split);
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{split}_load(const TaskArgs& t, const Memory& m, uint32_t& it) {{\n  \
-             mla_split_load<kBatch>(mla_{i}, t.a[0], t.a[1], {wkvb}, {cache}, m.pos, it);\n}}\n\
-             __device__ inline void stage_{split}(const TaskArgs& t, const Memory& m, uint32_t& it, int) {{\n  \
-             mla_split<kBatch>(mla_{i}, t.a[0], t.a[1], {q}, {ckv}, {norm}, {}, {kpe}, {wkvb}, {cache}, m.pos, {partials}, it);\n}}",
+            "__device__ inline void {f}_load(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
+             mla_split_load<kBatch>(@K@_shape, t.a[0], t.a[1], {wkvb}, {cache}, m.pos, it);\n}}\n\
+             __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
+             mla_split<kBatch>(@K@_shape, t.a[0], t.a[1], {q}, {ckv}, {norm}, {}, {kpe}, {wkvb}, {cache}, m.pos, {partials}, it);\n}}",
             float(eps),
-            i = n.index()
         );
+        self.role(split, format!("{f}(t, m, p, it);"), Some(format!("{f}_load(t, m, p, it);")));
         self.header(combine, op, "split merge and value up-projection (W_UV through the page ring)");
+        let f = self.fname(op, combine);
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{combine}_load(const TaskArgs& t, const Memory& m, uint32_t& it) {{\n  \
-             mla_combine_load<kBatch>(mla_{i}, t.a[0], t.a[1], {wkvb}, it);\n}}\n\
-             __device__ inline void stage_{combine}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
-             mla_combine<kBatch>(mla_{i}, t.a[0], t.a[1], {partials}, {wkvb}, {out}, it, warp);\n}}",
-            i = n.index()
+            "__device__ inline void {f}_load(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
+             mla_combine_load<kBatch>(@K@_shape, t.a[0], t.a[1], {wkvb}, it);\n}}\n\
+             __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it, int warp) {{\n  \
+             mla_combine<kBatch>(@K@_shape, t.a[0], t.a[1], {partials}, {wkvb}, {out}, it, warp);\n}}",
         );
-        self.load_cases.push(format!("case {split}: stage_{split}_load(t, m, it); break;"));
-        self.run_cases.push(format!("case {split}: stage_{split}(t, m, it, warp); break;"));
-        self.load_cases.push(format!("case {combine}: stage_{combine}_load(t, m, it); break;"));
-        self.run_cases.push(format!("case {combine}: stage_{combine}(t, m, it, warp); break;"));
+        self.role(combine, format!("{f}(t, m, p, it, warp);"), Some(format!("{f}_load(t, m, p, it);")));
         Ok(())
     }
 
@@ -127,7 +124,7 @@ impl Gen<'_> {
         if st.dtype != DType::F32 || st.elements() != heads * d * d {
             return Err(unsupported(op, "a KDA state that is not f32 [heads, d, d]"));
         }
-        let state = format!("static_cast<float*>(m.state[{}])", self.state_index[&ops[7].node]);
+        let state = self.state(ops[7].node, "float");
         let (safe, lower) = match attrs.str("gate") {
             "softplus" => ("false", 0.0),
             "safe" => ("true", attrs.float("lower_bound")),
@@ -136,9 +133,10 @@ impl Gen<'_> {
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
         self.check_reads(stage, &[ops[0], ops[1], ops[2], ops[3], beta])?;
         self.header(stage, op, "state update of a range of heads");
+        let f = self.fname(op, stage);
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{stage}(const TaskArgs& t, const Memory& m) {{\n  \
+            "__device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
              kda_decode<kBatch>(KdaShape{{{heads}, {d}, {safe}, {}}}, t.a[0], t.a[1], {}, {}, {}, {}, {}, {a_log}, \
              {dt_bias}, {state}, {out});\n}}",
             float(lower),
@@ -148,7 +146,7 @@ impl Gen<'_> {
             ptrs[3],
             ptrs[4]
         );
-        self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+        self.role(stage, format!("{f}(t, m, p);"), None);
         Ok(())
     }
 
@@ -190,14 +188,16 @@ impl Gen<'_> {
         let (w, gamma) = (self.weight(ops[2].node, 0)?, self.weight(ops[3].node, 0)?);
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
         self.check_reads(stage, &[ops[0], ops[1]])?;
+        let rows = self.param("bank_rows", Param::Int(rows));
         self.header(stage, op, "the mix of the bank and the current row");
+        let f = self.fname(op, stage);
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  \
+            "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  \
              attn_res_mix<kBatch>({bank}, {rows}, {u}, {w}, {gamma}, {}, {hidden}, 0, {hidden}, {out});\n}}",
             float(attrs.float("eps"))
         );
-        self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+        self.role(stage, format!("{f}(m, p);"), None);
         Ok(())
     }
 }

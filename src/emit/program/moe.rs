@@ -36,18 +36,20 @@ impl Gen<'_> {
         self.route_log_bytes += self.batch * top_k * 4;
         self.routers.push((g.node(n).name.clone(), top_k));
         self.check_reads(stage, &[ops[0]])?;
+        let log = self.param("route_log", Param::RouteLog(log_at));
         self.header(stage, op, "scores and top-k");
+        let f = self.fname(op, stage);
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  \
+            "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  \
              router<kBatch>(RouterShape{{{e}, {top_k}, {}, {}, {}, {}}}, {logits}, {bias}, {ids}, {wts},\n    \
-             reinterpret_cast<int32_t*>(m.arena + kRouteLog + {log_at}));\n}}",
+             reinterpret_cast<int32_t*>(m.arena + {log}));\n}}",
             attrs.int("n_group"),
             attrs.int("topk_group"),
             attrs.bool("renormalize"),
             float(attrs.float("scale"))
         );
-        self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+        self.role(stage, format!("{f}(m, p);"), None);
         Ok(())
     }
 
@@ -109,8 +111,8 @@ impl Gen<'_> {
         let down_at = self.reserve(down, self.batch * slots * d * 4)?;
         let _ = writeln!(
             self.code,
-            "\n__device__ constexpr MoeShape moe_{}{{{e}, {k}, {i}, {d}, {slots}, {bg}, {bu}, {bd}, {stride}}};",
-            n.index()
+            "\n__device__ inline MoeShape @K@_shape(const @K@_params& p) {{\n  \
+             return MoeShape{{{e}, {k}, {i}, {d}, {slots}, uint32_t({bg}), uint32_t({bu}), uint32_t({bd}), {stride}}};\n}}"
         );
         // The row type, its loader and its consumer.
         let (rows_t, rows_fn, load_fn, compute_fn) = if mx {
@@ -118,9 +120,8 @@ impl Gen<'_> {
         } else {
             ("Rows", "expert_rows", "rows_load<kBatch>", "rows_compute")
         };
-        let act = format!("reinterpret_cast<float*>({act_at})");
-        let dn = format!("reinterpret_cast<float*>({down_at})");
-        let i_ = n.index();
+        let act = format!("reinterpret_cast<float*>({})", self.arena("act", act_at));
+        let dn = format!("reinterpret_cast<float*>({})", self.arena("down", down_at));
         // Expert rows stream through the page ring like a projection's; the
         // loader finds the slot's expert in the router's ids.
         // An MXFP4 stage's input is staged whole as fp32; one that does not
@@ -152,24 +153,27 @@ impl Gen<'_> {
         let spill_arg = |s: &str| if mx { format!(", {s}") } else { String::new() };
         let (up_spill, down_spill) = (spill_arg(&spill[0]), spill_arg(&spill[1]));
         self.header(up, op, "one expert slot's gate/up rows");
+        let f = self.fname(op, up);
         let _ = writeln!(
             self.code,
-            "__device__ inline {rows_t} stage_{up}_rows(const TaskArgs& t, const Memory& m) {{\n  \
-             return {rows_fn}<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, false);\n}}\n\
-             __device__ inline void stage_{up}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
-             const {rows_t} r = stage_{up}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+            "__device__ inline {rows_t} {f}_rows(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
+             return {rows_fn}<kBatch>(@K@_shape(p), t.a[0], t.a[1], t.a[2], m.w, {ids}, false);\n}}\n\
+             __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it, int warp) {{\n  \
+             const {rows_t} r = {f}_rows(t, m, p);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
              {compute_fn}<kBatch>(r, {x}, {norm}, {}, it, warp, st{up_spill});\n  consumer_sync();\n  \
              const Span s = Span{{0, r.r0, r.r1 - r.r0}};\n  {act_call}\n  consumer_sync();\n  \
              ep_store<kBatch>(st, n, s, {act} + size_t(t.a[0]) * kBatch * {i}, {i});\n}}",
             float(eps)
         );
+        self.role(up, format!("{f}(t, m, p, it, warp);"), Some(format!("{load_fn}({f}_rows(t, m, p), it);")));
         self.header(down, op, "one expert slot's down rows");
+        let f = self.fname(op, down);
         let _ = writeln!(
             self.code,
-            "__device__ inline {rows_t} stage_{down}_rows(const TaskArgs& t, const Memory& m) {{\n  \
-             return {rows_fn}<kBatch>(moe_{i_}, t.a[0], t.a[1], t.a[2], m.w, {ids}, true);\n}}\n\
-             __device__ inline void stage_{down}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
-             const {rows_t} r = stage_{down}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+            "__device__ inline {rows_t} {f}_rows(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
+             return {rows_fn}<kBatch>(@K@_shape(p), t.a[0], t.a[1], t.a[2], m.w, {ids}, true);\n}}\n\
+             __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it, int warp) {{\n  \
+             const {rows_t} r = {f}_rows(t, m, p);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
              {compute_fn}<kBatch>(r, {act} + size_t(t.a[0]) * kBatch * {i}, nullptr, 1e-6f, it, warp, st{down_spill});\n  \
              consumer_sync();\n  \
              ep_store<kBatch>(st, n, Span{{0, r.r0, r.r1 - r.r0}}, {dn} + size_t(t.a[0]) * kBatch * {d}, {d});\n}}"
@@ -180,21 +184,17 @@ impl Gen<'_> {
         let router = self.writer.get(&ops[1]).copied().ok_or_else(|| unsupported(op, "ids from a router stage"))?;
         let counter =
             self.plan.schedule.counters.iter().find(|c| c.stage == router).expect("every stage has a counter");
-        self.load_waits.push((up, counter.id as u32, counter.expected));
-        self.load_waits.push((down, counter.id as u32, counter.expected));
-        for s in [up, down] {
-            self.load_cases.push(format!("case {s}: {load_fn}(stage_{s}_rows(t, m), it); break;"));
-        }
+        self.role(down, format!("{f}(t, m, p, it, warp);"), Some(format!("{load_fn}({f}_rows(t, m, p), it);")));
+        self.load_waits.insert(up, (counter.id as u32, counter.expected));
+        self.load_waits.insert(down, (counter.id as u32, counter.expected));
         self.header(combine, op, "weighted sum of the slots");
+        let f = self.fname(op, combine);
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{combine}(const TaskArgs& t, const Memory& m) {{\n  \
-             expert_combine<kBatch>(moe_{i_}, t.a[0], t.a[1], {ids}, {wts}, {dn}, {out});\n}}"
+            "__device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
+             expert_combine<kBatch>(@K@_shape(p), t.a[0], t.a[1], {ids}, {wts}, {dn}, {out});\n}}"
         );
-        for s in [up, down] {
-            self.run_cases.push(format!("case {s}: stage_{s}(t, m, it, warp); break;"));
-        }
-        self.run_cases.push(format!("case {combine}: stage_{combine}(t, m); break;"));
+        self.role(combine, format!("{f}(t, m, p);"), None);
         Ok(())
     }
 }

@@ -91,7 +91,7 @@ impl Gen<'_> {
         // Row sources of each task, by its linear node.
         let mut rows = String::new();
         let _ = writeln!(rows, "  Rows r{{nullptr, nullptr, t.a[2], t.a[3], {k}}};\n  switch (t.a[0]) {{");
-        for l in &linears {
+        for (ordinal, l) in linears.iter().enumerate() {
             let w = self.weight(g.operands(*l)[1].node, 0)?;
             let up = op
                 .nodes
@@ -102,7 +102,7 @@ impl Gen<'_> {
                 Some(u) if linears.contains(&u) => self.weight(g.operands(u)[1].node, 0)?,
                 _ => "nullptr".into(),
             };
-            let _ = writeln!(rows, "    case {}: r.w0 = {w}; r.w1 = {w1}; break;", l.index());
+            let _ = writeln!(rows, "    case {ordinal}: r.w0 = {w}; r.w1 = {w1}; break;");
         }
         let _ = writeln!(rows, "    default: __trap();\n  }}");
         let tasks: Vec<usize> = self.plan.tiling.stages[rows_stage].tasks.clone();
@@ -139,18 +139,20 @@ impl Gen<'_> {
             name
         };
         let mut lm_tiles = None;
+        let mut ropes = 0;
         for &ni in &op.nodes {
             let n = nid(ni);
             let (kind, attrs) = self.op_of(n).expect("an op");
             let ops = g.operands(n);
             let out = ValueRef { node: n, output: 0 };
-            let comment = format!("  // {} {}", kind.name(), self.where_(n));
+            let comment = format!("  // {} {}", kind.name(), self.where_short(n));
             let _ = writeln!(body, "{comment}");
             match kind {
                 OpKind::RmsNorm | OpKind::GatedRmsNorm | OpKind::Mul if n == x.node => continue,
                 OpKind::Sigmoid if mul_gate.is_some() && g.operands(x.node).iter().any(|v| v.node == n) => continue,
                 OpKind::Linear | OpKind::LmHead => {
-                    let s = new_span(&mut body, format!("linear_span(t, {})", n.index()));
+                    let ordinal = linears.iter().position(|l| *l == n).expect("a linear of the op");
+                    let s = new_span(&mut body, format!("linear_span(t, {ordinal})"));
                     span.insert(out, s);
                 }
                 OpKind::ActAndMul => {
@@ -180,7 +182,8 @@ impl Gen<'_> {
                         .cloned()
                         .ok_or_else(|| unsupported(op, "RoPE of a value it does not compute"))?;
                     let (inv, mscale) = rope_table(attrs);
-                    let table = format!("rope_{}", n.index());
+                    ropes += 1;
+                    let table = format!("@K@_rope{ropes}");
                     let list: Vec<String> = inv.iter().map(|f| float(*f)).collect();
                     let _ = writeln!(
                         self.code,
@@ -248,6 +251,7 @@ impl Gen<'_> {
                     let bank = self.value(ops[0], op)?;
                     reads.push(ops[0]);
                     let dst = self.value(out, op)?;
+                    let rows = self.param("bank_rows", Param::Int(rows));
                     let _ = writeln!(body, "  ep_stack<kBatch>(st, n, {src}, {bank}, {rows}, {hidden}, {dst});");
                     // The stacked bank is stored here, not through a span.
                     continue;
@@ -281,7 +285,7 @@ impl Gen<'_> {
                         a => return Err(unsupported(op, &format!("a short conv with act \"{a}\""))),
                     };
                     let w = self.weight(ops[1].node, 0)?;
-                    let state = format!("static_cast<{c_type}*>(m.state[{}])", self.state_index[&ops[2].node]);
+                    let state = self.state(ops[2].node, c_type);
                     let _ = writeln!(
                         body,
                         "  ep_conv_update<kBatch>(st, n, {src}, {w}, {width}, {state}, {}, {channels}, {silu});\n  consumer_sync();",
@@ -309,7 +313,7 @@ impl Gen<'_> {
                         .ok_or_else(|| unsupported(op, "argmax of a value it does not compute"))?;
                     let tiles = tasks.len();
                     let at = self.reserve(rows_stage, self.batch * tiles as u64 * 8)?;
-                    let ptr = format!("reinterpret_cast<float2*>({at})");
+                    let ptr = format!("reinterpret_cast<float2*>({})", self.arena("tile_max", at));
                     let _ = writeln!(body, "  ep_tile_max<kBatch>(st, n, {src}, {ptr}, t.index, {tiles});");
                     lm_tiles = Some((ptr, tiles, out));
                     continue;
@@ -319,9 +323,10 @@ impl Gen<'_> {
             // Values read elsewhere are stored once final.
             for (o, _) in g.node(n).outputs.iter().enumerate() {
                 let v = ValueRef { node: n, output: o as u16 };
-                if let (Some(slot), Some(s)) = (self.slots.get(&v), span.get(&v)) {
+                if let (Some(slot), Some(s)) = (self.slots.get(&v).cloned(), span.get(&v)) {
                     let len = slot.ty.elements();
-                    let _ = writeln!(body, "  ep_store<kBatch>(st, n, {s}, {}, {len});", slot.ptr);
+                    let ptr = self.slot_ptr(&slot);
+                    let _ = writeln!(body, "  ep_store<kBatch>(st, n, {s}, {ptr}, {len});");
                 }
             }
             if in_op_users.get(&out).copied().unwrap_or(0) > 1 {
@@ -330,9 +335,10 @@ impl Gen<'_> {
         }
         self.check_reads(rows_stage, &reads)?;
         self.header(rows_stage, op, "output rows");
+        let f = self.fname(op, rows_stage);
         let _ = writeln!(
             self.code,
-            "__device__ inline Rows stage_{rows_stage}_rows(const TaskArgs& t, const Memory& m) {{\n{rows}  return r;\n}}"
+            "__device__ inline Rows {f}_rows(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n{rows}  return r;\n}}"
         );
         let compute = match (&gate, &mul_gate) {
             (None, Some((gptr, sig))) => {
@@ -347,22 +353,25 @@ impl Gen<'_> {
         };
         let _ = writeln!(
             self.code,
-            "__device__ inline void stage_{rows_stage}(const TaskArgs& t, const Memory& m, uint32_t& it, int warp) {{\n  \
-             const Rows r = stage_{rows_stage}_rows(t, m);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+            "__device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it, int warp) {{\n  \
+             const Rows r = {f}_rows(t, m, p);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
              {compute}\n  consumer_sync();\n{body}}}"
         );
-        self.load_cases
-            .push(format!("case {rows_stage}: rows_load<kBatch>(stage_{rows_stage}_rows(t, m), it); break;"));
-        self.run_cases.push(format!("case {rows_stage}: stage_{rows_stage}(t, m, it, warp); break;"));
+        self.role(
+            rows_stage,
+            format!("{f}(t, m, p, it, warp);"),
+            Some(format!("rows_load<kBatch>({f}_rows(t, m, p), it);")),
+        );
         if let Some((ptr, tiles, out)) = lm_tiles {
             let stage = stages[1];
             let dst = self.value(out, op)?;
             self.header(stage, op, "argmax over the row tiles");
+            let f = self.fname(op, stage);
             let _ = writeln!(
                 self.code,
-                "__device__ inline void stage_{stage}(const TaskArgs&, const Memory& m) {{\n  argmax_tiles<kBatch>({ptr}, {tiles}, {dst});\n}}"
+                "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  argmax_tiles<kBatch>({ptr}, {tiles}, {dst});\n}}"
             );
-            self.run_cases.push(format!("case {stage}: stage_{stage}(t, m); break;"));
+            self.role(stage, format!("{f}(m, p);"), None);
         }
         Ok(())
     }
