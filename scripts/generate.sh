@@ -3,7 +3,8 @@
 # 93-layer K3 for every target, Kimi Linear's full config and K2's
 # per-layer-dims config for the H200. With --check (CI), fails if anything
 # differs from what is committed, then compiles every generated program with
-# nvcc for its target, reporting each one's time and peak memory.
+# nvcc for its target, reporting each one's time and peak memory. The sources
+# are formatted with the pinned clang-format (templates/clang-format).
 #
 # Plan files (plan.mkcplan) of the tiny configs are committed; those of the
 # full-size models are not (megabytes that change with every plan change):
@@ -11,10 +12,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --quiet
+scripts/toolchain.sh > /dev/null
+clang_format=.toolchain/site/clang_format/data/bin/clang-format
 gen() {  # model config target folder
   rm -rf "generated/$4"
   ./target/release/mkc codegen "model_graphs/$1/graph.mkc" --config "model_graphs/$1/$2" --target "$3" \
     -o "generated/$4" > /dev/null
+  # Formatted by the pinned clang-format (templates/clang-format).
+  "$clang_format" -i --style=file:templates/clang-format "generated/$4"/*.cuh "generated/$4"/*.cu
 }
 for model in kimi_k2 kimi_k3 kimi_linear; do
   for target in h200 b200 gb300; do
@@ -34,15 +39,19 @@ if [ "${1:-}" = "--check" ]; then
     echo "generated/ is out of date: run scripts/generate.sh and commit the result" >&2
     exit 1
   fi
-  scripts/toolchain.sh > /dev/null
   tmp=$(mktemp -d)
   for dir in generated/*/; do
     name=$(basename "$dir")
     start=$(date +%s)
-    /usr/bin/time -f "%M" -o "$tmp/$name.mem" scripts/build_model.sh "$dir" "$tmp/$name" --object-only
+    if [ -x /usr/bin/time ]; then
+      /usr/bin/time -f "%M" -o "$tmp/$name.mem" scripts/build_model.sh "$dir" "$tmp/$name" --object-only
+      peak="$(( $(tail -n 1 "$tmp/$name.mem") / 1024 )) MB peak"
+    else
+      scripts/build_model.sh "$dir" "$tmp/$name" --object-only
+      peak="(no /usr/bin/time: peak memory not measured)"
+    fi
     lines=$(cat "$dir"/*.cuh "$dir"/*.cu | wc -l)
-    printf '%-32s %6s lines  %4ss  %5s MB peak\n' "$name" "$lines" "$(( $(date +%s) - start ))" \
-      "$(( $(tail -n 1 "$tmp/$name.mem") / 1024 ))"
+    printf '%-32s %6s lines  %4ss  %s\n' "$name" "$lines" "$(( $(date +%s) - start ))" "$peak"
   done
   rm -rf "$tmp"
   echo "generated/ is up to date and compiles"

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=.toolchain
-pins="nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cutlass==4.2.0.0"
+pins="nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cutlass==4.2.0.0 clang-format==19.1.7"
 stamp="$dest/.pins"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$pins" ]; then
   rm -rf "$dest"
@@ -18,5 +18,6 @@ fi
 cu13="$dest/site/nvidia/cu13"
 cutlass="$dest/site/cutlass_library/source"
 test -x "$cu13/bin/nvcc" || { echo "toolchain: nvcc missing under $cu13" >&2; exit 1; }
+test -x "$dest/site/clang_format/data/bin/clang-format" || { echo "toolchain: clang-format missing" >&2; exit 1; }
 test -f "$cutlass/include/cute/tensor.hpp" || { echo "toolchain: CuTe headers missing under $cutlass" >&2; exit 1; }
 echo "$cu13/bin/nvcc"

@@ -10,6 +10,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod contract;
 pub mod diag;
 pub mod dot;
 pub mod emit;

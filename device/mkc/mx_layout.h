@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "contract.h"
+
 #ifdef __CUDACC__
 #define MKC_HOST_DEVICE __host__ __device__
 #else
@@ -42,8 +44,7 @@ enum class WeightLayout : uint8_t {
   kMxScales,  // MXFP4 scales [rows, k / 32], tiled as below
 };
 
-constexpr uint32_t kMxTileRows = 8;
-constexpr uint32_t kMxBlock = 32;         // elements per scale
+// kMxTileRows and kMxBlock (elements per scale): contract.h.
 constexpr uint32_t kMxBlockBytes = 16;    // a block's codes in one row
 constexpr uint32_t kMxTileBlockBytes = kMxTileRows * kMxBlockBytes;  // a block's codes in one tile: 128
 

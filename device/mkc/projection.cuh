@@ -13,6 +13,8 @@
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "contract.h"
+
 namespace mkc {
 
 // One projection task: rows [row0, row0 + rows) of W [n_out, k] (row-major,
@@ -36,15 +38,10 @@ struct ProjectionTask {
   const __nv_bfloat16* residual = nullptr;  // [batch, n_out]
 };
 
-constexpr int kMaxBatch = 8;
-constexpr int kConsumerWarps = 8;
-// A page holds kPageRows rows of kPageK weights: 16 KiB of bf16.
-constexpr int kPageRows = kConsumerWarps;
-constexpr int kPageK = 1024;
-constexpr int kPageBytes = kPageRows * kPageK * 2;
+// kMaxBatch, kConsumerWarps, the page ring's kPageRows, kPageK, kPageBytes and
+// kPages: contract.h (the planner reads the same definitions).
+static_assert(kPageBytes == kPageRows * kPageK * 2, "a page holds kPageRows rows of kPageK bf16 weights");
 static_assert(kPageRows <= 32, "rows_load copies a page's rows with one lane each");
-// 128 KiB in flight per SM (src/plan/specialize.rs, MAX_PAGES).
-constexpr int kPages = 8;
 // Who releases a page: every consumer thread after its own reads (each read
 // then ordered before the loader's next copy by that thread's own arrive,
 // which compute-sanitizer's racecheck follows: 0 hazards), or, with

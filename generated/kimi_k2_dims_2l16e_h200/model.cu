@@ -132,6 +132,8 @@ int mkc_model_load_state(mkc_model* m, const void* src, size_t len, char* err, s
   return guarded(err, err_len, [&] { m->engine.restore(static_cast<const char*>(src), len); });
 }
 
-void mkc_model_close(mkc_model* m) { delete m; }
+void mkc_model_close(mkc_model* m) {
+  delete m;
+}
 
 }  // extern "C"

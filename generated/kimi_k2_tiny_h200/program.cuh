@@ -34,26 +34,29 @@ static_assert(kPages == 8, "the device library's page ring differs from the plan
 // Graph outputs (bytes per sequence).
 inline constexpr uint32_t kOutputs = 2;
 inline constexpr uint64_t output_bytes[kOutputs] = {
-    4,  // next_token: int32_t
+    4,     // next_token: int32_t
     2048,  // logits: float
 };
 inline constexpr uint32_t kNextTokenOutput = 0;
 inline constexpr uint32_t kLogitsOutput = 1;
 inline constexpr uint64_t kVocab = 512;
 
-__device__ inline float* staging(const Memory& m) { return m.staging + size_t(blockIdx.x) * kStagingFloats; }
+__device__ inline float* staging(const Memory& m) {
+  return m.staging + size_t(blockIdx.x) * kStagingFloats;
+}
 
 // ---------------------------------------------------------------------------
 // embedding0: 1 fused operation of this code; the first covers
 //   embedding h (144:7)
 struct embedding0_params {
   uint64_t embed;  // weight index
-  uint64_t h;  // arena offset
+  uint64_t h;      // arena offset
 };
 
 // embedding: token rows
 __device__ inline void embedding0(const Memory& m, const embedding0_params& p) {
-  embedding<kBatch>(static_cast<const __nv_bfloat16*>(m.w[p.embed]), m.tokens, 64, reinterpret_cast<float*>(m.arena + p.h));
+  embedding<kBatch>(static_cast<const __nv_bfloat16*>(m.w[p.embed]), m.tokens, 64,
+                    reinterpret_cast<float*>(m.arena + p.h));
 }
 
 // ---------------------------------------------------------------------------
@@ -64,13 +67,13 @@ __device__ inline void embedding0(const Memory& m, const embedding0_params& p) {
 //   split layer.0/decoder_layer/mla/c_kv (79:16)
 //   rope layer.0/decoder_layer/mla/k_pe (81:10)
 struct projection0_params {
-  uint64_t in;  // arena offset
-  uint64_t n_in;  // weight index
-  uint64_t w_qa;  // weight index
-  uint64_t w_kva;  // weight index
+  uint64_t in;      // arena offset
+  uint64_t n_in;    // weight index
+  uint64_t w_qa;    // weight index
+  uint64_t w_kva;   // weight index
   uint64_t linear;  // arena offset
-  uint64_t c_kv;  // arena offset
-  uint64_t k_pe;  // arena offset
+  uint64_t c_kv;    // arena offset
+  uint64_t k_pe;    // arena offset
 };
 __device__ const float projection0_rope1[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 
@@ -78,17 +81,26 @@ __device__ const float projection0_rope1[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 __device__ inline Rows projection0_rows(const TaskArgs& t, const Memory& m, const projection0_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_qa]); r.w1 = nullptr; break;
-    case 1: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_kva]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_qa]);
+      r.w1 = nullptr;
+      break;
+    case 1:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_kva]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection0(const TaskArgs& t, const Memory& m, const projection0_params& p, uint32_t& it, int warp) {
+__device__ inline void projection0(const TaskArgs& t, const Memory& m, const projection0_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection0_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
+                       1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm rms_norm (125:18)
   // linear linear (65:25)
@@ -112,10 +124,10 @@ __device__ inline void projection0(const TaskArgs& t, const Memory& m, const pro
 //   linear layer.0/decoder_layer/mla/q (65:9)
 //   rope layer.0/decoder_layer/mla/q#2 (76:7)
 struct projection1_params {
-  uint64_t in;  // arena offset
+  uint64_t in;    // arena offset
   uint64_t n_qa;  // weight index
   uint64_t w_qb;  // weight index
-  uint64_t q_2;  // arena offset
+  uint64_t q_2;   // arena offset
 };
 __device__ const float projection1_rope1[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 
@@ -123,16 +135,22 @@ __device__ const float projection1_rope1[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 __device__ inline Rows projection1_rows(const TaskArgs& t, const Memory& m, const projection1_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 32};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_qb]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_qb]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection1(const TaskArgs& t, const Memory& m, const projection1_params& p, uint32_t& it, int warp) {
+__device__ inline void projection1(const TaskArgs& t, const Memory& m, const projection1_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection1_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_qa]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_qa]),
+                       1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm rms_norm (65:16)
   // linear q (65:9)
@@ -148,13 +166,13 @@ __device__ inline void projection1(const TaskArgs& t, const Memory& m, const pro
 //   rms_norm layer.0/decoder_layer/mla/c_kv#2 (80:10)
 //   mla_decode layer.0/decoder_layer/mla/o (84:7)
 struct mla0_params {
-  uint64_t in;  // arena offset
-  uint64_t in_2;  // arena offset
-  uint64_t n_kva;  // weight index
-  uint64_t in_3;  // arena offset
-  uint64_t w_kvb;  // weight index
+  uint64_t in;        // arena offset
+  uint64_t in_2;      // arena offset
+  uint64_t n_kva;     // weight index
+  uint64_t in_3;      // arena offset
+  uint64_t w_kvb;     // weight index
   uint64_t kv_cache;  // state index
-  uint64_t o;  // arena offset
+  uint64_t o;         // arena offset
   uint64_t partials;  // arena offset
 };
 
@@ -162,18 +180,26 @@ __device__ constexpr MlaShape mla0_shape{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.041
 
 // mla_split: attention over one KV split (cache rows through the page ring, online softmax)
 __device__ inline void mla0_mla_split_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos, it);
+  mla_split_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                         static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos, it);
 }
 __device__ inline void mla0_mla_split(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in), reinterpret_cast<float*>(m.arena + p.in_2), static_cast<const __nv_bfloat16*>(m.w[p.n_kva]), 1e-6f, reinterpret_cast<float*>(m.arena + p.in_3), static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos, reinterpret_cast<float*>(m.arena + p.partials), it);
+  mla_split<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in),
+                    reinterpret_cast<float*>(m.arena + p.in_2), static_cast<const __nv_bfloat16*>(m.w[p.n_kva]), 1e-6f,
+                    reinterpret_cast<float*>(m.arena + p.in_3), static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                    static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos,
+                    reinterpret_cast<float*>(m.arena + p.partials), it);
 }
 
 // mla_combine: split merge and value up-projection (W_UV through the page ring)
 __device__ inline void mla0_mla_combine_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
   mla_combine_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), it);
 }
-__device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it, int warp) {
-  mla_combine<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.partials), static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), reinterpret_cast<float*>(m.arena + p.o), it, warp);
+__device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it,
+                                        int warp) {
+  mla_combine<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.partials),
+                      static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), reinterpret_cast<float*>(m.arena + p.o), it,
+                      warp);
 }
 
 // ---------------------------------------------------------------------------
@@ -181,22 +207,27 @@ __device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, cons
 //   linear layer.0/decoder_layer/mla/out (85:9)
 //   add layer.0/decoder_layer/h (125:7)
 struct projection2_params {
-  uint64_t in;  // arena offset
-  uint64_t w_o;  // weight index
+  uint64_t in;    // arena offset
+  uint64_t w_o;   // weight index
   uint64_t in_2;  // arena offset
-  uint64_t h;  // arena offset
+  uint64_t h;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection2_rows(const TaskArgs& t, const Memory& m, const projection2_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection2(const TaskArgs& t, const Memory& m, const projection2_params& p, uint32_t& it, int warp) {
+__device__ inline void projection2(const TaskArgs& t, const Memory& m, const projection2_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection2_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -217,28 +248,37 @@ __device__ inline void projection2(const TaskArgs& t, const Memory& m, const pro
 //   linear layer.0/decoder_layer/dense_mlp/linear#2 (94:38)
 //   act_and_mul layer.0/decoder_layer/dense_mlp/h (94:7)
 struct projection3_params {
-  uint64_t in;  // arena offset
+  uint64_t in;      // arena offset
   uint64_t n_post;  // weight index
   uint64_t w_gate;  // weight index
-  uint64_t w_up;  // weight index
-  uint64_t h;  // arena offset
+  uint64_t w_up;    // weight index
+  uint64_t h;       // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection3_rows(const TaskArgs& t, const Memory& m, const projection3_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_gate]); r.w1 = static_cast<const __nv_bfloat16*>(m.w[p.w_up]); break;
-    case 1: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_up]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_gate]);
+      r.w1 = static_cast<const __nv_bfloat16*>(m.w[p.w_up]);
+      break;
+    case 1:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_up]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection3(const TaskArgs& t, const Memory& m, const projection3_params& p, uint32_t& it, int warp) {
+__device__ inline void projection3(const TaskArgs& t, const Memory& m, const projection3_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection3_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                       1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm x (126:7)
   // linear linear (94:19)
@@ -256,22 +296,27 @@ __device__ inline void projection3(const TaskArgs& t, const Memory& m, const pro
 //   linear layer.0/decoder_layer/dense_mlp/out (95:9)
 //   add layer.0/decoder_layer/h#2 (131:9)
 struct projection4_params {
-  uint64_t in;  // arena offset
+  uint64_t in;      // arena offset
   uint64_t w_down;  // weight index
-  uint64_t in_2;  // arena offset
-  uint64_t h_2;  // arena offset
+  uint64_t in_2;    // arena offset
+  uint64_t h_2;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection4_rows(const TaskArgs& t, const Memory& m, const projection4_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 128};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_down]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_down]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection4(const TaskArgs& t, const Memory& m, const projection4_params& p, uint32_t& it, int warp) {
+__device__ inline void projection4(const TaskArgs& t, const Memory& m, const projection4_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection4_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -293,12 +338,12 @@ __device__ inline void projection4(const TaskArgs& t, const Memory& m, const pro
 //   linear layer.1/decoder_layer/moe_mlp/linear#3 (115:52)
 //   act_and_mul layer.1/decoder_layer/moe_mlp/act_and_mul (115:21)
 struct projection5_params {
-  uint64_t in;  // arena offset
-  uint64_t n_post;  // weight index
-  uint64_t router_w;  // weight index
-  uint64_t s_gate;  // weight index
-  uint64_t s_up;  // weight index
-  uint64_t linear;  // arena offset
+  uint64_t in;           // arena offset
+  uint64_t n_post;       // weight index
+  uint64_t router_w;     // weight index
+  uint64_t s_gate;       // weight index
+  uint64_t s_up;         // weight index
+  uint64_t linear;       // arena offset
   uint64_t act_and_mul;  // arena offset
 };
 
@@ -306,18 +351,30 @@ struct projection5_params {
 __device__ inline Rows projection5_rows(const TaskArgs& t, const Memory& m, const projection5_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.router_w]); r.w1 = nullptr; break;
-    case 1: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_gate]); r.w1 = static_cast<const __nv_bfloat16*>(m.w[p.s_up]); break;
-    case 2: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_up]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.router_w]);
+      r.w1 = nullptr;
+      break;
+    case 1:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_gate]);
+      r.w1 = static_cast<const __nv_bfloat16*>(m.w[p.s_up]);
+      break;
+    case 2:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_up]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection5(const TaskArgs& t, const Memory& m, const projection5_params& p, uint32_t& it, int warp) {
+__device__ inline void projection5(const TaskArgs& t, const Memory& m, const projection5_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection5_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                       1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm x (126:7)
   // linear linear (107:25)
@@ -337,17 +394,18 @@ __device__ inline void projection5(const TaskArgs& t, const Memory& m, const pro
 // router0: 2 fused operations of this code; the first covers
 //   router layer.1/decoder_layer/moe_mlp/ids (107:18)
 struct router0_params {
-  uint64_t in;  // arena offset
-  uint64_t router_b;  // weight index
-  uint64_t ids;  // arena offset
-  uint64_t ids_1;  // arena offset
+  uint64_t in;         // arena offset
+  uint64_t router_b;   // weight index
+  uint64_t ids;        // arena offset
+  uint64_t ids_1;      // arena offset
   uint64_t route_log;  // arena offset (routing log)
 };
 
 // router: scores and top-k
 __device__ inline void router0(const Memory& m, const router0_params& p) {
-  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + p.in), static_cast<const float*>(m.w[p.router_b]), reinterpret_cast<int32_t*>(m.arena + p.ids), reinterpret_cast<float*>(m.arena + p.ids_1),
-    reinterpret_cast<int32_t*>(m.arena + p.route_log));
+  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + p.in),
+                 static_cast<const float*>(m.w[p.router_b]), reinterpret_cast<int32_t*>(m.arena + p.ids),
+                 reinterpret_cast<float*>(m.arena + p.ids_1), reinterpret_cast<int32_t*>(m.arena + p.route_log));
 }
 
 // ---------------------------------------------------------------------------
@@ -355,16 +413,16 @@ __device__ inline void router0(const Memory& m, const router0_params& p) {
 //   moe layer.1/decoder_layer/moe_mlp/routed (109:12)
 //   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
 struct moe0_params {
-  uint64_t in;  // arena offset
+  uint64_t in;      // arena offset
   uint64_t n_post;  // weight index
-  uint64_t in_2;  // arena offset
-  uint64_t in_3;  // arena offset
+  uint64_t in_2;    // arena offset
+  uint64_t in_3;    // arena offset
   uint64_t e_gate;  // weight index
-  uint64_t e_up;  // weight index
+  uint64_t e_up;    // weight index
   uint64_t e_down;  // weight index
   uint64_t routed;  // arena offset
-  uint64_t act;  // arena offset
-  uint64_t down;  // arena offset
+  uint64_t act;     // arena offset
+  uint64_t down;    // arena offset
 };
 
 __device__ inline MoeShape moe0_shape(const moe0_params& p) {
@@ -373,13 +431,16 @@ __device__ inline MoeShape moe0_shape(const moe0_params& p) {
 
 // expert_up: one expert slot's gate/up rows
 __device__ inline Rows moe0_expert_up_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2), false);
+  return expert_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                             false);
 }
-__device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it, int warp) {
+__device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
+                                      int warp) {
   const Rows r = moe0_expert_up_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                       1e-6f, it, warp, st);
   consumer_sync();
   const Span s = Span{0, r.r0, r.r1 - r.r0};
   ep_silu_and_mul<kBatch>(st, n, s);
@@ -389,20 +450,26 @@ __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const 
 
 // expert_down: one expert slot's down rows
 __device__ inline Rows moe0_expert_down_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2), true);
+  return expert_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                             true);
 }
-__device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it, int warp) {
+__device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
+                                        int warp) {
   const Rows r = moe0_expert_down_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it,
+                       warp, st);
   consumer_sync();
-  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + p.down) + size_t(t.a[0]) * kBatch * 64, 64);
+  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0},
+                   reinterpret_cast<float*>(m.arena + p.down) + size_t(t.a[0]) * kBatch * 64, 64);
 }
 
 // expert_combine: weighted sum of the slots
 __device__ inline void moe0_expert_combine(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  expert_combine<kBatch>(moe0_shape(p), t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in_3), reinterpret_cast<float*>(m.arena + p.down), reinterpret_cast<float*>(m.arena + p.routed));
+  expert_combine<kBatch>(moe0_shape(p), t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                         reinterpret_cast<float*>(m.arena + p.in_3), reinterpret_cast<float*>(m.arena + p.down),
+                         reinterpret_cast<float*>(m.arena + p.routed));
 }
 
 // ---------------------------------------------------------------------------
@@ -411,23 +478,28 @@ __device__ inline void moe0_expert_combine(const TaskArgs& t, const Memory& m, c
 //   add layer.1/decoder_layer/moe_mlp/routed#2 (116:14)
 //   add layer.1/decoder_layer/h#2 (129:9)
 struct projection6_params {
-  uint64_t in;  // arena offset
+  uint64_t in;      // arena offset
   uint64_t s_down;  // weight index
-  uint64_t in_2;  // arena offset
-  uint64_t in_3;  // arena offset
-  uint64_t h_2;  // arena offset
+  uint64_t in_2;    // arena offset
+  uint64_t in_3;    // arena offset
+  uint64_t h_2;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection6_rows(const TaskArgs& t, const Memory& m, const projection6_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 32};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection6(const TaskArgs& t, const Memory& m, const projection6_params& p, uint32_t& it, int warp) {
+__device__ inline void projection6(const TaskArgs& t, const Memory& m, const projection6_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection6_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -450,26 +522,32 @@ __device__ inline void projection6(const TaskArgs& t, const Memory& m, const pro
 //   lm_head logits (148:12)
 //   argmax next_token (149:16)
 struct lm_head0_params {
-  uint64_t in;  // arena offset
+  uint64_t in;          // arena offset
   uint64_t final_norm;  // weight index
-  uint64_t lm_w;  // weight index
-  uint64_t tile_max;  // arena offset
+  uint64_t lm_w;        // weight index
+  uint64_t tile_max;    // arena offset
 };
 
 // lm_head_rows: output rows
 __device__ inline Rows lm_head0_lm_head_rows_rows(const TaskArgs& t, const Memory& m, const lm_head0_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.lm_w]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.lm_w]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void lm_head0_lm_head_rows(const TaskArgs& t, const Memory& m, const lm_head0_params& p, uint32_t& it, int warp) {
+__device__ inline void lm_head0_lm_head_rows(const TaskArgs& t, const Memory& m, const lm_head0_params& p, uint32_t& it,
+                                             int warp) {
   const Rows r = lm_head0_lm_head_rows_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.final_norm]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in),
+                       static_cast<const __nv_bfloat16*>(m.w[p.final_norm]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm rms_norm (148:20)
   // lm_head logits (148:12)
@@ -558,7 +636,8 @@ struct Step {
         rows_load<kBatch>(lm_head0_lm_head_rows_rows(t, m, p), it);
         break;
       }
-      default: break;  // reads its weights itself
+      default:
+        break;  // reads its weights itself
     }
   }
 
@@ -648,7 +727,8 @@ struct Step {
         lm_head0_argmax(m, p);
         break;
       }
-      default: __trap();  // a stage without code: fail loudly, never skip work
+      default:
+        __trap();  // a stage without code: fail loudly, never skip work
     }
   }
 };

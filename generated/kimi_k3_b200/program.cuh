@@ -34,14 +34,16 @@ static_assert(kPages == 8, "the device library's page ring differs from the plan
 // Graph outputs (bytes per sequence).
 inline constexpr uint32_t kOutputs = 2;
 inline constexpr uint64_t output_bytes[kOutputs] = {
-    4,  // next_token: int32_t
+    4,       // next_token: int32_t
     655360,  // logits: float
 };
 inline constexpr uint32_t kNextTokenOutput = 0;
 inline constexpr uint32_t kLogitsOutput = 1;
 inline constexpr uint64_t kVocab = 163840;
 
-__device__ inline float* staging(const Memory& m) { return m.staging + size_t(blockIdx.x) * kStagingFloats; }
+__device__ inline float* staging(const Memory& m) {
+  return m.staging + size_t(blockIdx.x) * kStagingFloats;
+}
 
 // ---------------------------------------------------------------------------
 // embedding0: 1 fused operation of this code; the first covers
@@ -49,15 +51,17 @@ __device__ inline float* staging(const Memory& m) { return m.staging + size_t(bl
 //   stack bank (234:10)
 struct embedding0_params {
   uint64_t embed;  // weight index
-  uint64_t c;  // arena offset
-  uint64_t bank;  // arena offset
+  uint64_t c;      // arena offset
+  uint64_t bank;   // arena offset
 };
 
 // embedding: token rows
 __device__ inline void embedding0(const Memory& m, const embedding0_params& p) {
-  embedding<kBatch>(static_cast<const __nv_bfloat16*>(m.w[p.embed]), m.tokens, 7168, reinterpret_cast<float*>(m.arena + p.c));
+  embedding<kBatch>(static_cast<const __nv_bfloat16*>(m.w[p.embed]), m.tokens, 7168,
+                    reinterpret_cast<float*>(m.arena + p.c));
   consumer_sync();
-  stack_rows<kBatch>(static_cast<const float*>(nullptr), 0, reinterpret_cast<float*>(m.arena + p.c), 7168, reinterpret_cast<float*>(m.arena + p.bank));
+  stack_rows<kBatch>(static_cast<const float*>(nullptr), 0, reinterpret_cast<float*>(m.arena + p.c), 7168,
+                     reinterpret_cast<float*>(m.arena + p.bank));
 }
 
 // ---------------------------------------------------------------------------
@@ -75,53 +79,75 @@ __device__ inline void embedding0(const Memory& m, const embedding0_params& p) {
 //   linear l.0/layer/kda/linear#6 (97:18)
 //   linear l.0/layer/kda/g (102:9)
 struct projection0_params {
-  uint64_t in;  // arena offset
-  uint64_t n_in;  // weight index
-  uint64_t w_q;  // weight index
-  uint64_t w_k;  // weight index
-  uint64_t w_v;  // weight index
-  uint64_t w_fa;  // weight index
-  uint64_t w_b;  // weight index
-  uint64_t w_g;  // weight index
-  uint64_t conv_q;  // weight index
+  uint64_t in;            // arena offset
+  uint64_t n_in;          // weight index
+  uint64_t w_q;           // weight index
+  uint64_t w_k;           // weight index
+  uint64_t w_v;           // weight index
+  uint64_t w_fa;          // weight index
+  uint64_t w_b;           // weight index
+  uint64_t w_g;           // weight index
+  uint64_t conv_q;        // weight index
   uint64_t conv_q_state;  // state index
-  uint64_t q;  // arena offset
-  uint64_t conv_k;  // weight index
+  uint64_t q;             // arena offset
+  uint64_t conv_k;        // weight index
   uint64_t conv_k_state;  // state index
-  uint64_t k;  // arena offset
-  uint64_t conv_v;  // weight index
+  uint64_t k;             // arena offset
+  uint64_t conv_v;        // weight index
   uint64_t conv_v_state;  // state index
-  uint64_t v;  // arena offset
-  uint64_t linear_4;  // arena offset
-  uint64_t linear_6;  // arena offset
-  uint64_t g;  // arena offset
+  uint64_t v;             // arena offset
+  uint64_t linear_4;      // arena offset
+  uint64_t linear_6;      // arena offset
+  uint64_t g;             // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection0_rows(const TaskArgs& t, const Memory& m, const projection0_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 7168};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_q]); r.w1 = nullptr; break;
-    case 1: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_k]); r.w1 = nullptr; break;
-    case 2: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_v]); r.w1 = nullptr; break;
-    case 3: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_fa]); r.w1 = nullptr; break;
-    case 4: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_b]); r.w1 = nullptr; break;
-    case 5: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_g]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_q]);
+      r.w1 = nullptr;
+      break;
+    case 1:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_k]);
+      r.w1 = nullptr;
+      break;
+    case 2:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_v]);
+      r.w1 = nullptr;
+      break;
+    case 3:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_fa]);
+      r.w1 = nullptr;
+      break;
+    case 4:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_b]);
+      r.w1 = nullptr;
+      break;
+    case 5:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_g]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection0(const TaskArgs& t, const Memory& m, const projection0_params& p, uint32_t& it, int warp) {
+__device__ inline void projection0(const TaskArgs& t, const Memory& m, const projection0_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection0_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
+                       1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm x (200:7)
   // linear linear (93:27)
   const Span s1 = linear_span(t, 0);
   // conv_update conv_update (93:15)
-  ep_conv_update<kBatch>(st, n, s1, static_cast<const float*>(m.w[p.conv_q]), 4, static_cast<__nv_bfloat16*>(m.state[p.conv_q_state]), 36864, 12288, 1);
+  ep_conv_update<kBatch>(st, n, s1, static_cast<const float*>(m.w[p.conv_q]), 4,
+                         static_cast<__nv_bfloat16*>(m.state[p.conv_q_state]), 36864, 12288, 1);
   consumer_sync();
   // l2_norm q (93:7)
   ep_l2_norm<kBatch>(st, n, s1, 128, 1e-6f);
@@ -130,7 +156,8 @@ __device__ inline void projection0(const TaskArgs& t, const Memory& m, const pro
   // linear linear#2 (94:27)
   const Span s2 = linear_span(t, 1);
   // conv_update conv_update#2 (94:15)
-  ep_conv_update<kBatch>(st, n, s2, static_cast<const float*>(m.w[p.conv_k]), 4, static_cast<__nv_bfloat16*>(m.state[p.conv_k_state]), 36864, 12288, 1);
+  ep_conv_update<kBatch>(st, n, s2, static_cast<const float*>(m.w[p.conv_k]), 4,
+                         static_cast<__nv_bfloat16*>(m.state[p.conv_k_state]), 36864, 12288, 1);
   consumer_sync();
   // l2_norm k (94:7)
   ep_l2_norm<kBatch>(st, n, s2, 128, 1e-6f);
@@ -139,7 +166,8 @@ __device__ inline void projection0(const TaskArgs& t, const Memory& m, const pro
   // linear linear#3 (95:19)
   const Span s3 = linear_span(t, 2);
   // conv_update v (95:7)
-  ep_conv_update<kBatch>(st, n, s3, static_cast<const float*>(m.w[p.conv_v]), 4, static_cast<__nv_bfloat16*>(m.state[p.conv_v_state]), 36864, 12288, 1);
+  ep_conv_update<kBatch>(st, n, s3, static_cast<const float*>(m.w[p.conv_v]), 4,
+                         static_cast<__nv_bfloat16*>(m.state[p.conv_v_state]), 36864, 12288, 1);
   consumer_sync();
   ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + p.v), 12288);
   // linear linear#4 (96:14)
@@ -157,21 +185,26 @@ __device__ inline void projection0(const TaskArgs& t, const Memory& m, const pro
 // projection1: 69 fused operations of this code; the first covers
 //   linear l.0/layer/kda/f (96:7)
 struct projection1_params {
-  uint64_t in;  // arena offset
+  uint64_t in;    // arena offset
   uint64_t w_fb;  // weight index
-  uint64_t f;  // arena offset
+  uint64_t f;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection1_rows(const TaskArgs& t, const Memory& m, const projection1_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 128};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_fb]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_fb]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection1(const TaskArgs& t, const Memory& m, const projection1_params& p, uint32_t& it, int warp) {
+__device__ inline void projection1(const TaskArgs& t, const Memory& m, const projection1_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection1_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -187,20 +220,24 @@ __device__ inline void projection1(const TaskArgs& t, const Memory& m, const pro
 //   sigmoid l.0/layer/kda/beta (97:10)
 //   kda_decode l.0/layer/kda/o (98:7)
 struct kda0_params {
-  uint64_t in;  // arena offset
-  uint64_t in_2;  // arena offset
-  uint64_t in_3;  // arena offset
-  uint64_t in_4;  // arena offset
-  uint64_t in_5;  // arena offset
-  uint64_t a_log;  // weight index
-  uint64_t dt_bias;  // weight index
+  uint64_t in;         // arena offset
+  uint64_t in_2;       // arena offset
+  uint64_t in_3;       // arena offset
+  uint64_t in_4;       // arena offset
+  uint64_t in_5;       // arena offset
+  uint64_t a_log;      // weight index
+  uint64_t dt_bias;    // weight index
   uint64_t recurrent;  // state index
-  uint64_t o;  // arena offset
+  uint64_t o;          // arena offset
 };
 
 // kda: state update of a range of heads
 __device__ inline void kda0(const TaskArgs& t, const Memory& m, const kda0_params& p) {
-  kda_decode<kBatch>(KdaShape{96, 128, true, -5e0f}, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in), reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in_3), reinterpret_cast<float*>(m.arena + p.in_4), reinterpret_cast<float*>(m.arena + p.in_5), static_cast<const float*>(m.w[p.a_log]), static_cast<const float*>(m.w[p.dt_bias]), static_cast<float*>(m.state[p.recurrent]), reinterpret_cast<float*>(m.arena + p.o));
+  kda_decode<kBatch>(KdaShape{96, 128, true, -5e0f}, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in),
+                     reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in_3),
+                     reinterpret_cast<float*>(m.arena + p.in_4), reinterpret_cast<float*>(m.arena + p.in_5),
+                     static_cast<const float*>(m.w[p.a_log]), static_cast<const float*>(m.w[p.dt_bias]),
+                     static_cast<float*>(m.state[p.recurrent]), reinterpret_cast<float*>(m.arena + p.o));
 }
 
 // ---------------------------------------------------------------------------
@@ -208,27 +245,34 @@ __device__ inline void kda0(const TaskArgs& t, const Memory& m, const kda0_param
 //   gated_rms_norm l.0/layer/kda/y (108:7)
 //   linear l.0/layer/kda/out (109:9)
 struct projection2_params {
-  uint64_t in;  // arena offset
-  uint64_t in_2;  // arena offset
+  uint64_t in;      // arena offset
+  uint64_t in_2;    // arena offset
   uint64_t o_norm;  // weight index
-  uint64_t w_o;  // weight index
-  uint64_t out;  // arena offset
+  uint64_t w_o;     // weight index
+  uint64_t out;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection2_rows(const TaskArgs& t, const Memory& m, const projection2_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 12288};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection2(const TaskArgs& t, const Memory& m, const projection2_params& p, uint32_t& it, int warp) {
+__device__ inline void projection2(const TaskArgs& t, const Memory& m, const projection2_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection2_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in), 96, 128, static_cast<const __nv_bfloat16*>(m.w[p.o_norm]), 1e-5f, 1, it, warp, st, nullptr);
+  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in),
+                             96, 128, static_cast<const __nv_bfloat16*>(m.w[p.o_norm]), 1e-5f, 1, it, warp, st,
+                             nullptr);
   consumer_sync();
   // gated_rms_norm y (108:7)
   // linear out (109:9)
@@ -240,17 +284,20 @@ __device__ inline void projection2(const TaskArgs& t, const Memory& m, const pro
 // attn_res0: 1 fused operation of this code; the first covers
 //   attn_res_mix l.0/layer/attn_res_mix (214:16)
 struct attn_res0_params {
-  uint64_t in;  // arena offset
-  uint64_t in_2;  // arena offset
-  uint64_t mr_w;  // weight index
-  uint64_t mr_n;  // weight index
+  uint64_t in;            // arena offset
+  uint64_t in_2;          // arena offset
+  uint64_t mr_w;          // weight index
+  uint64_t mr_n;          // weight index
   uint64_t attn_res_mix;  // arena offset
-  uint64_t bank_rows;  // count
+  uint64_t bank_rows;     // count
 };
 
 // attn_res: the mix of the bank and the current row
 __device__ inline void attn_res0(const Memory& m, const attn_res0_params& p) {
-  attn_res_mix<kBatch>(reinterpret_cast<float*>(m.arena + p.in_2), p.bank_rows, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.mr_w]), static_cast<const __nv_bfloat16*>(m.w[p.mr_n]), 1e-6f, 7168, 0, 7168, reinterpret_cast<float*>(m.arena + p.attn_res_mix));
+  attn_res_mix<kBatch>(reinterpret_cast<float*>(m.arena + p.in_2), p.bank_rows,
+                       reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.mr_w]),
+                       static_cast<const __nv_bfloat16*>(m.w[p.mr_n]), 1e-6f, 7168, 0, 7168,
+                       reinterpret_cast<float*>(m.arena + p.attn_res_mix));
 }
 
 // ---------------------------------------------------------------------------
@@ -260,28 +307,37 @@ __device__ inline void attn_res0(const Memory& m, const attn_res0_params& p) {
 //   linear l.0/layer/dense_mlp/linear#2 (142:38)
 //   act_and_mul l.0/layer/dense_mlp/h (142:7)
 struct projection3_params {
-  uint64_t in;  // arena offset
+  uint64_t in;      // arena offset
   uint64_t n_post;  // weight index
   uint64_t w_gate;  // weight index
-  uint64_t w_up;  // weight index
-  uint64_t h;  // arena offset
+  uint64_t w_up;    // weight index
+  uint64_t h;       // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection3_rows(const TaskArgs& t, const Memory& m, const projection3_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 7168};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_gate]); r.w1 = static_cast<const __nv_bfloat16*>(m.w[p.w_up]); break;
-    case 1: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_up]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_gate]);
+      r.w1 = static_cast<const __nv_bfloat16*>(m.w[p.w_up]);
+      break;
+    case 1:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_up]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection3(const TaskArgs& t, const Memory& m, const projection3_params& p, uint32_t& it, int warp) {
+__device__ inline void projection3(const TaskArgs& t, const Memory& m, const projection3_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection3_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                       1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm x#2 (214:7)
   // linear linear (142:19)
@@ -299,22 +355,27 @@ __device__ inline void projection3(const TaskArgs& t, const Memory& m, const pro
 //   linear l.0/layer/dense_mlp/out (143:9)
 //   add l.1/layer/u (192:9)
 struct projection4_params {
-  uint64_t in;  // arena offset
+  uint64_t in;      // arena offset
   uint64_t w_down;  // weight index
-  uint64_t in_2;  // arena offset
-  uint64_t u;  // arena offset
+  uint64_t in_2;    // arena offset
+  uint64_t u;       // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection4_rows(const TaskArgs& t, const Memory& m, const projection4_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 33792};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_down]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_down]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection4(const TaskArgs& t, const Memory& m, const projection4_params& p, uint32_t& it, int warp) {
+__device__ inline void projection4(const TaskArgs& t, const Memory& m, const projection4_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection4_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -332,17 +393,20 @@ __device__ inline void projection4(const TaskArgs& t, const Memory& m, const pro
 // attn_res1: 92 fused operations of this code; the first covers
 //   attn_res_mix l.1/layer/m (193:9)
 struct attn_res1_params {
-  uint64_t in;  // arena offset
-  uint64_t in_2;  // arena offset
-  uint64_t ar_w;  // weight index
-  uint64_t ar_n;  // weight index
-  uint64_t m;  // arena offset
+  uint64_t in;         // arena offset
+  uint64_t in_2;       // arena offset
+  uint64_t ar_w;       // weight index
+  uint64_t ar_n;       // weight index
+  uint64_t m;          // arena offset
   uint64_t bank_rows;  // count
 };
 
 // attn_res: the mix of the bank and the current row
 __device__ inline void attn_res1(const Memory& m, const attn_res1_params& p) {
-  attn_res_mix<kBatch>(reinterpret_cast<float*>(m.arena + p.in_2), p.bank_rows, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.ar_w]), static_cast<const __nv_bfloat16*>(m.w[p.ar_n]), 1e-6f, 7168, 0, 7168, reinterpret_cast<float*>(m.arena + p.m));
+  attn_res_mix<kBatch>(reinterpret_cast<float*>(m.arena + p.in_2), p.bank_rows,
+                       reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.ar_w]),
+                       static_cast<const __nv_bfloat16*>(m.w[p.ar_n]), 1e-6f, 7168, 0, 7168,
+                       reinterpret_cast<float*>(m.arena + p.m));
 }
 
 // ---------------------------------------------------------------------------
@@ -351,28 +415,35 @@ __device__ inline void attn_res1(const Memory& m, const attn_res1_params& p) {
 //   linear l.1/layer/kda/out (109:9)
 //   add l.1/layer/u#2 (212:9)
 struct projection5_params {
-  uint64_t in;  // arena offset
-  uint64_t in_2;  // arena offset
+  uint64_t in;      // arena offset
+  uint64_t in_2;    // arena offset
   uint64_t o_norm;  // weight index
-  uint64_t w_o;  // weight index
-  uint64_t in_3;  // arena offset
-  uint64_t u_2;  // arena offset
+  uint64_t w_o;     // weight index
+  uint64_t in_3;    // arena offset
+  uint64_t u_2;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection5_rows(const TaskArgs& t, const Memory& m, const projection5_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 12288};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection5(const TaskArgs& t, const Memory& m, const projection5_params& p, uint32_t& it, int warp) {
+__device__ inline void projection5(const TaskArgs& t, const Memory& m, const projection5_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection5_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in), 96, 128, static_cast<const __nv_bfloat16*>(m.w[p.o_norm]), 1e-5f, 1, it, warp, st, nullptr);
+  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in),
+                             96, 128, static_cast<const __nv_bfloat16*>(m.w[p.o_norm]), 1e-5f, 1, it, warp, st,
+                             nullptr);
   consumer_sync();
   // gated_rms_norm y (108:7)
   // linear out (109:9)
@@ -387,17 +458,20 @@ __device__ inline void projection5(const TaskArgs& t, const Memory& m, const pro
 // attn_res2: 92 fused operations of this code; the first covers
 //   attn_res_mix l.1/layer/attn_res_mix#2 (214:16)
 struct attn_res2_params {
-  uint64_t in;  // arena offset
-  uint64_t in_2;  // arena offset
-  uint64_t mr_w;  // weight index
-  uint64_t mr_n;  // weight index
+  uint64_t in;              // arena offset
+  uint64_t in_2;            // arena offset
+  uint64_t mr_w;            // weight index
+  uint64_t mr_n;            // weight index
   uint64_t attn_res_mix_2;  // arena offset
-  uint64_t bank_rows;  // count
+  uint64_t bank_rows;       // count
 };
 
 // attn_res: the mix of the bank and the current row
 __device__ inline void attn_res2(const Memory& m, const attn_res2_params& p) {
-  attn_res_mix<kBatch>(reinterpret_cast<float*>(m.arena + p.in_2), p.bank_rows, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.mr_w]), static_cast<const __nv_bfloat16*>(m.w[p.mr_n]), 1e-6f, 7168, 0, 7168, reinterpret_cast<float*>(m.arena + p.attn_res_mix_2));
+  attn_res_mix<kBatch>(reinterpret_cast<float*>(m.arena + p.in_2), p.bank_rows,
+                       reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.mr_w]),
+                       static_cast<const __nv_bfloat16*>(m.w[p.mr_n]), 1e-6f, 7168, 0, 7168,
+                       reinterpret_cast<float*>(m.arena + p.attn_res_mix_2));
 }
 
 // ---------------------------------------------------------------------------
@@ -409,34 +483,49 @@ __device__ inline void attn_res2(const Memory& m, const attn_res2_params& p) {
 //   act_and_mul l.1/layer/latent_moe/act_and_mul (162:19)
 //   linear l.1/layer/latent_moe/linear#5 (163:11)
 struct projection6_params {
-  uint64_t in;  // arena offset
-  uint64_t n_post;  // weight index
-  uint64_t router_w;  // weight index
-  uint64_t s_gate;  // weight index
-  uint64_t s_up;  // weight index
-  uint64_t l_down;  // weight index
-  uint64_t linear;  // arena offset
+  uint64_t in;           // arena offset
+  uint64_t n_post;       // weight index
+  uint64_t router_w;     // weight index
+  uint64_t s_gate;       // weight index
+  uint64_t s_up;         // weight index
+  uint64_t l_down;       // weight index
+  uint64_t linear;       // arena offset
   uint64_t act_and_mul;  // arena offset
-  uint64_t linear_5;  // arena offset
+  uint64_t linear_5;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection6_rows(const TaskArgs& t, const Memory& m, const projection6_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 7168};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.router_w]); r.w1 = nullptr; break;
-    case 1: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_gate]); r.w1 = static_cast<const __nv_bfloat16*>(m.w[p.s_up]); break;
-    case 2: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_up]); r.w1 = nullptr; break;
-    case 3: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.l_down]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.router_w]);
+      r.w1 = nullptr;
+      break;
+    case 1:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_gate]);
+      r.w1 = static_cast<const __nv_bfloat16*>(m.w[p.s_up]);
+      break;
+    case 2:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_up]);
+      r.w1 = nullptr;
+      break;
+    case 3:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.l_down]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection6(const TaskArgs& t, const Memory& m, const projection6_params& p, uint32_t& it, int warp) {
+__device__ inline void projection6(const TaskArgs& t, const Memory& m, const projection6_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection6_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                       1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm x#2 (214:7)
   // linear linear (160:25)
@@ -459,31 +548,32 @@ __device__ inline void projection6(const TaskArgs& t, const Memory& m, const pro
 // router0: 92 fused operations of this code; the first covers
 //   router l.1/layer/latent_moe/ids (160:18)
 struct router0_params {
-  uint64_t in;  // arena offset
-  uint64_t router_b;  // weight index
-  uint64_t ids;  // arena offset
-  uint64_t ids_1;  // arena offset
+  uint64_t in;         // arena offset
+  uint64_t router_b;   // weight index
+  uint64_t ids;        // arena offset
+  uint64_t ids_1;      // arena offset
   uint64_t route_log;  // arena offset (routing log)
 };
 
 // router: scores and top-k
 __device__ inline void router0(const Memory& m, const router0_params& p) {
-  router<kBatch>(RouterShape{896, 16, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + p.in), static_cast<const float*>(m.w[p.router_b]), reinterpret_cast<int32_t*>(m.arena + p.ids), reinterpret_cast<float*>(m.arena + p.ids_1),
-    reinterpret_cast<int32_t*>(m.arena + p.route_log));
+  router<kBatch>(RouterShape{896, 16, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + p.in),
+                 static_cast<const float*>(m.w[p.router_b]), reinterpret_cast<int32_t*>(m.arena + p.ids),
+                 reinterpret_cast<float*>(m.arena + p.ids_1), reinterpret_cast<int32_t*>(m.arena + p.route_log));
 }
 
 // ---------------------------------------------------------------------------
 // moe0: 92 fused operations of this code; the first covers
 //   moe l.1/layer/latent_moe/z (163:7)
 struct moe0_params {
-  uint64_t in;  // arena offset
+  uint64_t in;    // arena offset
   uint64_t in_2;  // arena offset
   uint64_t in_3;  // arena offset
   uint64_t e_w1;  // weight index
   uint64_t e_w3;  // weight index
   uint64_t e_w2;  // weight index
-  uint64_t z;  // arena offset
-  uint64_t act;  // arena offset
+  uint64_t z;     // arena offset
+  uint64_t act;   // arena offset
   uint64_t down;  // arena offset
 };
 
@@ -493,9 +583,11 @@ __device__ inline MoeShape moe0_shape(const moe0_params& p) {
 
 // expert_up: one expert slot's gate/up rows
 __device__ inline MxRows moe0_expert_up_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_mx_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2), false);
+  return expert_mx_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w,
+                                reinterpret_cast<int32_t*>(m.arena + p.in_2), false);
 }
-__device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it, int warp) {
+__device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
+                                      int warp) {
   const MxRows r = moe0_expert_up_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -509,20 +601,26 @@ __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const 
 
 // expert_down: one expert slot's down rows
 __device__ inline MxRows moe0_expert_down_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_mx_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2), true);
+  return expert_mx_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w,
+                                reinterpret_cast<int32_t*>(m.arena + p.in_2), true);
 }
-__device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it, int warp) {
+__device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
+                                        int warp) {
   const MxRows r = moe0_expert_down_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 3072, nullptr, 1e-6f, it, warp, st, nullptr);
+  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 3072, nullptr, 1e-6f,
+                          it, warp, st, nullptr);
   consumer_sync();
-  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + p.down) + size_t(t.a[0]) * kBatch * 3584, 3584);
+  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0},
+                   reinterpret_cast<float*>(m.arena + p.down) + size_t(t.a[0]) * kBatch * 3584, 3584);
 }
 
 // expert_combine: weighted sum of the slots
 __device__ inline void moe0_expert_combine(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  expert_combine<kBatch>(moe0_shape(p), t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in_3), reinterpret_cast<float*>(m.arena + p.down), reinterpret_cast<float*>(m.arena + p.z));
+  expert_combine<kBatch>(moe0_shape(p), t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                         reinterpret_cast<float*>(m.arena + p.in_3), reinterpret_cast<float*>(m.arena + p.down),
+                         reinterpret_cast<float*>(m.arena + p.z));
 }
 
 // ---------------------------------------------------------------------------
@@ -530,9 +628,9 @@ __device__ inline void moe0_expert_combine(const TaskArgs& t, const Memory& m, c
 //   rms_norm l.1/layer/latent_moe/z#2 (166:9)
 //   linear l.1/layer/latent_moe/linear#6 (168:13)
 struct projection7_params {
-  uint64_t in;  // arena offset
-  uint64_t n_lat;  // weight index
-  uint64_t l_up;  // weight index
+  uint64_t in;        // arena offset
+  uint64_t n_lat;     // weight index
+  uint64_t l_up;      // weight index
   uint64_t linear_6;  // arena offset
 };
 
@@ -540,16 +638,22 @@ struct projection7_params {
 __device__ inline Rows projection7_rows(const TaskArgs& t, const Memory& m, const projection7_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 3584};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.l_up]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.l_up]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection7(const TaskArgs& t, const Memory& m, const projection7_params& p, uint32_t& it, int warp) {
+__device__ inline void projection7(const TaskArgs& t, const Memory& m, const projection7_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection7_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_lat]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_lat]),
+                       1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm z#2 (166:9)
   // linear linear#6 (168:13)
@@ -563,23 +667,28 @@ __device__ inline void projection7(const TaskArgs& t, const Memory& m, const pro
 //   add l.1/layer/latent_moe/out (168:9)
 //   add l.2/layer/u (192:9)
 struct projection8_params {
-  uint64_t in;  // arena offset
+  uint64_t in;      // arena offset
   uint64_t s_down;  // weight index
-  uint64_t in_2;  // arena offset
-  uint64_t in_3;  // arena offset
-  uint64_t u;  // arena offset
+  uint64_t in_2;    // arena offset
+  uint64_t in_3;    // arena offset
+  uint64_t u;       // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection8_rows(const TaskArgs& t, const Memory& m, const projection8_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 6144};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection8(const TaskArgs& t, const Memory& m, const projection8_params& p, uint32_t& it, int warp) {
+__device__ inline void projection8(const TaskArgs& t, const Memory& m, const projection8_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection8_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -604,14 +713,14 @@ __device__ inline void projection8(const TaskArgs& t, const Memory& m, const pro
 //   split l.3/layer/mla/c_kv (125:16)
 //   linear l.3/layer/mla/linear#4 (131:24)
 struct projection9_params {
-  uint64_t in;  // arena offset
-  uint64_t n_in;  // weight index
-  uint64_t w_qa;  // weight index
-  uint64_t w_kva;  // weight index
-  uint64_t w_g;  // weight index
-  uint64_t linear;  // arena offset
-  uint64_t c_kv;  // arena offset
-  uint64_t c_kv_1;  // arena offset
+  uint64_t in;        // arena offset
+  uint64_t n_in;      // weight index
+  uint64_t w_qa;      // weight index
+  uint64_t w_kva;     // weight index
+  uint64_t w_g;       // weight index
+  uint64_t linear;    // arena offset
+  uint64_t c_kv;      // arena offset
+  uint64_t c_kv_1;    // arena offset
   uint64_t linear_4;  // arena offset
 };
 
@@ -619,18 +728,30 @@ struct projection9_params {
 __device__ inline Rows projection9_rows(const TaskArgs& t, const Memory& m, const projection9_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 7168};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_qa]); r.w1 = nullptr; break;
-    case 1: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_kva]); r.w1 = nullptr; break;
-    case 2: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_g]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_qa]);
+      r.w1 = nullptr;
+      break;
+    case 1:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_kva]);
+      r.w1 = nullptr;
+      break;
+    case 2:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_g]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection9(const TaskArgs& t, const Memory& m, const projection9_params& p, uint32_t& it, int warp) {
+__device__ inline void projection9(const TaskArgs& t, const Memory& m, const projection9_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection9_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
+                       1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm x (200:7)
   // linear linear (124:23)
@@ -653,26 +774,32 @@ __device__ inline void projection9(const TaskArgs& t, const Memory& m, const pro
 //   rms_norm l.3/layer/mla/rms_norm (124:14)
 //   linear l.3/layer/mla/q (124:7)
 struct projection10_params {
-  uint64_t in;  // arena offset
+  uint64_t in;    // arena offset
   uint64_t n_qa;  // weight index
   uint64_t w_qb;  // weight index
-  uint64_t q;  // arena offset
+  uint64_t q;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection10_rows(const TaskArgs& t, const Memory& m, const projection10_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 1536};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_qb]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_qb]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection10(const TaskArgs& t, const Memory& m, const projection10_params& p, uint32_t& it, int warp) {
+__device__ inline void projection10(const TaskArgs& t, const Memory& m, const projection10_params& p, uint32_t& it,
+                                    int warp) {
   const Rows r = projection10_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_qa]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_qa]),
+                       1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm rms_norm (124:14)
   // linear q (124:7)
@@ -685,13 +812,13 @@ __device__ inline void projection10(const TaskArgs& t, const Memory& m, const pr
 //   rms_norm l.3/layer/mla/c_kv#2 (126:10)
 //   mla_decode l.3/layer/mla/o (128:7)
 struct mla0_params {
-  uint64_t in;  // arena offset
-  uint64_t in_2;  // arena offset
-  uint64_t n_kva;  // weight index
-  uint64_t in_3;  // arena offset
-  uint64_t w_kvb;  // weight index
+  uint64_t in;        // arena offset
+  uint64_t in_2;      // arena offset
+  uint64_t n_kva;     // weight index
+  uint64_t in_3;      // arena offset
+  uint64_t w_kvb;     // weight index
   uint64_t kv_cache;  // state index
-  uint64_t o;  // arena offset
+  uint64_t o;         // arena offset
   uint64_t partials;  // arena offset
 };
 
@@ -699,18 +826,26 @@ __device__ constexpr MlaShape mla0_shape{96, 6, 16, 9, 4096, 512, 128, 64, 128, 
 
 // mla_split: attention over one KV split (cache rows through the page ring, online softmax)
 __device__ inline void mla0_mla_split_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos, it);
+  mla_split_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                         static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos, it);
 }
 __device__ inline void mla0_mla_split(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in), reinterpret_cast<float*>(m.arena + p.in_2), static_cast<const __nv_bfloat16*>(m.w[p.n_kva]), 1e-6f, reinterpret_cast<float*>(m.arena + p.in_3), static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos, reinterpret_cast<float*>(m.arena + p.partials), it);
+  mla_split<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in),
+                    reinterpret_cast<float*>(m.arena + p.in_2), static_cast<const __nv_bfloat16*>(m.w[p.n_kva]), 1e-6f,
+                    reinterpret_cast<float*>(m.arena + p.in_3), static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                    static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos,
+                    reinterpret_cast<float*>(m.arena + p.partials), it);
 }
 
 // mla_combine: split merge and value up-projection (W_UV through the page ring)
 __device__ inline void mla0_mla_combine_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
   mla_combine_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), it);
 }
-__device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it, int warp) {
-  mla_combine<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.partials), static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), reinterpret_cast<float*>(m.arena + p.o), it, warp);
+__device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it,
+                                        int warp) {
+  mla_combine<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.partials),
+                      static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), reinterpret_cast<float*>(m.arena + p.o), it,
+                      warp);
 }
 
 // ---------------------------------------------------------------------------
@@ -720,27 +855,33 @@ __device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, cons
 //   linear l.3/layer/mla/out (133:9)
 //   add l.3/layer/u#2 (212:9)
 struct projection11_params {
-  uint64_t in;  // arena offset
+  uint64_t in;    // arena offset
   uint64_t in_2;  // arena offset
-  uint64_t w_o;  // weight index
+  uint64_t w_o;   // weight index
   uint64_t in_3;  // arena offset
-  uint64_t u_2;  // arena offset
+  uint64_t u_2;   // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection11_rows(const TaskArgs& t, const Memory& m, const projection11_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 12288};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection11(const TaskArgs& t, const Memory& m, const projection11_params& p, uint32_t& it, int warp) {
+__device__ inline void projection11(const TaskArgs& t, const Memory& m, const projection11_params& p, uint32_t& it,
+                                    int warp) {
   const Rows r = projection11_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_mul<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in), 1, it, warp, st, nullptr);
+  rows_compute_mul<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in), 1,
+                           it, warp, st, nullptr);
   consumer_sync();
   // sigmoid sigmoid (131:16)
   // mul o#2 (131:9)
@@ -759,13 +900,13 @@ __device__ inline void projection11(const TaskArgs& t, const Memory& m, const pr
 //   add l.12/layer/u (192:9)
 //   stack l.12/layer/bank (195:14)
 struct projection12_params {
-  uint64_t in;  // arena offset
-  uint64_t s_down;  // weight index
-  uint64_t in_2;  // arena offset
-  uint64_t in_3;  // arena offset
-  uint64_t u;  // arena offset
-  uint64_t in_4;  // arena offset
-  uint64_t bank;  // arena offset
+  uint64_t in;         // arena offset
+  uint64_t s_down;     // weight index
+  uint64_t in_2;       // arena offset
+  uint64_t in_3;       // arena offset
+  uint64_t u;          // arena offset
+  uint64_t in_4;       // arena offset
+  uint64_t bank;       // arena offset
   uint64_t bank_rows;  // count
 };
 
@@ -773,12 +914,17 @@ struct projection12_params {
 __device__ inline Rows projection12_rows(const TaskArgs& t, const Memory& m, const projection12_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 6144};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection12(const TaskArgs& t, const Memory& m, const projection12_params& p, uint32_t& it, int warp) {
+__device__ inline void projection12(const TaskArgs& t, const Memory& m, const projection12_params& p, uint32_t& it,
+                                    int warp) {
   const Rows r = projection12_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -794,7 +940,8 @@ __device__ inline void projection12(const TaskArgs& t, const Memory& m, const pr
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.u), 7168);
   // stack bank (195:14)
-  ep_stack<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_4), p.bank_rows, 7168, reinterpret_cast<float*>(m.arena + p.bank));
+  ep_stack<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_4), p.bank_rows, 7168,
+                   reinterpret_cast<float*>(m.arena + p.bank));
 }
 
 // ---------------------------------------------------------------------------
@@ -803,23 +950,28 @@ __device__ inline void projection12(const TaskArgs& t, const Memory& m, const pr
 //   add l.92/layer/latent_moe/out (168:9)
 //   add add (239:29)
 struct projection13_params {
-  uint64_t in;  // arena offset
+  uint64_t in;      // arena offset
   uint64_t s_down;  // weight index
-  uint64_t in_2;  // arena offset
-  uint64_t in_3;  // arena offset
-  uint64_t add;  // arena offset
+  uint64_t in_2;    // arena offset
+  uint64_t in_3;    // arena offset
+  uint64_t add;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection13_rows(const TaskArgs& t, const Memory& m, const projection13_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 6144};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection13(const TaskArgs& t, const Memory& m, const projection13_params& p, uint32_t& it, int warp) {
+__device__ inline void projection13(const TaskArgs& t, const Memory& m, const projection13_params& p, uint32_t& it,
+                                    int warp) {
   const Rows r = projection13_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -840,17 +992,20 @@ __device__ inline void projection13(const TaskArgs& t, const Memory& m, const pr
 // attn_res3: 1 fused operation of this code; the first covers
 //   attn_res_mix attn_res_mix (239:16)
 struct attn_res3_params {
-  uint64_t in;  // arena offset
-  uint64_t in_2;  // arena offset
-  uint64_t out_w;  // weight index
-  uint64_t out_n;  // weight index
+  uint64_t in;            // arena offset
+  uint64_t in_2;          // arena offset
+  uint64_t out_w;         // weight index
+  uint64_t out_n;         // weight index
   uint64_t attn_res_mix;  // arena offset
-  uint64_t bank_rows;  // count
+  uint64_t bank_rows;     // count
 };
 
 // attn_res: the mix of the bank and the current row
 __device__ inline void attn_res3(const Memory& m, const attn_res3_params& p) {
-  attn_res_mix<kBatch>(reinterpret_cast<float*>(m.arena + p.in_2), p.bank_rows, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.out_w]), static_cast<const __nv_bfloat16*>(m.w[p.out_n]), 1e-6f, 7168, 0, 7168, reinterpret_cast<float*>(m.arena + p.attn_res_mix));
+  attn_res_mix<kBatch>(reinterpret_cast<float*>(m.arena + p.in_2), p.bank_rows,
+                       reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.out_w]),
+                       static_cast<const __nv_bfloat16*>(m.w[p.out_n]), 1e-6f, 7168, 0, 7168,
+                       reinterpret_cast<float*>(m.arena + p.attn_res_mix));
 }
 
 // ---------------------------------------------------------------------------
@@ -859,26 +1014,32 @@ __device__ inline void attn_res3(const Memory& m, const attn_res3_params& p) {
 //   lm_head logits (240:12)
 //   argmax next_token (241:16)
 struct lm_head0_params {
-  uint64_t in;  // arena offset
+  uint64_t in;          // arena offset
   uint64_t final_norm;  // weight index
-  uint64_t lm_w;  // weight index
-  uint64_t tile_max;  // arena offset
+  uint64_t lm_w;        // weight index
+  uint64_t tile_max;    // arena offset
 };
 
 // lm_head_rows: output rows
 __device__ inline Rows lm_head0_lm_head_rows_rows(const TaskArgs& t, const Memory& m, const lm_head0_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 7168};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.lm_w]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.lm_w]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void lm_head0_lm_head_rows(const TaskArgs& t, const Memory& m, const lm_head0_params& p, uint32_t& it, int warp) {
+__device__ inline void lm_head0_lm_head_rows(const TaskArgs& t, const Memory& m, const lm_head0_params& p, uint32_t& it,
+                                             int warp) {
   const Rows r = lm_head0_lm_head_rows_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.final_norm]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in),
+                       static_cast<const __nv_bfloat16*>(m.w[p.final_norm]), 1e-6f, it, warp, st);
   consumer_sync();
   // rms_norm h (239:7)
   // lm_head logits (240:12)
@@ -1002,7 +1163,8 @@ struct Step {
         rows_load<kBatch>(lm_head0_lm_head_rows_rows(t, m, p), it);
         break;
       }
-      default: break;  // reads its weights itself
+      default:
+        break;  // reads its weights itself
     }
   }
 
@@ -1152,7 +1314,8 @@ struct Step {
         lm_head0_argmax(m, p);
         break;
       }
-      default: __trap();  // a stage without code: fail loudly, never skip work
+      default:
+        __trap();  // a stage without code: fail loudly, never skip work
     }
   }
 };

@@ -34,26 +34,29 @@ static_assert(kPages == 8, "the device library's page ring differs from the plan
 // Graph outputs (bytes per sequence).
 inline constexpr uint32_t kOutputs = 2;
 inline constexpr uint64_t output_bytes[kOutputs] = {
-    4,  // next_token: int32_t
+    4,     // next_token: int32_t
     2048,  // logits: float
 };
 inline constexpr uint32_t kNextTokenOutput = 0;
 inline constexpr uint32_t kLogitsOutput = 1;
 inline constexpr uint64_t kVocab = 512;
 
-__device__ inline float* staging(const Memory& m) { return m.staging + size_t(blockIdx.x) * kStagingFloats; }
+__device__ inline float* staging(const Memory& m) {
+  return m.staging + size_t(blockIdx.x) * kStagingFloats;
+}
 
 // ---------------------------------------------------------------------------
 // embedding0: 1 fused operation of this code; the first covers
 //   embedding h (162:7)
 struct embedding0_params {
   uint64_t embed;  // weight index
-  uint64_t h;  // arena offset
+  uint64_t h;      // arena offset
 };
 
 // embedding: token rows
 __device__ inline void embedding0(const Memory& m, const embedding0_params& p) {
-  embedding<kBatch>(static_cast<const __nv_bfloat16*>(m.w[p.embed]), m.tokens, 64, reinterpret_cast<float*>(m.arena + p.h));
+  embedding<kBatch>(static_cast<const __nv_bfloat16*>(m.w[p.embed]), m.tokens, 64,
+                    reinterpret_cast<float*>(m.arena + p.h));
 }
 
 // ---------------------------------------------------------------------------
@@ -71,53 +74,75 @@ __device__ inline void embedding0(const Memory& m, const embedding0_params& p) {
 //   linear layer.0/decoder_layer/kda/linear#6 (71:18)
 //   linear layer.0/decoder_layer/kda/linear#7 (73:14)
 struct projection0_params {
-  uint64_t in;  // arena offset
-  uint64_t n_in;  // weight index
-  uint64_t w_q;  // weight index
-  uint64_t w_k;  // weight index
-  uint64_t w_v;  // weight index
-  uint64_t w_fa;  // weight index
-  uint64_t w_b;  // weight index
-  uint64_t w_ga;  // weight index
-  uint64_t conv_q;  // weight index
+  uint64_t in;            // arena offset
+  uint64_t n_in;          // weight index
+  uint64_t w_q;           // weight index
+  uint64_t w_k;           // weight index
+  uint64_t w_v;           // weight index
+  uint64_t w_fa;          // weight index
+  uint64_t w_b;           // weight index
+  uint64_t w_ga;          // weight index
+  uint64_t conv_q;        // weight index
   uint64_t conv_q_state;  // state index
-  uint64_t q;  // arena offset
-  uint64_t conv_k;  // weight index
+  uint64_t q;             // arena offset
+  uint64_t conv_k;        // weight index
   uint64_t conv_k_state;  // state index
-  uint64_t k;  // arena offset
-  uint64_t conv_v;  // weight index
+  uint64_t k;             // arena offset
+  uint64_t conv_v;        // weight index
   uint64_t conv_v_state;  // state index
-  uint64_t v;  // arena offset
-  uint64_t linear_4;  // arena offset
-  uint64_t linear_6;  // arena offset
-  uint64_t linear_7;  // arena offset
+  uint64_t v;             // arena offset
+  uint64_t linear_4;      // arena offset
+  uint64_t linear_6;      // arena offset
+  uint64_t linear_7;      // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection0_rows(const TaskArgs& t, const Memory& m, const projection0_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_q]); r.w1 = nullptr; break;
-    case 1: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_k]); r.w1 = nullptr; break;
-    case 2: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_v]); r.w1 = nullptr; break;
-    case 3: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_fa]); r.w1 = nullptr; break;
-    case 4: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_b]); r.w1 = nullptr; break;
-    case 5: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_ga]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_q]);
+      r.w1 = nullptr;
+      break;
+    case 1:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_k]);
+      r.w1 = nullptr;
+      break;
+    case 2:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_v]);
+      r.w1 = nullptr;
+      break;
+    case 3:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_fa]);
+      r.w1 = nullptr;
+      break;
+    case 4:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_b]);
+      r.w1 = nullptr;
+      break;
+    case 5:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_ga]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection0(const TaskArgs& t, const Memory& m, const projection0_params& p, uint32_t& it, int warp) {
+__device__ inline void projection0(const TaskArgs& t, const Memory& m, const projection0_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection0_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]), 1e-5f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
+                       1e-5f, it, warp, st);
   consumer_sync();
   // rms_norm x (139:7)
   // linear linear (67:27)
   const Span s1 = linear_span(t, 0);
   // conv_update conv_update (67:15)
-  ep_conv_update<kBatch>(st, n, s1, static_cast<const float*>(m.w[p.conv_q]), 4, static_cast<__nv_bfloat16*>(m.state[p.conv_q_state]), 96, 32, 1);
+  ep_conv_update<kBatch>(st, n, s1, static_cast<const float*>(m.w[p.conv_q]), 4,
+                         static_cast<__nv_bfloat16*>(m.state[p.conv_q_state]), 96, 32, 1);
   consumer_sync();
   // l2_norm q (67:7)
   ep_l2_norm<kBatch>(st, n, s1, 16, 1e-6f);
@@ -126,7 +151,8 @@ __device__ inline void projection0(const TaskArgs& t, const Memory& m, const pro
   // linear linear#2 (68:27)
   const Span s2 = linear_span(t, 1);
   // conv_update conv_update#2 (68:15)
-  ep_conv_update<kBatch>(st, n, s2, static_cast<const float*>(m.w[p.conv_k]), 4, static_cast<__nv_bfloat16*>(m.state[p.conv_k_state]), 96, 32, 1);
+  ep_conv_update<kBatch>(st, n, s2, static_cast<const float*>(m.w[p.conv_k]), 4,
+                         static_cast<__nv_bfloat16*>(m.state[p.conv_k_state]), 96, 32, 1);
   consumer_sync();
   // l2_norm k (68:7)
   ep_l2_norm<kBatch>(st, n, s2, 16, 1e-6f);
@@ -135,7 +161,8 @@ __device__ inline void projection0(const TaskArgs& t, const Memory& m, const pro
   // linear linear#3 (69:19)
   const Span s3 = linear_span(t, 2);
   // conv_update v (69:7)
-  ep_conv_update<kBatch>(st, n, s3, static_cast<const float*>(m.w[p.conv_v]), 4, static_cast<__nv_bfloat16*>(m.state[p.conv_v_state]), 96, 32, 1);
+  ep_conv_update<kBatch>(st, n, s3, static_cast<const float*>(m.w[p.conv_v]), 4,
+                         static_cast<__nv_bfloat16*>(m.state[p.conv_v_state]), 96, 32, 1);
   consumer_sync();
   ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + p.v), 32);
   // linear linear#4 (70:14)
@@ -153,21 +180,26 @@ __device__ inline void projection0(const TaskArgs& t, const Memory& m, const pro
 // projection1: 3 fused operations of this code; the first covers
 //   linear layer.0/decoder_layer/kda/f (70:7)
 struct projection1_params {
-  uint64_t in;  // arena offset
+  uint64_t in;    // arena offset
   uint64_t w_fb;  // weight index
-  uint64_t f;  // arena offset
+  uint64_t f;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection1_rows(const TaskArgs& t, const Memory& m, const projection1_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 16};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_fb]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_fb]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection1(const TaskArgs& t, const Memory& m, const projection1_params& p, uint32_t& it, int warp) {
+__device__ inline void projection1(const TaskArgs& t, const Memory& m, const projection1_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection1_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -183,41 +215,50 @@ __device__ inline void projection1(const TaskArgs& t, const Memory& m, const pro
 //   sigmoid layer.0/decoder_layer/kda/beta (71:10)
 //   kda_decode layer.0/decoder_layer/kda/o (72:7)
 struct kda0_params {
-  uint64_t in;  // arena offset
-  uint64_t in_2;  // arena offset
-  uint64_t in_3;  // arena offset
-  uint64_t in_4;  // arena offset
-  uint64_t in_5;  // arena offset
-  uint64_t a_log;  // weight index
-  uint64_t dt_bias;  // weight index
+  uint64_t in;         // arena offset
+  uint64_t in_2;       // arena offset
+  uint64_t in_3;       // arena offset
+  uint64_t in_4;       // arena offset
+  uint64_t in_5;       // arena offset
+  uint64_t a_log;      // weight index
+  uint64_t dt_bias;    // weight index
   uint64_t recurrent;  // state index
-  uint64_t o;  // arena offset
+  uint64_t o;          // arena offset
 };
 
 // kda: state update of a range of heads
 __device__ inline void kda0(const TaskArgs& t, const Memory& m, const kda0_params& p) {
-  kda_decode<kBatch>(KdaShape{2, 16, false, 0e0f}, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in), reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in_3), reinterpret_cast<float*>(m.arena + p.in_4), reinterpret_cast<float*>(m.arena + p.in_5), static_cast<const float*>(m.w[p.a_log]), static_cast<const float*>(m.w[p.dt_bias]), static_cast<float*>(m.state[p.recurrent]), reinterpret_cast<float*>(m.arena + p.o));
+  kda_decode<kBatch>(KdaShape{2, 16, false, 0e0f}, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in),
+                     reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in_3),
+                     reinterpret_cast<float*>(m.arena + p.in_4), reinterpret_cast<float*>(m.arena + p.in_5),
+                     static_cast<const float*>(m.w[p.a_log]), static_cast<const float*>(m.w[p.dt_bias]),
+                     static_cast<float*>(m.state[p.recurrent]), reinterpret_cast<float*>(m.arena + p.o));
 }
 
 // ---------------------------------------------------------------------------
 // projection2: 3 fused operations of this code; the first covers
 //   linear layer.0/decoder_layer/kda/g (73:7)
 struct projection2_params {
-  uint64_t in;  // arena offset
+  uint64_t in;    // arena offset
   uint64_t w_gb;  // weight index
-  uint64_t g;  // arena offset
+  uint64_t g;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection2_rows(const TaskArgs& t, const Memory& m, const projection2_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 16};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_gb]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_gb]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection2(const TaskArgs& t, const Memory& m, const projection2_params& p, uint32_t& it, int warp) {
+__device__ inline void projection2(const TaskArgs& t, const Memory& m, const projection2_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection2_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -234,28 +275,34 @@ __device__ inline void projection2(const TaskArgs& t, const Memory& m, const pro
 //   linear layer.0/decoder_layer/kda/out (74:9)
 //   add layer.0/decoder_layer/h (143:9)
 struct projection3_params {
-  uint64_t in;  // arena offset
-  uint64_t in_2;  // arena offset
+  uint64_t in;      // arena offset
+  uint64_t in_2;    // arena offset
   uint64_t o_norm;  // weight index
-  uint64_t w_o;  // weight index
-  uint64_t in_3;  // arena offset
-  uint64_t h;  // arena offset
+  uint64_t w_o;     // weight index
+  uint64_t in_3;    // arena offset
+  uint64_t h;       // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection3_rows(const TaskArgs& t, const Memory& m, const projection3_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 32};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection3(const TaskArgs& t, const Memory& m, const projection3_params& p, uint32_t& it, int warp) {
+__device__ inline void projection3(const TaskArgs& t, const Memory& m, const projection3_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection3_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in), 2, 16, static_cast<const __nv_bfloat16*>(m.w[p.o_norm]), 1e-5f, 1, it, warp, st, nullptr);
+  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in), 2,
+                             16, static_cast<const __nv_bfloat16*>(m.w[p.o_norm]), 1e-5f, 1, it, warp, st, nullptr);
   consumer_sync();
   // gated_rms_norm gated_rms_norm (74:16)
   // linear out (74:9)
@@ -273,10 +320,10 @@ __device__ inline void projection3(const TaskArgs& t, const Memory& m, const pro
 //   linear layer.0/decoder_layer/dense_mlp/linear#2 (110:47)
 //   act_and_mul layer.0/decoder_layer/dense_mlp/act_and_mul (110:16)
 struct projection4_params {
-  uint64_t in;  // arena offset
-  uint64_t n_post;  // weight index
-  uint64_t w_gate;  // weight index
-  uint64_t w_up;  // weight index
+  uint64_t in;           // arena offset
+  uint64_t n_post;       // weight index
+  uint64_t w_gate;       // weight index
+  uint64_t w_up;         // weight index
   uint64_t act_and_mul;  // arena offset
 };
 
@@ -284,17 +331,26 @@ struct projection4_params {
 __device__ inline Rows projection4_rows(const TaskArgs& t, const Memory& m, const projection4_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_gate]); r.w1 = static_cast<const __nv_bfloat16*>(m.w[p.w_up]); break;
-    case 1: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_up]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_gate]);
+      r.w1 = static_cast<const __nv_bfloat16*>(m.w[p.w_up]);
+      break;
+    case 1:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_up]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection4(const TaskArgs& t, const Memory& m, const projection4_params& p, uint32_t& it, int warp) {
+__device__ inline void projection4(const TaskArgs& t, const Memory& m, const projection4_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection4_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]), 1e-5f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                       1e-5f, it, warp, st);
   consumer_sync();
   // rms_norm x#2 (145:7)
   // linear linear (110:28)
@@ -312,22 +368,27 @@ __device__ inline void projection4(const TaskArgs& t, const Memory& m, const pro
 //   linear layer.0/decoder_layer/dense_mlp/out (110:9)
 //   add layer.0/decoder_layer/h#2 (150:9)
 struct projection5_params {
-  uint64_t in;  // arena offset
+  uint64_t in;      // arena offset
   uint64_t w_down;  // weight index
-  uint64_t in_2;  // arena offset
-  uint64_t h_2;  // arena offset
+  uint64_t in_2;    // arena offset
+  uint64_t h_2;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection5_rows(const TaskArgs& t, const Memory& m, const projection5_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 128};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_down]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_down]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection5(const TaskArgs& t, const Memory& m, const projection5_params& p, uint32_t& it, int warp) {
+__device__ inline void projection5(const TaskArgs& t, const Memory& m, const projection5_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection5_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -349,12 +410,12 @@ __device__ inline void projection5(const TaskArgs& t, const Memory& m, const pro
 //   linear layer.1/decoder_layer/moe_mlp/linear#3 (129:58)
 //   act_and_mul layer.1/decoder_layer/moe_mlp/act_and_mul (129:27)
 struct projection6_params {
-  uint64_t in;  // arena offset
-  uint64_t n_post;  // weight index
-  uint64_t router_w;  // weight index
-  uint64_t s_gate;  // weight index
-  uint64_t s_up;  // weight index
-  uint64_t linear;  // arena offset
+  uint64_t in;           // arena offset
+  uint64_t n_post;       // weight index
+  uint64_t router_w;     // weight index
+  uint64_t s_gate;       // weight index
+  uint64_t s_up;         // weight index
+  uint64_t linear;       // arena offset
   uint64_t act_and_mul;  // arena offset
 };
 
@@ -362,18 +423,30 @@ struct projection6_params {
 __device__ inline Rows projection6_rows(const TaskArgs& t, const Memory& m, const projection6_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.router_w]); r.w1 = nullptr; break;
-    case 1: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_gate]); r.w1 = static_cast<const __nv_bfloat16*>(m.w[p.s_up]); break;
-    case 2: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_up]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.router_w]);
+      r.w1 = nullptr;
+      break;
+    case 1:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_gate]);
+      r.w1 = static_cast<const __nv_bfloat16*>(m.w[p.s_up]);
+      break;
+    case 2:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_up]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection6(const TaskArgs& t, const Memory& m, const projection6_params& p, uint32_t& it, int warp) {
+__device__ inline void projection6(const TaskArgs& t, const Memory& m, const projection6_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection6_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]), 1e-5f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                       1e-5f, it, warp, st);
   consumer_sync();
   // rms_norm x#2 (145:7)
   // linear linear (122:25)
@@ -393,17 +466,18 @@ __device__ inline void projection6(const TaskArgs& t, const Memory& m, const pro
 // router0: 3 fused operations of this code; the first covers
 //   router layer.1/decoder_layer/moe_mlp/ids (122:18)
 struct router0_params {
-  uint64_t in;  // arena offset
-  uint64_t router_b;  // weight index
-  uint64_t ids;  // arena offset
-  uint64_t ids_1;  // arena offset
+  uint64_t in;         // arena offset
+  uint64_t router_b;   // weight index
+  uint64_t ids;        // arena offset
+  uint64_t ids_1;      // arena offset
   uint64_t route_log;  // arena offset (routing log)
 };
 
 // router: scores and top-k
 __device__ inline void router0(const Memory& m, const router0_params& p) {
-  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + p.in), static_cast<const float*>(m.w[p.router_b]), reinterpret_cast<int32_t*>(m.arena + p.ids), reinterpret_cast<float*>(m.arena + p.ids_1),
-    reinterpret_cast<int32_t*>(m.arena + p.route_log));
+  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + p.in),
+                 static_cast<const float*>(m.w[p.router_b]), reinterpret_cast<int32_t*>(m.arena + p.ids),
+                 reinterpret_cast<float*>(m.arena + p.ids_1), reinterpret_cast<int32_t*>(m.arena + p.route_log));
 }
 
 // ---------------------------------------------------------------------------
@@ -411,16 +485,16 @@ __device__ inline void router0(const Memory& m, const router0_params& p) {
 //   moe layer.1/decoder_layer/moe_mlp/out (124:9)
 //   rms_norm layer.1/decoder_layer/x#2#recompute1 (145:7)
 struct moe0_params {
-  uint64_t in;  // arena offset
+  uint64_t in;      // arena offset
   uint64_t n_post;  // weight index
-  uint64_t in_2;  // arena offset
-  uint64_t in_3;  // arena offset
-  uint64_t e_w1;  // weight index
-  uint64_t e_w3;  // weight index
-  uint64_t e_w2;  // weight index
-  uint64_t out;  // arena offset
-  uint64_t act;  // arena offset
-  uint64_t down;  // arena offset
+  uint64_t in_2;    // arena offset
+  uint64_t in_3;    // arena offset
+  uint64_t e_w1;    // weight index
+  uint64_t e_w3;    // weight index
+  uint64_t e_w2;    // weight index
+  uint64_t out;     // arena offset
+  uint64_t act;     // arena offset
+  uint64_t down;    // arena offset
 };
 
 __device__ inline MoeShape moe0_shape(const moe0_params& p) {
@@ -429,13 +503,16 @@ __device__ inline MoeShape moe0_shape(const moe0_params& p) {
 
 // expert_up: one expert slot's gate/up rows
 __device__ inline Rows moe0_expert_up_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2), false);
+  return expert_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                             false);
 }
-__device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it, int warp) {
+__device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
+                                      int warp) {
   const Rows r = moe0_expert_up_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]), 1e-5f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                       1e-5f, it, warp, st);
   consumer_sync();
   const Span s = Span{0, r.r0, r.r1 - r.r0};
   ep_silu_and_mul<kBatch>(st, n, s);
@@ -445,20 +522,26 @@ __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const 
 
 // expert_down: one expert slot's down rows
 __device__ inline Rows moe0_expert_down_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2), true);
+  return expert_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                             true);
 }
-__device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it, int warp) {
+__device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
+                                        int warp) {
   const Rows r = moe0_expert_down_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it,
+                       warp, st);
   consumer_sync();
-  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0}, reinterpret_cast<float*>(m.arena + p.down) + size_t(t.a[0]) * kBatch * 64, 64);
+  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0},
+                   reinterpret_cast<float*>(m.arena + p.down) + size_t(t.a[0]) * kBatch * 64, 64);
 }
 
 // expert_combine: weighted sum of the slots
 __device__ inline void moe0_expert_combine(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  expert_combine<kBatch>(moe0_shape(p), t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in_3), reinterpret_cast<float*>(m.arena + p.down), reinterpret_cast<float*>(m.arena + p.out));
+  expert_combine<kBatch>(moe0_shape(p), t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                         reinterpret_cast<float*>(m.arena + p.in_3), reinterpret_cast<float*>(m.arena + p.down),
+                         reinterpret_cast<float*>(m.arena + p.out));
 }
 
 // ---------------------------------------------------------------------------
@@ -467,23 +550,28 @@ __device__ inline void moe0_expert_combine(const TaskArgs& t, const Memory& m, c
 //   add layer.1/decoder_layer/moe_mlp/out#2 (129:11)
 //   add layer.1/decoder_layer/h#2 (148:9)
 struct projection7_params {
-  uint64_t in;  // arena offset
+  uint64_t in;      // arena offset
   uint64_t s_down;  // weight index
-  uint64_t in_2;  // arena offset
-  uint64_t in_3;  // arena offset
-  uint64_t h_2;  // arena offset
+  uint64_t in_2;    // arena offset
+  uint64_t in_3;    // arena offset
+  uint64_t h_2;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection7_rows(const TaskArgs& t, const Memory& m, const projection7_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 32};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection7(const TaskArgs& t, const Memory& m, const projection7_params& p, uint32_t& it, int warp) {
+__device__ inline void projection7(const TaskArgs& t, const Memory& m, const projection7_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection7_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -507,12 +595,12 @@ __device__ inline void projection7(const TaskArgs& t, const Memory& m, const pro
 //   linear layer.3/decoder_layer/mla/linear#2 (95:22)
 //   split layer.3/decoder_layer/mla/c_kv (95:16)
 struct projection8_params {
-  uint64_t in;  // arena offset
-  uint64_t n_in;  // weight index
-  uint64_t w_q;  // weight index
-  uint64_t w_kva;  // weight index
-  uint64_t q;  // arena offset
-  uint64_t c_kv;  // arena offset
+  uint64_t in;      // arena offset
+  uint64_t n_in;    // weight index
+  uint64_t w_q;     // weight index
+  uint64_t w_kva;   // weight index
+  uint64_t q;       // arena offset
+  uint64_t c_kv;    // arena offset
   uint64_t c_kv_1;  // arena offset
 };
 
@@ -520,17 +608,26 @@ struct projection8_params {
 __device__ inline Rows projection8_rows(const TaskArgs& t, const Memory& m, const projection8_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_q]); r.w1 = nullptr; break;
-    case 1: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_kva]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_q]);
+      r.w1 = nullptr;
+      break;
+    case 1:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_kva]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection8(const TaskArgs& t, const Memory& m, const projection8_params& p, uint32_t& it, int warp) {
+__device__ inline void projection8(const TaskArgs& t, const Memory& m, const projection8_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection8_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]), 1e-5f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
+                       1e-5f, it, warp, st);
   consumer_sync();
   // rms_norm x (139:7)
   // linear q (87:9)
@@ -550,13 +647,13 @@ __device__ inline void projection8(const TaskArgs& t, const Memory& m, const pro
 //   rms_norm layer.3/decoder_layer/mla/c_kv#2 (96:10)
 //   mla_decode layer.3/decoder_layer/mla/o (98:7)
 struct mla0_params {
-  uint64_t in;  // arena offset
-  uint64_t in_2;  // arena offset
-  uint64_t n_kva;  // weight index
-  uint64_t in_3;  // arena offset
-  uint64_t w_kvb;  // weight index
+  uint64_t in;        // arena offset
+  uint64_t in_2;      // arena offset
+  uint64_t n_kva;     // weight index
+  uint64_t in_3;      // arena offset
+  uint64_t w_kvb;     // weight index
   uint64_t kv_cache;  // state index
-  uint64_t o;  // arena offset
+  uint64_t o;         // arena offset
   uint64_t partials;  // arena offset
 };
 
@@ -564,18 +661,26 @@ __device__ constexpr MlaShape mla0_shape{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.041
 
 // mla_split: attention over one KV split (cache rows through the page ring, online softmax)
 __device__ inline void mla0_mla_split_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos, it);
+  mla_split_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                         static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos, it);
 }
 __device__ inline void mla0_mla_split(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in), reinterpret_cast<float*>(m.arena + p.in_2), static_cast<const __nv_bfloat16*>(m.w[p.n_kva]), 1e-5f, reinterpret_cast<float*>(m.arena + p.in_3), static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos, reinterpret_cast<float*>(m.arena + p.partials), it);
+  mla_split<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in),
+                    reinterpret_cast<float*>(m.arena + p.in_2), static_cast<const __nv_bfloat16*>(m.w[p.n_kva]), 1e-5f,
+                    reinterpret_cast<float*>(m.arena + p.in_3), static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                    static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos,
+                    reinterpret_cast<float*>(m.arena + p.partials), it);
 }
 
 // mla_combine: split merge and value up-projection (W_UV through the page ring)
 __device__ inline void mla0_mla_combine_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
   mla_combine_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), it);
 }
-__device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it, int warp) {
-  mla_combine<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.partials), static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), reinterpret_cast<float*>(m.arena + p.o), it, warp);
+__device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it,
+                                        int warp) {
+  mla_combine<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.partials),
+                      static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), reinterpret_cast<float*>(m.arena + p.o), it,
+                      warp);
 }
 
 // ---------------------------------------------------------------------------
@@ -583,22 +688,27 @@ __device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, cons
 //   linear layer.3/decoder_layer/mla/out (99:9)
 //   add layer.3/decoder_layer/h (141:9)
 struct projection9_params {
-  uint64_t in;  // arena offset
-  uint64_t w_o;  // weight index
+  uint64_t in;    // arena offset
+  uint64_t w_o;   // weight index
   uint64_t in_2;  // arena offset
-  uint64_t h;  // arena offset
+  uint64_t h;     // arena offset
 };
 
 // projection_rows: output rows
 __device__ inline Rows projection9_rows(const TaskArgs& t, const Memory& m, const projection9_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void projection9(const TaskArgs& t, const Memory& m, const projection9_params& p, uint32_t& it, int warp) {
+__device__ inline void projection9(const TaskArgs& t, const Memory& m, const projection9_params& p, uint32_t& it,
+                                   int warp) {
   const Rows r = projection9_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
@@ -618,26 +728,32 @@ __device__ inline void projection9(const TaskArgs& t, const Memory& m, const pro
 //   lm_head logits (166:12)
 //   argmax next_token (167:16)
 struct lm_head0_params {
-  uint64_t in;  // arena offset
+  uint64_t in;          // arena offset
   uint64_t final_norm;  // weight index
-  uint64_t lm_w;  // weight index
-  uint64_t tile_max;  // arena offset
+  uint64_t lm_w;        // weight index
+  uint64_t tile_max;    // arena offset
 };
 
 // lm_head_rows: output rows
 __device__ inline Rows lm_head0_lm_head_rows_rows(const TaskArgs& t, const Memory& m, const lm_head0_params& p) {
   Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
   switch (t.a[0]) {
-    case 0: r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.lm_w]); r.w1 = nullptr; break;
-    default: __trap();
+    case 0:
+      r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.lm_w]);
+      r.w1 = nullptr;
+      break;
+    default:
+      __trap();
   }
   return r;
 }
-__device__ inline void lm_head0_lm_head_rows(const TaskArgs& t, const Memory& m, const lm_head0_params& p, uint32_t& it, int warp) {
+__device__ inline void lm_head0_lm_head_rows(const TaskArgs& t, const Memory& m, const lm_head0_params& p, uint32_t& it,
+                                             int warp) {
   const Rows r = lm_head0_lm_head_rows_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.final_norm]), 1e-5f, it, warp, st);
+  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in),
+                       static_cast<const __nv_bfloat16*>(m.w[p.final_norm]), 1e-5f, it, warp, st);
   consumer_sync();
   // rms_norm rms_norm (166:20)
   // lm_head logits (166:12)
@@ -741,7 +857,8 @@ struct Step {
         rows_load<kBatch>(lm_head0_lm_head_rows_rows(t, m, p), it);
         break;
       }
-      default: break;  // reads its weights itself
+      default:
+        break;  // reads its weights itself
     }
   }
 
@@ -851,7 +968,8 @@ struct Step {
         lm_head0_argmax(m, p);
         break;
       }
-      default: __trap();  // a stage without code: fail loudly, never skip work
+      default:
+        __trap();  // a stage without code: fail loudly, never skip work
     }
   }
 };

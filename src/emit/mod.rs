@@ -137,7 +137,7 @@ pub fn emit(
             .iter()
             .map(|t| {
                 in_stage[t.stage] += 1;
-                (t.stage, in_stage[t.stage] - 1, t.args)
+                (t.stage, in_stage[t.stage] - 1, t.args.words())
             })
             .collect();
         let p = program::Program::tables_only(tasks);

@@ -30,11 +30,13 @@ use crate::ir::{DType, Graph, NodeId, NodeKind, TensorType, ValueRef};
 use crate::ops::Attrs;
 use crate::ops::OpKind;
 use crate::plan::fuse::{FusedKind, FusedOp};
-// The shared memory the stages may use beside the page ring and the staged
-// input's, as the planner sized the CTA (device/mkc/ops/common.cuh:
-// kScratchBytes, kActivationBytes).
-use crate::plan::specialize::{ACTIVATION_BYTES, SCRATCH_BYTES};
-use crate::plan::tile::mla_split_shape;
+// The device's limits (device/mkc/contract.h): the shared memory the stages
+// may use beside the page ring and the staged input's, and each operation's.
+use crate::contract::{
+    ACTIVATION_BYTES, CONSUMER_WARPS, MAX_BANK_ROWS, MAX_KDA_DIM, MAX_MLA_HEADS, MLA_MAX_LATENT, MLA_MAX_ROW,
+    MOE_MAX_CHOICES, MX_BLOCK, MX_TILE_ROWS, ROUTER_MAX_GROUPS, SCRATCH_BYTES,
+};
+use crate::plan::tile::TaskArgs;
 use crate::plan::Plan;
 use crate::valid::Validated;
 
@@ -304,8 +306,6 @@ struct Gen<'a> {
     code: String,
     params: Vec<(String, Param)>,
     roles: Vec<(usize, Role)>,
-    /// Per stage: (operation's load wait).
-    load_waits: HashMap<usize, (u32, u32)>,
     /// The kinds so far, by their code.
     kinds: Vec<Kind>,
     kind_of: HashMap<String, usize>,
@@ -613,7 +613,31 @@ impl<'a> Gen<'a> {
     }
 
     fn fused(&mut self, op: &FusedOp) -> Result<()> {
-        self.emit_op(op)?;
+        // What the device cannot compute points at the operation's anchor in
+        // the graph file (the op it is built around).
+        let anchor = op
+            .nodes
+            .iter()
+            .map(|n| nid(*n))
+            .find(|n| {
+                matches!(
+                    self.op_of(*n),
+                    Some((
+                        OpKind::Linear
+                            | OpKind::LmHead
+                            | OpKind::Router
+                            | OpKind::Moe
+                            | OpKind::MlaDecode
+                            | OpKind::KdaDecode
+                            | OpKind::AttnResMix
+                            | OpKind::Embedding,
+                        _
+                    ))
+                )
+            })
+            .unwrap_or(nid(op.nodes[0]));
+        let span = self.g.node(anchor).span;
+        self.emit_op(op).map_err(|e| e.or_at(span).label(format!("fused operation {}", op.id)))?;
         self.finish(op)
     }
 
@@ -765,7 +789,6 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         code: String::new(),
         params: vec![],
         roles: vec![],
-        load_waits: HashMap::new(),
         kinds: vec![],
         kind_of: HashMap::new(),
         stage_kind: vec![None; plan.tiling.stages.len()],
@@ -797,7 +820,7 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         .iter()
         .map(|t| {
             in_stage[t.stage] += 1;
-            (t.stage, in_stage[t.stage] - 1, t.args)
+            (t.stage, in_stage[t.stage] - 1, t.args.words())
         })
         .collect();
     // Each stage's record: its kind's role and its parameters, now that the
@@ -822,7 +845,7 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
                 Param::Int(v) => v,
             })
             .collect();
-        let load_wait = gen.load_waits.get(&s).copied().unwrap_or((0, 0));
+        let load_wait = plan.schedule.load_waits[s].map_or((0, 0), |(c, n)| (c as u32, n));
         stages.push(StageRecord { role: role_base[*kind] + *role as u32, params, load_wait });
     }
     let layout =

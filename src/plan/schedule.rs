@@ -36,7 +36,7 @@
 use serde::Serialize;
 
 use super::specialize::{MAX_PAGES, PAGE_BYTES};
-use super::tile::Tiling;
+use super::tile::{TaskKind, Tiling};
 use super::Options;
 use crate::diag::{Error, ErrorKind, Result};
 use crate::target::Target;
@@ -114,6 +114,10 @@ pub struct Schedule {
     pub sms: Vec<Vec<Instr>>,
     /// The counters.
     pub counters: Vec<Counter>,
+    /// Per stage, what its loader waits for before streaming weights that
+    /// activations choose (a routed expert stage: its router's whole stage,
+    /// as `(counter, bumps per step)`); `None` for weights known in advance.
+    pub load_waits: Vec<Option<(usize, u32)>>,
     /// Predicted time of the step.
     pub step_ns: f64,
     /// Lower bound from the longest dependency chain.
@@ -257,13 +261,28 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
         (i.load_start_ns, i.start_ns, i.end_ns) = times[i.task];
     }
     assign_waits(tiling, &need, &mut lists)?;
-    let counters =
+    let counters: Vec<Counter> =
         tiling.stages.iter().map(|s| Counter { id: s.id, stage: s.id, expected: s.tasks.len() as u32 }).collect();
+    // The loader runs ahead of the controller's waits: an expert stage's
+    // loader waits for the router stage it reads, whole.
+    let load_waits = tiling
+        .stages
+        .iter()
+        .map(|s| {
+            if !matches!(s.kind, TaskKind::ExpertUp | TaskKind::ExpertDown) {
+                return None;
+            }
+            let router = s.reads.iter().copied().find(|r| tiling.stages[*r].kind == TaskKind::Router)?;
+            let c = counters.iter().find(|c| c.stage == router)?;
+            Some((c.id, c.expected))
+        })
+        .collect();
     let hbm_bytes: u64 = tiling.tasks.iter().map(|t| t.weight_bytes + t.state_bytes).sum();
     let step_ns = finish.iter().copied().fold(0f64, f64::max);
     Ok(Schedule {
         sms: lists,
         counters,
+        load_waits,
         step_ns,
         critical_path_ns: cp.iter().copied().fold(0f64, f64::max),
         hbm_bytes,

@@ -16,17 +16,14 @@ use super::Options;
 use crate::diag::{Error, ErrorKind, Result};
 use crate::target::Target;
 
-/// Bytes of one shared-memory page of the weight ring.
-pub const PAGE_BYTES: u64 = 16 << 10;
-/// Shared memory kept outside the ring for attention, routing and reductions.
-pub const SCRATCH_BYTES: u64 = 24 << 10;
-/// Shared memory a projection task copies its input activations into (fp32,
-/// normed by the prologue if it has one) when they fit: every page then reads
-/// them from shared memory instead of L2.
-pub const ACTIVATION_BYTES: u64 = 64 << 10;
-/// At most this many ring pages: 128 KiB in flight per SM covers HBM latency
-/// (132 SMs x 128 KiB is about 4 us of the H200's bandwidth).
-pub const MAX_PAGES: u64 = 8;
+// The page ring, scratch and staging sizes are the device's (contract.h):
+// pages of PAGE_BYTES, at most PAGES of them (128 KiB in flight per SM covers
+// HBM latency: 132 SMs x 128 KiB is about 4 us of the H200's bandwidth);
+// SCRATCH_BYTES beside the ring for attention, routing and reductions;
+// ACTIVATION_BYTES a projection task copies its input into (fp32, normed by
+// its prologue) when it fits, so that every page reads it from shared memory.
+pub use crate::contract::{ACTIVATION_BYTES, PAGES as MAX_PAGES, PAGE_BYTES, SCRATCH_BYTES};
+use crate::contract::{CONSUMER_WARPS, MAX_BATCH, PRODUCER_WARPS};
 
 /// The CTA layout of the persistent kernel.
 #[derive(Debug, Clone, Serialize)]
@@ -71,8 +68,8 @@ pub struct WarpPlan {
 
 /// Chooses the layout and checks every task kind against `target`.
 pub fn specialize(tiling: &Tiling, target: &Target, opts: Options) -> Result<WarpPlan> {
-    let consumer_warpgroups = 2;
-    let producer_warps = 4;
+    let consumer_warpgroups = CONSUMER_WARPS as u32 / 4;
+    let producer_warps = PRODUCER_WARPS as u32;
     let threads = (producer_warps + 4 * consumer_warpgroups) * 32;
     let producer_regs = 40;
     let budget = target.regs_per_sm.saturating_sub(producer_warps * 32 * producer_regs);
@@ -103,8 +100,8 @@ pub fn specialize(tiling: &Tiling, target: &Target, opts: Options) -> Result<War
             target.smem_per_block
         ));
     }
-    // Batches above 8 need a wider accumulator than the register budget allows.
-    if opts.batch > 8 && consumer_regs < 168 {
+    // Batches above MAX_BATCH need a wider accumulator than the register budget allows.
+    if u64::from(opts.batch) > MAX_BATCH && consumer_regs < 168 {
         return fail(format!("batch {} needs 168 consumer registers, the layout has {consumer_regs}", opts.batch));
     }
     let mut kinds: Vec<TaskKind> = tiling.stages.iter().map(|s| s.kind).collect();

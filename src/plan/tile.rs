@@ -89,12 +89,77 @@ pub struct Task {
     /// the bytes; 0 otherwise): costed per element by the schedule, in place
     /// of the FLOPs.
     pub decoded: u64,
-    /// Which part of its operation the task computes, as the generated code
-    /// reads it: projections `[linear, paired up linear or u32::MAX, row0,
-    /// row1]` (linears by position among the operation's linears); MLA `[head group, split]`; expert stages `[slot, row0, row1]`;
-    /// expert combine `[tile, tiles]`.
+    /// Which part of its operation the task computes.
     #[serde(skip)]
-    pub args: [u32; 4],
+    pub args: TaskArgs,
+}
+
+/// Which part of its operation a task computes, as the generated code reads
+/// it ([`TaskArgs::words`]: the plan file's four words, `t.a[0..4]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskArgs {
+    /// The whole operation.
+    Whole,
+    /// Rows of one of the operation's linears, with the rows of its paired up
+    /// linear if it has one.
+    Rows {
+        /// The linear, by position among the operation's linears (so that
+        /// every layer's tasks read alike).
+        linear: u32,
+        /// The paired up linear (act-and-mul), by position.
+        up: Option<u32>,
+        /// First row.
+        r0: u32,
+        /// One past the last row.
+        r1: u32,
+    },
+    /// MLA's split: a head group over one KV split.
+    KvSplit {
+        /// The head group.
+        group: u32,
+        /// The KV split.
+        split: u32,
+    },
+    /// A range of heads (KDA, MLA's combine).
+    Heads {
+        /// First head.
+        h0: u32,
+        /// One past the last head.
+        h1: u32,
+    },
+    /// Rows of the expert in one slot.
+    ExpertRows {
+        /// The slot (the slot-th distinct expert the step chose).
+        slot: u32,
+        /// First row.
+        r0: u32,
+        /// One past the last row.
+        r1: u32,
+    },
+    /// One column tile (the experts' combine).
+    Tile {
+        /// The tile.
+        tile: u32,
+        /// Tiles in all.
+        tiles: u32,
+    },
+}
+
+impl TaskArgs {
+    /// The four words the device reads (`TaskArgs::a` of
+    /// `device/mkc/plan_types.h`): rows `[linear, up or u32::MAX, r0, r1]`,
+    /// a KV split `[group, split]`, heads `[h0, h1]`, expert rows `[slot, r0,
+    /// r1]`, a tile `[tile, tiles]`, unused words 0.
+    pub fn words(self) -> [u32; 4] {
+        match self {
+            TaskArgs::Whole => [0; 4],
+            TaskArgs::Rows { linear, up, r0, r1 } => [linear, up.unwrap_or(u32::MAX), r0, r1],
+            TaskArgs::KvSplit { group, split } => [group, split, 0, 0],
+            TaskArgs::Heads { h0, h1 } => [h0, h1, 0, 0],
+            TaskArgs::ExpertRows { slot, r0, r1 } => [slot, r0, r1, 0],
+            TaskArgs::Tile { tile, tiles } => [tile, tiles, 0, 0],
+        }
+    }
 }
 
 /// A set of tasks of one kind that may run in parallel.
@@ -110,6 +175,10 @@ pub struct Stage {
     pub tasks: Vec<usize>,
     /// Stages whose results it reads.
     pub reads: Vec<usize>,
+    /// MLA's split over the KV length `(head groups, heads per group, KV
+    /// splits)`, for both MLA stages; what the generated code compiles in.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mla_split: Option<(u64, u64, u64)>,
 }
 
 /// A buffer of the scratch arena holding one stage's results for one step.
@@ -151,7 +220,7 @@ impl Tiling {
 
 /// A task before it is numbered: label, weight, activation and state bytes,
 /// FLOPs and arguments.
-type Part = (String, u64, u64, u64, u64, [u32; 4]);
+type Part = (String, u64, u64, u64, u64, TaskArgs);
 
 /// How MLA decode splits: `(head groups, heads per group, KV splits)`.
 pub fn mla_split_shape(heads: u64, context: u64, sms: u32) -> (u64, u64, u64) {
@@ -222,7 +291,7 @@ impl Builder<'_> {
             });
             ids.push(tid);
         }
-        self.stages.push(Stage { id, op, kind, tasks: ids, reads });
+        self.stages.push(Stage { id, op, kind, tasks: ids, reads, mla_split: None });
         self.out_bytes.push(0);
         id
     }
@@ -329,7 +398,7 @@ impl Builder<'_> {
             // Linears by their position in the operation (the generated code's
             // row-source switch), so that every layer's tasks read alike.
             let ordinal = |n: usize| linears.iter().position(|x| *x == n).expect("a linear of the op") as u32;
-            let up = coupled.iter().find(|(_, gate)| **gate == *l).map(|(up, _)| ordinal(*up)).unwrap_or(u32::MAX);
+            let up = coupled.iter().find(|(_, gate)| **gate == *l).map(|(up, _)| ordinal(*up));
             segments.push((label, rows, row_bytes, k, align, coupled.values().any(|gte| gte == l), ordinal(*l), up));
         }
         let total: u64 = segments.iter().map(|s| s.1 * s.2).sum();
@@ -353,7 +422,7 @@ impl Builder<'_> {
                     in_bytes + out,
                     0,
                     2 * n * k * b * mult,
-                    [*lin, *up, r0 as u32, r1 as u32],
+                    TaskArgs::Rows { linear: *lin, up: *up, r0: r0 as u32, r1: r1 as u32 },
                 ));
                 r0 = r1;
             }
@@ -372,7 +441,7 @@ impl Builder<'_> {
     ) -> usize {
         let act = (self.external_inputs(nodes) + self.external_outputs(nodes)) * self.b();
         let weights: u64 = self.weights_of(nodes);
-        self.add_stage(op, kind, reads, vec![("all".into(), weights, act, state, flops, [0; 4])])
+        self.add_stage(op, kind, reads, vec![("all".into(), weights, act, state, flops, TaskArgs::Whole)])
     }
 
     /// Bytes of the non-expert weights the nodes read.
@@ -419,11 +488,12 @@ impl Builder<'_> {
                     act,
                     chunk * cache_row * b / groups,
                     flops,
-                    [hg as u32, s as u32, 0, 0],
+                    TaskArgs::KvSplit { group: hg as u32, split: s as u32 },
                 ));
             }
         }
         let split = self.add_stage(op, TaskKind::MlaSplit, reads, parts);
+        self.stages[split].mla_split = Some((groups, hpt, splits));
         let out = self.external_outputs(nodes) * b;
         // The combine takes a head per task (fewer when the heads outnumber the
         // SMs): its W_UV block and its splits' partials.
@@ -438,10 +508,11 @@ impl Builder<'_> {
                 splits * n * (c + 2) * 4 * b + out * n / heads,
                 0,
                 2 * n * v_dim * c * b,
-                [h0 as u32, h1 as u32, 0, 0],
+                TaskArgs::Heads { h0: h0 as u32, h1: h1 as u32 },
             ));
         }
         let combine = self.add_stage(op, TaskKind::MlaCombine, vec![split], parts);
+        self.stages[combine].mla_split = Some((groups, hpt, splits));
         self.out_bytes[split] = groups * splits * hpt * (c + 2) * 4 * b;
         (split, combine)
     }
@@ -461,7 +532,7 @@ impl Builder<'_> {
         let parts = (0..tasks)
             .map(|t| {
                 let h = hpt.min(heads - t * hpt);
-                let args = [(t * hpt) as u32, (t * hpt + h) as u32, 0, 0];
+                let args = TaskArgs::Heads { h0: (t * hpt) as u32, h1: (t * hpt + h) as u32 };
                 (format!("heads[{}..{}]", t * hpt, t * hpt + h), w, act, 2 * h * d * d * 4 * b, 8 * h * d * d * b, args)
             })
             .collect();
@@ -511,7 +582,7 @@ impl Builder<'_> {
                     x_bytes / slots + (r1 - r0) * 2 * b,
                     0,
                     4 * (r1 - r0) * d * b * k / slots,
-                    [s as u32, r0 as u32, r1 as u32, 0],
+                    TaskArgs::ExpertRows { slot: s as u32, r0: r0 as u32, r1: r1 as u32 },
                 ));
                 r0 = r1;
             }
@@ -521,7 +592,7 @@ impl Builder<'_> {
         self.out_bytes[up] = slots * i * 2 * b;
         if wg.dtype == DType::Mxfp4 {
             for &t in &self.stages[up].tasks {
-                let [_, r0, r1, _] = self.tasks[t].args;
+                let TaskArgs::ExpertRows { r0, r1, .. } = self.tasks[t].args else { unreachable!("expert rows") };
                 self.tasks[t].decoded = share(2 * u64::from(r1 - r0) * d);
             }
         }
@@ -536,7 +607,7 @@ impl Builder<'_> {
                     i * 2 * b + (r1 - r0) * 4 * b,
                     0,
                     2 * (r1 - r0) * i * b * k / slots,
-                    [s as u32, r0 as u32, r1 as u32, 0],
+                    TaskArgs::ExpertRows { slot: s as u32, r0: r0 as u32, r1: r1 as u32 },
                 ));
                 r0 = r1;
             }
@@ -545,7 +616,7 @@ impl Builder<'_> {
         self.out_bytes[down] = slots * d * 4 * b;
         if wd.dtype == DType::Mxfp4 {
             for &t in &self.stages[down].tasks {
-                let [_, r0, r1, _] = self.tasks[t].args;
+                let TaskArgs::ExpertRows { r0, r1, .. } = self.tasks[t].args else { unreachable!("expert rows") };
                 self.tasks[t].decoded = share(u64::from(r1 - r0) * i);
             }
         }
@@ -553,7 +624,7 @@ impl Builder<'_> {
         let out = self.external_outputs(nodes) * b;
         let parts = (0..tiles)
             .map(|t| {
-                let args = [t as u32, tiles as u32, 0, 0];
+                let args = TaskArgs::Tile { tile: t as u32, tiles: tiles as u32 };
                 (format!("cols {t}/{tiles}"), 0, (k * d * 4 * b + out) / tiles, 0, 2 * k * d * b / tiles, args)
             })
             .collect();

@@ -17,7 +17,9 @@
 //! - read after write: every task of a stage that reads a region runs after
 //!   every task that writes it;
 //! - write after read and write after write: a task writing a buffer runs
-//!   after every reader and the writer of the region the buffer held before.
+//!   after every reader and the writer of the region the buffer held before;
+//! - every routed expert stage's loader waits for its router's whole stage
+//!   before reading the ids, and no other stage's loader waits.
 //!
 //! Not checked here: the layout of a region inside its buffer (one region per
 //! buffer at a time), state buffers (each has one owning op per step).
@@ -26,7 +28,7 @@ use serde::Serialize;
 
 use super::fuse::Fusion;
 use super::schedule::Schedule;
-use super::tile::Tiling;
+use super::tile::{TaskKind, Tiling};
 use crate::diag::{Error, ErrorKind, Result};
 
 /// What the verifier established.
@@ -93,6 +95,28 @@ pub fn verify(fusion: &Fusion, tiling: &Tiling, schedule: &Schedule) -> Result<P
     }
     if let Some(t) = place.iter().position(Option::is_none) {
         return Err(bug(format!("task {} is never scheduled", name(t))));
+    }
+    // The loaders' waits: a stage whose weights the router chooses streams
+    // them only after the whole router stage it reads (the loader runs ahead
+    // of the controller's waits, so nothing else orders its reads of the ids).
+    for s in &tiling.stages {
+        let routed = matches!(s.kind, TaskKind::ExpertUp | TaskKind::ExpertDown);
+        let wait = schedule.load_waits.get(s.id).copied().flatten();
+        let ok = match wait {
+            None => !routed,
+            Some((counter, target)) => schedule.counters.get(counter).is_some_and(|c| {
+                routed
+                    && s.reads.contains(&c.stage)
+                    && tiling.stages[c.stage].kind == TaskKind::Router
+                    && c.expected == target
+            }),
+        };
+        if !ok {
+            return Err(bug(format!(
+                "stage {} ({:?}) has loader wait {wait:?}: a routed expert stage's loader must wait for its whole router stage, no other stage's may wait",
+                s.id, s.kind
+            )));
+        }
     }
     for c in &schedule.counters {
         if signals[c.id] != c.expected {

@@ -18,7 +18,7 @@ namespace mkc {
 // of the SM's loads are in flight together (a warp per row left most warps
 // idle and each lane's loads in a long chain); the partial sums meet in
 // scratch, the scores in shared memory.
-constexpr uint32_t kMaxBankRows = 31;
+// kMaxBankRows: contract.h.
 
 template <int B, class T>
 __device__ void attn_res_mix(const T* bank, uint32_t n, const T* u, const __nv_bfloat16* w, const __nv_bfloat16* gamma,

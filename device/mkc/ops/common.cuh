@@ -16,11 +16,9 @@
 namespace mkc {
 
 constexpr int kConsumerThreads = kConsumerWarps * 32;
-// Shared memory beside the page ring, for attention, experts and routing
-// (src/plan/specialize.rs, SCRATCH_BYTES), then the projection's staged
-// activations (ACTIVATION_BYTES).
-constexpr int kScratchBytes = 24 << 10;
-constexpr int kActivationBytes = 64 << 10;
+// The shared memory beside the page ring (kScratchBytes: attention, experts,
+// routing) and the projections' staged activations (kActivationBytes):
+// contract.h.
 
 // Everything a step reads and writes, as the runtime resolved it.
 struct Memory {

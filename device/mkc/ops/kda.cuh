@@ -23,7 +23,7 @@ struct KdaShape {
   float lower_bound;  // safe gate only
 };
 
-constexpr uint32_t kMaxKdaDim = 256;
+// kMaxKdaDim: contract.h.
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 

@@ -13,7 +13,7 @@ namespace mkc {
 // [W_UK (nope rows) | W_UV (v_dim rows)] of width c. Score_p = scale (q_nope
 // W_UK . c_kv_p + q_pe . k_pe_p); out = W_UV sum_p softmax_p c_kv_p.
 // Heads per MLA task the split keeps in registers (the codegen checks).
-constexpr uint32_t kMaxMlaHeads = 8;
+// kMaxMlaHeads: contract.h.
 
 struct MlaShape {
   uint32_t heads, hpt, groups, splits;
@@ -86,7 +86,8 @@ __device__ void mla_split_load(const MlaShape& s, uint32_t hg, uint32_t split, c
 // absorbed query of up to kMlaQuad heads at those columns in registers.
 constexpr uint32_t kMlaFoldPages = 4;
 constexpr uint32_t kMlaFoldRows = kMlaFoldPages * kMaxPackedRows + 1;
-constexpr uint32_t kMlaLanePairs = 9;
+// kMlaLanePairs: contract.h.
+static_assert(kMlaMaxRow == 64 * kMlaLanePairs && kMlaMaxLatent <= kMlaMaxRow, "a lane holds a row's column pairs");
 constexpr uint32_t kMlaQuad = 4;
 static_assert(kMaxMlaHeads <= kConsumerWarps, "the softmax takes a warp per head");
 static_assert(kMlaFoldRows <= 96, "the softmax takes three rows per lane");

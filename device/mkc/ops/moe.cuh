@@ -28,7 +28,7 @@ __device__ void router(const RouterShape& r, const float* logits, const float* b
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* score = reinterpret_cast<float*>(scratch_ptr());  // [experts]
   float* choice = score + r.experts;                        // [experts], then what is left to pick
-  __shared__ float group_score[64];
+  __shared__ float group_score[kRouterMaxGroups];
   const uint32_t per = r.experts / r.n_group;
   for (int b = 0; b < B; ++b) {
     const float* lg = logits + size_t(b) * r.experts;

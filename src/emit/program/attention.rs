@@ -30,8 +30,9 @@ impl Gen<'_> {
         let cache = self.state(ops[4].node, "__nv_bfloat16");
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
         let ctx = self.plan.options.context;
-        let sms = self.plan.schedule.sms.len() as u32;
-        let (groups, hpt, splits) = mla_split_shape(heads, ctx, sms);
+        let Some((groups, hpt, splits)) = self.plan.tiling.stages[split].mla_split else {
+            return Err(unsupported(op, "an MLA split the planner did not shape"));
+        };
         // The split's scratch: qlat, q_pe, q_nope (fp32), the new row (bf16);
         // the combine's activation area: the latent output and W_UV's result.
         let scratch = 4 * hpt * (c + rope as u64 + nope as u64) + 2 * (c + rope as u64);
@@ -39,13 +40,13 @@ impl Gen<'_> {
         if scratch > SCRATCH_BYTES
             || combine_bytes > ACTIVATION_BYTES
             || !c.is_multiple_of(8)
-            || c > 512
-            || c + rope as u64 > 576
+            || c > MLA_MAX_LATENT
+            || c + rope as u64 > MLA_MAX_ROW
             || rope % 8 != 0
             || nope % 4 != 0
-            || hpt > 8
+            || hpt > MAX_MLA_HEADS
         {
-            return Err(unsupported(op, &format!("MLA scratch of {scratch} bytes (at most {SCRATCH_BYTES}), a combine staging of {combine_bytes} bytes (at most {ACTIVATION_BYTES}), a latent width (at most 512) and RoPE width that are multiples of 8 and together at most 576 (the split's lanes hold a cache row in registers), a no-PE width that is a multiple of 4, at most 8 heads per task")));
+            return Err(unsupported(op, &format!("MLA scratch of {scratch} bytes (at most {SCRATCH_BYTES}), a combine staging of {combine_bytes} bytes (at most {ACTIVATION_BYTES}), a latent width (at most {MLA_MAX_LATENT}) and RoPE width that are multiples of 8 and together at most {MLA_MAX_ROW} (the split's lanes hold a cache row in registers), a no-PE width that is a multiple of 4, at most {MAX_MLA_HEADS} heads per task")));
         }
         self.check_reads(split, &[ops[0], raw, ops[2]])?;
         let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
@@ -95,8 +96,8 @@ impl Gen<'_> {
         let (_, attrs) = self.op_of(n).expect("an op");
         let ops = g.operands(n);
         let (heads, d) = (attrs.int("heads") as u64, attrs.int("head_dim") as u64);
-        if d % 4 != 0 || d > 256 {
-            return Err(unsupported(op, &format!("KDA head size {d} (a multiple of 4, at most 256)")));
+        if d % 4 != 0 || d > MAX_KDA_DIM {
+            return Err(unsupported(op, &format!("KDA head size {d} (a multiple of 4, at most {MAX_KDA_DIM})")));
         }
         // beta: the sigmoid of a value computed elsewhere (the prologue).
         let beta = match self.op_of(ops[4].node) {
@@ -166,14 +167,17 @@ impl Gen<'_> {
         let hidden = g.value_type(ops[0]).elements();
         let bt = g.value_type(ops[1]);
         let rows = bt.elements() / hidden.max(1);
-        if rows > 31 {
-            return Err(unsupported(op, &format!("an attention-residual bank of {rows} rows (at most 31)")));
+        if rows > MAX_BANK_ROWS {
+            return Err(unsupported(
+                op,
+                &format!("an attention-residual bank of {rows} rows (at most {MAX_BANK_ROWS})"),
+            ));
         }
         if !hidden.is_multiple_of(4) {
             return Err(unsupported(op, &format!("an attention-residual mix of rows of {hidden} (a multiple of 4)")));
         }
         // attn_res_mix's partial sums: the 8 consumer warps' [batch][32 bank rows] scores, twice.
-        let mix_scratch = 8 * self.batch * 32 * 2 * 4;
+        let mix_scratch = CONSUMER_WARPS * self.batch * (MAX_BANK_ROWS + 1) * 2 * 4;
         if mix_scratch > SCRATCH_BYTES {
             return Err(unsupported(
                 op,

@@ -16,11 +16,14 @@ impl Gen<'_> {
         let ops = g.operands(n);
         let e = g.value_type(ops[0]).elements();
         let n_group = attrs.int("n_group");
-        if !(1..=64).contains(&n_group) || !e.is_multiple_of(n_group as u64) || e * 8 > SCRATCH_BYTES {
+        if !(1..=ROUTER_MAX_GROUPS as i64).contains(&n_group)
+            || !e.is_multiple_of(n_group as u64)
+            || e * 8 > SCRATCH_BYTES
+        {
             return Err(unsupported(
                 op,
                 &format!(
-                    "a router over {e} experts in {n_group} groups (the device router takes up to 64 equal groups \
+                    "a router over {e} experts in {n_group} groups (the device router takes up to {ROUTER_MAX_GROUPS} equal groups \
                      and {} experts)",
                     SCRATCH_BYTES / 8
                 ),
@@ -96,16 +99,19 @@ impl Gen<'_> {
                     }
                 }
             }
-            if !d.is_multiple_of(32) || !i.is_multiple_of(32) {
-                return Err(unsupported(op, "MXFP4 experts whose widths are not multiples of 32"));
+            if !d.is_multiple_of(MX_BLOCK) || !i.is_multiple_of(MX_BLOCK) {
+                return Err(unsupported(op, &format!("MXFP4 experts whose widths are not multiples of {MX_BLOCK}")));
             }
         }
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
         self.check_reads(up, &[x_in, ops[1]])?;
         self.check_reads(down, &[ops[1]])?;
         self.check_reads(combine, &[ops[1], ops[2]])?;
-        if !d.is_multiple_of(8) || !i.is_multiple_of(8) || self.batch * k > 512 {
-            return Err(unsupported(op, "expert widths that are multiples of 8 and at most 512 choices per step"));
+        if !d.is_multiple_of(8) || !i.is_multiple_of(8) || self.batch * k > MOE_MAX_CHOICES {
+            return Err(unsupported(
+                op,
+                &format!("expert widths that are multiples of 8 and at most {MOE_MAX_CHOICES} choices per step"),
+            ));
         }
         let act_at = self.reserve(up, self.batch * slots * i * 4)?;
         let down_at = self.reserve(down, self.batch * slots * d * 4)?;
@@ -131,19 +137,22 @@ impl Gen<'_> {
         for (stage, is_down) in [(up, false), (down, true)] {
             let mut tile = 0;
             for t in &self.plan.tiling.stages[stage].tasks {
-                let a = self.plan.tiling.tasks[*t].args;
+                let TaskArgs::ExpertRows { r0, r1, .. } = self.plan.tiling.tasks[*t].args else {
+                    return Err(unsupported(op, "expert tasks without expert rows"));
+                };
                 // MXFP4 rows come in tiles of eight (device/mkc/mx_layout.h): a
                 // task starts on a tile, and a gate/up task's rows are whole tiles.
-                if mx && (!a[1].is_multiple_of(8) || (!is_down && !(a[2] - a[1]).is_multiple_of(8))) {
+                let rows = MX_TILE_ROWS as u32;
+                if mx && (!r0.is_multiple_of(rows) || (!is_down && !(r1 - r0).is_multiple_of(rows))) {
                     return Err(unsupported(
                         op,
                         &format!(
-                            "MXFP4 expert rows [{}, {}) in a task: they must start on a tile of 8 rows",
-                            a[1], a[2]
+                            "MXFP4 expert rows [{}, {}) in a task: they must start on a tile of {rows} rows",
+                            r0, r1
                         ),
                     ));
                 }
-                tile = tile.max(u64::from(a[2] - a[1]) * if is_down { 1 } else { 2 } * self.batch);
+                tile = tile.max(u64::from(r1 - r0) * if is_down { 1 } else { 2 } * self.batch);
             }
             self.staging = self.staging.max(tile);
             if mx {
@@ -178,15 +187,12 @@ impl Gen<'_> {
              consumer_sync();\n  \
              ep_store<kBatch>(st, n, Span{{0, r.r0, r.r1 - r.r0}}, {dn} + size_t(t.a[0]) * kBatch * {d}, {d});\n}}"
         );
-        // The loader runs ahead of the controller, so it cannot rely on the
-        // instruction's (minimal) waits: it waits for the router's whole
-        // stage before reading the ids.
-        let router = self.writer.get(&ops[1]).copied().ok_or_else(|| unsupported(op, "ids from a router stage"))?;
-        let counter =
-            self.plan.schedule.counters.iter().find(|c| c.stage == router).expect("every stage has a counter");
+        // The loader waits for the router's whole stage before reading the
+        // ids (the schedule's load waits, checked by the verifier).
+        if !self.writer.contains_key(&ops[1]) {
+            return Err(unsupported(op, "ids from a router stage"));
+        }
         self.role(down, format!("{f}(t, m, p, it, warp);"), Some(format!("{load_fn}({f}_rows(t, m, p), it);")));
-        self.load_waits.insert(up, (counter.id as u32, counter.expected));
-        self.load_waits.insert(down, (counter.id as u32, counter.expected));
         self.header(combine, op, "weighted sum of the slots");
         let f = self.fname(op, combine);
         let _ = writeln!(

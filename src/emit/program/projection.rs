@@ -108,9 +108,9 @@ impl Gen<'_> {
         let tasks: Vec<usize> = self.plan.tiling.stages[rows_stage].tasks.clone();
         let max_cols = tasks
             .iter()
-            .map(|t| {
-                let a = self.plan.tiling.tasks[*t].args;
-                u64::from(a[3] - a[2]) * if a[1] == u32::MAX { 1 } else { 2 }
+            .map(|t| match self.plan.tiling.tasks[*t].args {
+                TaskArgs::Rows { up, r0, r1, .. } => u64::from(r1 - r0) * if up.is_some() { 2 } else { 1 },
+                _ => 0,
             })
             .max()
             .unwrap_or(0);
