@@ -30,7 +30,9 @@ class _Info(ctypes.Structure):
 
 
 class Model:
-    def __init__(self, library, checkpoint):
+    def __init__(self, library, checkpoint, plan=None):
+        """Opens `checkpoint` with `library`; its plan file is plan.mkcplan beside
+        the library unless `plan` names one."""
         self._lib = ctypes.CDLL(str(library))
         lib = self._lib
         lib.mkc_model_open.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
@@ -50,7 +52,14 @@ class Model:
                                              ctypes.POINTER(ctypes.c_float), ctypes.c_char_p, ctypes.c_size_t]
         self._err = ctypes.create_string_buffer(1 << 16)
         handle = ctypes.c_void_p()
-        if lib.mkc_model_open(str(checkpoint).encode(), ctypes.byref(handle), self._err, len(self._err)) != 0:
+        if plan is None:
+            rc = lib.mkc_model_open(str(checkpoint).encode(), ctypes.byref(handle), self._err, len(self._err))
+        else:
+            lib.mkc_model_open_plan.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
+                                                ctypes.c_char_p, ctypes.c_size_t]
+            rc = lib.mkc_model_open_plan(str(checkpoint).encode(), str(plan).encode(), ctypes.byref(handle), self._err,
+                                         len(self._err))
+        if rc != 0:
             raise MkcError(self._err.value.decode())
         self._m = handle
         info = _Info()
