@@ -130,17 +130,7 @@ pub fn emit(
         .collect();
     let groups = weight_groups(v);
     if tables_only {
-        let mut in_stage = vec![0usize; plan.tiling.stages.len()];
-        let tasks = plan
-            .tiling
-            .tasks
-            .iter()
-            .map(|t| {
-                in_stage[t.stage] += 1;
-                (t.stage, in_stage[t.stage] - 1, t.args.words())
-            })
-            .collect();
-        let p = program::Program::tables_only(tasks);
+        let p = program::Program::tables_only(program::task_rows(plan));
         let file = plan_file::write(&id, &t, &p, &groups, &stage_names);
         let summary = plan_file::summary(&file, &id);
         return Ok(Artifact { name: name.to_string(), files: vec![("plan_summary.txt".into(), summary)], plan: file });

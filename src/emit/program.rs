@@ -187,6 +187,19 @@ enum Loc {
     Arena { buffer: usize, offset: u64 },
 }
 
+/// Per plan task: its stage, its index in the stage and its four device words.
+pub fn task_rows(plan: &Plan) -> Vec<(usize, usize, [u32; 4])> {
+    let mut in_stage = vec![0usize; plan.tiling.stages.len()];
+    plan.tiling
+        .tasks
+        .iter()
+        .map(|t| {
+            in_stage[t.stage] += 1;
+            (t.stage, in_stage[t.stage] - 1, t.args.words())
+        })
+        .collect()
+}
+
 impl Program {
     /// A program of tasks only (no kinds, no stage records): the plan file
     /// of `codegen --tables-only`.
@@ -813,16 +826,7 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
     at = align(at + gen.route_log_bytes, 256);
     let top_k = gen.routers.first().map_or(0, |(_, k)| *k);
     let router_top_k = if gen.routers.iter().all(|(_, k)| *k == top_k) { top_k } else { 0 };
-    let mut in_stage = vec![0usize; plan.tiling.stages.len()];
-    let tasks = plan
-        .tiling
-        .tasks
-        .iter()
-        .map(|t| {
-            in_stage[t.stage] += 1;
-            (t.stage, in_stage[t.stage] - 1, t.args.words())
-        })
-        .collect();
+    let tasks = task_rows(plan);
     // Each stage's record: its kind's role and its parameters, now that the
     // buffers are laid out.
     let mut role_base = vec![0u32; gen.kinds.len()];
