@@ -492,27 +492,74 @@ fn full_k3_program_is_the_size_of_its_kinds() {
     }
 }
 
-/// Graphs with operations the device library does not compute are refused
-/// by name (codegen without --tables-only), never emitted with gaps: a
-/// softmax router.
-#[test]
-fn codegen_refuses_what_it_cannot_compute() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("model_graphs");
-    let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
-    let t = Target::load("h200").unwrap();
-    let source = std::fs::read_to_string(root.join("kimi_k2/graph.mkc")).unwrap();
+/// A config with `edit` applied, compiled.
+fn compile_edited(model: &str, config: &str, edit: impl Fn(&mut serde_json::Value)) -> (Validated, String) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("model_graphs").join(model);
+    let source = std::fs::read_to_string(root.join("graph.mkc")).unwrap();
     let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(root.join("kimi_k2/tiny.json")).unwrap()).unwrap();
-    cfg["scoring_func"] = "softmax".into();
-    let v = compile_with(&source, &Config::parse(&cfg.to_string(), "softmax.json").unwrap());
-    let p = plan::plan(&v, &t, Options::default()).unwrap();
-    let err = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap_err().to_string();
-    assert!(err.contains("codegen: fused operation") && err.contains("router scoring \"softmax\""), "{err}");
+        serde_json::from_str(&std::fs::read_to_string(root.join(config)).unwrap()).unwrap();
+    edit(if cfg.get("text_config").is_some() { &mut cfg["text_config"] } else { &mut cfg });
+    (compile_with(&source, &Config::parse(&cfg.to_string(), "edited.json").unwrap()), source)
+}
+
+/// What the device library cannot hold is refused by the planner (no plan
+/// is made), by name, at the graph span of the operation's anchor: a KDA head
+/// size past the device's, an MLA latent wider than a split's lanes hold, a
+/// router of more groups than it ranks. Arithmetic it does not compute (a
+/// softmax router) plans, and is refused the same way before code generation
+/// renders anything.
+#[test]
+fn the_planner_refuses_what_the_device_cannot_run() {
+    let t = Target::load("h200").unwrap();
+    let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
+    // (model, config, the edit, what the error names, the call it points at)
+    type Case = (&'static str, &'static str, fn(&mut serde_json::Value), &'static str, &'static str);
+    let cases: [Case; 4] = [
+        ("kimi_k2", "tiny.json", |c| c["scoring_func"] = "softmax".into(), "router scoring \"softmax\"", "router("),
+        (
+            "kimi_linear",
+            "tiny.json",
+            |c| {
+                c["linear_attn_config"]["head_dim"] = 512.into();
+                c["linear_head_dim"] = 512.into();
+            },
+            "KDA head size 512 (a multiple of 4, at most 256)",
+            "kda_decode(",
+        ),
+        ("kimi_k2", "tiny.json", |c| c["kv_lora_rank"] = 1024.into(), "an MLA latent width of 1024", "mla_decode("),
+        (
+            "kimi_k2",
+            "tiny.json",
+            |c| {
+                c["n_group"] = 128.into();
+                c["n_routed_experts"] = 128.into();
+                c["topk_group"] = 2.into();
+            },
+            "a router over 128 experts in 128 groups",
+            "router(",
+        ),
+    ];
+    for (model, config, edit, needs, at) in cases {
+        let (v, source) = compile_edited(model, config, edit);
+        let err = match plan::plan(&v, &t, Options::default()) {
+            Ok(p) if needs.starts_with("router scoring") => {
+                mkc::emit::emit(&v, &p, "x_h200", &from, "", false).expect_err("codegen of a softmax router")
+            }
+            Ok(_) => panic!("{model}: planned with {needs}"),
+            Err(e) => e,
+        };
+        let msg = err.to_string();
+        assert!(msg.starts_with("fused operation") && msg.contains(needs), "{model}: {msg}");
+        assert!(msg.contains("which the device library does not compute"), "{msg}");
+        let span = err.span.unwrap_or_else(|| panic!("{model}: no span: {msg}"));
+        let text = &source[span.start..span.end];
+        assert!(text.contains(at), "{model}: the error points at `{text}`, not the {at}) call");
+    }
 }
 
 /// K3's attention-residual mix keeps its consumer warps' partial scores in
-/// the 24 KiB scratch: batch 12 fits, batch 16 is refused by name at codegen
-/// rather than left to a static_assert in nvcc.
+/// the 24 KiB scratch: batch 12 fits, batch 16 is refused by the planner by
+/// name rather than left to a static_assert in nvcc.
 #[test]
 fn attention_residual_mix_beyond_its_scratch_is_refused() {
     let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
@@ -521,8 +568,7 @@ fn attention_residual_mix_beyond_its_scratch_is_refused() {
     let p = plan::plan(&v, &t, Options { batch: 12, ..Options::default() }).unwrap();
     let a = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap();
     assert!(a.file("program.cuh").unwrap().contains("attn_res_mix"), "batch 12 emits the mix");
-    let p = plan::plan(&v, &t, Options { batch: 16, ..Options::default() }).unwrap();
-    let err = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap_err().to_string();
+    let err = plan::plan(&v, &t, Options { batch: 16, ..Options::default() }).unwrap_err().to_string();
     assert!(err.contains("attention-residual mix at batch 16") && err.contains("batch 12 at most"), "{err}");
 }
 

@@ -30,12 +30,9 @@ use crate::ir::{DType, Graph, NodeId, NodeKind, TensorType, ValueRef};
 use crate::ops::Attrs;
 use crate::ops::OpKind;
 use crate::plan::fuse::{FusedKind, FusedOp};
-// The device's limits (device/mkc/contract.h): the shared memory the stages
-// may use beside the page ring and the staged input's, and each operation's.
-use crate::contract::{
-    ACTIVATION_BYTES, CONSUMER_WARPS, MAX_BANK_ROWS, MAX_KDA_DIM, MAX_MLA_HEADS, MLA_MAX_LATENT, MLA_MAX_ROW,
-    MOE_MAX_CHOICES, MX_BLOCK, MX_TILE_ROWS, ROUTER_MAX_GROUPS, SCRATCH_BYTES,
-};
+// The shared memory a projection stages its input in (device/mkc/contract.h);
+// every other device limit is the planner's (plan::limits).
+use crate::contract::ACTIVATION_BYTES;
 use crate::plan::tile::TaskArgs;
 use crate::plan::Plan;
 use crate::valid::Validated;
@@ -231,6 +228,18 @@ fn unsupported(op: &FusedOp, what: &str) -> Error {
         ErrorKind::Invalid,
         format!(
             "codegen: fused operation {} ({}) needs {what}, which the device library does not compute yet",
+            op.id, op.name
+        ),
+    )
+}
+
+/// What the planner's limits pass (plan::limits) admits and the emitter does
+/// not render: a compiler error, named as one.
+fn internal(op: &FusedOp, what: &str) -> Error {
+    Error::new(
+        ErrorKind::Invalid,
+        format!(
+            "internal error: fused operation {} ({}) passed the planner's device limits with {what}",
             op.id, op.name
         ),
     )
@@ -628,27 +637,7 @@ impl<'a> Gen<'a> {
     fn fused(&mut self, op: &FusedOp) -> Result<()> {
         // What the device cannot compute points at the operation's anchor in
         // the graph file (the op it is built around).
-        let anchor = op
-            .nodes
-            .iter()
-            .map(|n| nid(*n))
-            .find(|n| {
-                matches!(
-                    self.op_of(*n),
-                    Some((
-                        OpKind::Linear
-                            | OpKind::LmHead
-                            | OpKind::Router
-                            | OpKind::Moe
-                            | OpKind::MlaDecode
-                            | OpKind::KdaDecode
-                            | OpKind::AttnResMix
-                            | OpKind::Embedding,
-                        _
-                    ))
-                )
-            })
-            .unwrap_or(nid(op.nodes[0]));
+        let anchor = op.anchor(self.g);
         let span = self.g.node(anchor).span;
         self.emit_op(op).map_err(|e| e.or_at(span).label(format!("fused operation {}", op.id)))?;
         self.finish(op)
@@ -743,6 +732,8 @@ pub fn rope_table(attrs: &Attrs) -> (Vec<f64>, f64) {
 /// Builds the program of `plan`. `source` is the graph file's text (for the
 /// comments' line:column; may be empty).
 pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
+    // What the library does not compute is refused before anything is rendered.
+    crate::plan::limits::computable(plan)?;
     if plan.options.expert_parallel > 1 {
         return Err(Error::new(
             ErrorKind::Invalid,

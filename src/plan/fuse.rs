@@ -54,7 +54,8 @@ pub enum FusedKind {
 }
 
 impl FusedKind {
-    fn of_anchor(op: OpKind) -> Option<FusedKind> {
+    /// The kind of operation `op` anchors, if it anchors one.
+    pub fn of_anchor(op: OpKind) -> Option<FusedKind> {
         Some(match op {
             OpKind::Linear => FusedKind::Projection,
             OpKind::Router => FusedKind::Router,

@@ -3,7 +3,7 @@
 //! One explicit pipeline of passes with plain data between them:
 //!
 //! ```text
-//! Validated --recompute--> Validated --fuse--> Fusion --tile--> Tiling --specialize--> WarpPlan
+//! Validated --recompute--> Validated --fuse--> Fusion --tile--> Tiling --limits--> Tiling --specialize--> WarpPlan
 //!           --schedule--> Schedule --verify--> Plan
 //! ```
 //!
@@ -13,6 +13,8 @@
 //!   with the reason it pays;
 //! - [`tile`] splits each fused operation into stages of tasks sized for the
 //!   target, with the bytes and FLOPs of each task;
+//! - [`limits`] refuses, at the operation's graph span, what the device
+//!   library cannot run (its sizes and attribute choices, contract.h);
 //! - [`specialize`] gives each task kind its warp roles, page ring and
 //!   register budget and checks them against the target;
 //! - [`schedule`] places tasks on SMs in static instruction lists from a cost
@@ -26,6 +28,7 @@ pub mod dot;
 pub mod estimate;
 pub mod fuse;
 pub mod html;
+pub mod limits;
 pub mod recompute;
 pub mod schedule;
 pub mod specialize;
@@ -97,6 +100,7 @@ pub fn plan(graph: &Validated, target: &Target, options: Options) -> Result<Plan
     let graph = &planned;
     let fusion = fuse::fuse(graph)?;
     let tiling = tile::tile(graph, &fusion, target, options)?;
+    limits::check(graph.graph(), &fusion, &tiling, options)?;
     let warps = specialize::specialize(&tiling, target, options)?;
     let schedule = schedule::schedule(&tiling, target, options)?;
     let verified = verify::verify(&fusion, &tiling, &schedule)?;

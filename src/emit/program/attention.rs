@@ -31,23 +31,8 @@ impl Gen<'_> {
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
         let ctx = self.plan.options.context;
         let Some((groups, hpt, splits)) = self.plan.tiling.stages[split].mla_split else {
-            return Err(unsupported(op, "an MLA split the planner did not shape"));
+            return Err(internal(op, "an MLA split the tiling did not shape"));
         };
-        // The split's scratch: qlat, q_pe, q_nope (fp32), the new row (bf16);
-        // the combine's activation area: the latent output and W_UV's result.
-        let scratch = 4 * hpt * (c + rope as u64 + nope as u64) + 2 * (c + rope as u64);
-        let combine_bytes = 4 * self.batch * (c + v_dim as u64);
-        if scratch > SCRATCH_BYTES
-            || combine_bytes > ACTIVATION_BYTES
-            || !c.is_multiple_of(8)
-            || c > MLA_MAX_LATENT
-            || c + rope as u64 > MLA_MAX_ROW
-            || rope % 8 != 0
-            || nope % 4 != 0
-            || hpt > MAX_MLA_HEADS
-        {
-            return Err(unsupported(op, &format!("MLA scratch of {scratch} bytes (at most {SCRATCH_BYTES}), a combine staging of {combine_bytes} bytes (at most {ACTIVATION_BYTES}), a latent width (at most {MLA_MAX_LATENT}) and RoPE width that are multiples of 8 and together at most {MLA_MAX_ROW} (the split's lanes hold a cache row in registers), a no-PE width that is a multiple of 4, at most {MAX_MLA_HEADS} heads per task")));
-        }
         self.check_reads(split, &[ops[0], raw, ops[2]])?;
         let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
         let at = self.reserve(split, partial_bytes)?;
@@ -96,9 +81,6 @@ impl Gen<'_> {
         let (_, attrs) = self.op_of(n).expect("an op");
         let ops = g.operands(n);
         let (heads, d) = (attrs.int("heads") as u64, attrs.int("head_dim") as u64);
-        if d % 4 != 0 || d > MAX_KDA_DIM {
-            return Err(unsupported(op, &format!("KDA head size {d} (a multiple of 4, at most {MAX_KDA_DIM})")));
-        }
         // beta: the sigmoid of a value computed elsewhere (the prologue).
         let beta = match self.op_of(ops[4].node) {
             Some((OpKind::Sigmoid, _)) if op.nodes.contains(&ops[4].node.index()) => g.operands(ops[4].node)[0],
@@ -114,11 +96,6 @@ impl Gen<'_> {
             }
             ptrs.push(self.value(v, op)?);
         }
-        for (i, what) in [(5usize, "A_log"), (6, "dt_bias")] {
-            if g.value_type(ops[i]).dtype != DType::F32 {
-                return Err(unsupported(op, &format!("KDA {what} that is not f32")));
-            }
-        }
         let a_log = self.weight(ops[5].node, 0)?;
         let dt_bias = self.weight(ops[6].node, 0)?;
         let st = g.value_type(ops[7]);
@@ -129,7 +106,7 @@ impl Gen<'_> {
         let (safe, lower) = match attrs.str("gate") {
             "softplus" => ("false", 0.0),
             "safe" => ("true", attrs.float("lower_bound")),
-            other => return Err(unsupported(op, &format!("KDA gate \"{other}\""))),
+            other => return Err(internal(op, &format!("KDA gate \"{other}\""))),
         };
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
         self.check_reads(stage, &[ops[0], ops[1], ops[2], ops[3], beta])?;
@@ -167,26 +144,6 @@ impl Gen<'_> {
         let hidden = g.value_type(ops[0]).elements();
         let bt = g.value_type(ops[1]);
         let rows = bt.elements() / hidden.max(1);
-        if rows > MAX_BANK_ROWS {
-            return Err(unsupported(
-                op,
-                &format!("an attention-residual bank of {rows} rows (at most {MAX_BANK_ROWS})"),
-            ));
-        }
-        if !hidden.is_multiple_of(4) {
-            return Err(unsupported(op, &format!("an attention-residual mix of rows of {hidden} (a multiple of 4)")));
-        }
-        // attn_res_mix's partial sums: the 8 consumer warps' [batch][32 bank rows] scores, twice.
-        let mix_scratch = CONSUMER_WARPS * self.batch * (MAX_BANK_ROWS + 1) * 2 * 4;
-        if mix_scratch > SCRATCH_BYTES {
-            return Err(unsupported(
-                op,
-                &format!(
-                    "an attention-residual mix at batch {} ({mix_scratch} bytes of partial sums, at most {SCRATCH_BYTES}: batch 12 at most)",
-                    self.batch
-                ),
-            ));
-        }
         let u = self.value(ops[0], op)?;
         let bank = self.value(ops[1], op)?;
         let (w, gamma) = (self.weight(ops[2].node, 0)?, self.weight(ops[3].node, 0)?);

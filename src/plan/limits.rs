@@ -1,0 +1,268 @@
+//! The device library's limits, checked by the planner: every fused
+//! operation is compared with what its device function can hold and compute
+//! (device/mkc/contract.h, read into `crate::contract`), and one it cannot run
+//! is refused with the graph span of the operation's anchor, before any code
+//! is generated. The emitter then renders only operations that fit.
+//!
+//! Two checks:
+//! - [`check`] (in [`super::plan`], after tiling): the sizes the device holds
+//!   in registers, shared memory and scratch: MLA rows and heads per task,
+//!   the KDA head size, the attention-residual bank and its partial sums,
+//!   router groups, expert choices per step, MXFP4 tiles and blocks. A plan
+//!   that exceeds one is never made.
+//! - [`computable`] (at the start of code generation): the arithmetic each
+//!   device function implements: router scoring, the KDA gate, the experts'
+//!   activation and weight types. A model the library does not compute yet
+//!   (K2's FP8 experts) still plans, for its estimates and plan views.
+//!
+//! What depends on how fusion arranged an operation's nodes (which prologue
+//! or epilogue a projection has) is refused by the emitter, which walks them.
+
+use crate::contract::{
+    ACTIVATION_BYTES, CONSUMER_WARPS, MAX_BANK_ROWS, MAX_KDA_DIM, MAX_MLA_HEADS, MLA_MAX_LATENT, MLA_MAX_ROW,
+    MOE_MAX_CHOICES, MX_BLOCK, MX_TILE_ROWS, ROUTER_MAX_GROUPS, SCRATCH_BYTES,
+};
+use crate::diag::{Error, ErrorKind, Result};
+use crate::ir::{DType, Graph, NodeId, NodeKind};
+use crate::ops::{Attrs, OpKind};
+
+use super::fuse::{FusedKind, FusedOp, Fusion};
+use super::tile::{TaskArgs, Tiling};
+use super::{Options, Plan};
+
+/// Checks the sizes of every fused operation of `fusion`, tiled as
+/// `tiling`, against the device library; the first that does not fit is
+/// refused at its anchor.
+pub fn check(g: &Graph, fusion: &Fusion, tiling: &Tiling, opts: Options) -> Result<()> {
+    each(g, fusion, tiling, opts, |c, op, anchor, attrs| match op.kind {
+        FusedKind::MlaDecode => c.mla(anchor, attrs),
+        FusedKind::KdaDecode => c.kda(attrs),
+        FusedKind::AttnRes => c.attn_res(anchor),
+        FusedKind::Router => c.router(anchor, attrs),
+        FusedKind::Moe => c.moe(anchor),
+        _ => Ok(()),
+    })
+}
+
+/// Checks that the device library computes the arithmetic of every fused
+/// operation of `plan`; the first it does not is refused at its anchor.
+pub fn computable(plan: &Plan) -> Result<()> {
+    each(plan.graph.graph(), &plan.fusion, &plan.tiling, plan.options, |c, op, anchor, attrs| match op.kind {
+        FusedKind::KdaDecode => c.kda_gate(anchor, attrs),
+        FusedKind::Router => match attrs.str("scoring") {
+            "sigmoid" => Ok(()),
+            other => Err(format!("router scoring \"{other}\"")),
+        },
+        FusedKind::Moe => c.expert_kind(anchor, attrs).map(|_| ()),
+        _ => Ok(()),
+    })
+}
+
+/// Runs `lacks` on every fused operation built around an op of its kind.
+fn each(
+    g: &Graph,
+    fusion: &Fusion,
+    tiling: &Tiling,
+    opts: Options,
+    lacks: impl Fn(&Check, &FusedOp, NodeId, &Attrs) -> Lacks,
+) -> Result<()> {
+    let mut stages: Vec<Vec<usize>> = vec![vec![]; fusion.ops.len()];
+    for s in &tiling.stages {
+        stages[s.op].push(s.id);
+    }
+    for op in &fusion.ops {
+        let c = Check { g, tiling, batch: u64::from(opts.batch), stages: &stages[op.id] };
+        let anchor = op.anchor(g);
+        let Some((kind, attrs)) = op_of(g, anchor) else { continue };
+        if FusedKind::of_anchor(kind) != Some(op.kind) {
+            continue;
+        }
+        lacks(&c, op, anchor, attrs).map_err(|what| {
+            Error::new(
+                ErrorKind::Invalid,
+                format!(
+                    "fused operation {} ({}) needs {what}, which the device library does not compute",
+                    op.id, op.name
+                ),
+            )
+            .at(g.node(anchor).span)
+            .label(format!("fused operation {}", op.id))
+        })?;
+    }
+    Ok(())
+}
+
+fn op_of(g: &Graph, n: NodeId) -> Option<(OpKind, &Attrs)> {
+    match &g.node(n).kind {
+        NodeKind::Op { op, attrs } => Some((*op, attrs)),
+        _ => None,
+    }
+}
+
+/// One fused operation's checks; each returns what the device lacks.
+struct Check<'a> {
+    g: &'a Graph,
+    tiling: &'a Tiling,
+    batch: u64,
+    /// The operation's stages, in order.
+    stages: &'a [usize],
+}
+
+type Lacks = std::result::Result<(), String>;
+
+impl Check<'_> {
+    fn mla(&self, n: NodeId, attrs: &Attrs) -> Lacks {
+        let ops = self.g.operands(n);
+        let (nope, rope, v_dim) = (attrs.int("nope") as u64, attrs.int("rope") as u64, attrs.int("v_dim") as u64);
+        let c = self.g.value_type(ops[1]).elements();
+        let Some((_, hpt, _)) = self.stages.first().and_then(|s| self.tiling.stages[*s].mla_split) else {
+            return Err("an MLA split the tiling did not shape".into());
+        };
+        // The split's scratch: qlat, q_pe, q_nope (fp32), the new row (bf16);
+        // the combine's activation area: the latent output and W_UV's result.
+        let scratch = 4 * hpt * (c + rope + nope) + 2 * (c + rope);
+        let combine = 4 * self.batch * (c + v_dim);
+        if scratch > SCRATCH_BYTES {
+            return Err(format!("MLA scratch of {scratch} bytes for {hpt} heads a task (at most {SCRATCH_BYTES})"));
+        }
+        if combine > ACTIVATION_BYTES {
+            return Err(format!("an MLA combine staging of {combine} bytes (at most {ACTIVATION_BYTES})"));
+        }
+        if !c.is_multiple_of(8) || !rope.is_multiple_of(8) || c > MLA_MAX_LATENT || c + rope > MLA_MAX_ROW {
+            return Err(format!(
+                "an MLA latent width of {c} and RoPE width of {rope} (multiples of 8, the latent at most \
+                 {MLA_MAX_LATENT}, together at most {MLA_MAX_ROW}: the split's lanes hold a cache row in registers)"
+            ));
+        }
+        if !nope.is_multiple_of(4) {
+            return Err(format!("an MLA no-PE width of {nope} (a multiple of 4)"));
+        }
+        if hpt > MAX_MLA_HEADS {
+            return Err(format!("{hpt} MLA heads per task (at most {MAX_MLA_HEADS})"));
+        }
+        Ok(())
+    }
+
+    fn kda(&self, attrs: &Attrs) -> Lacks {
+        let d = attrs.int("head_dim") as u64;
+        if !d.is_multiple_of(4) || d > MAX_KDA_DIM {
+            return Err(format!("KDA head size {d} (a multiple of 4, at most {MAX_KDA_DIM})"));
+        }
+        Ok(())
+    }
+
+    fn kda_gate(&self, n: NodeId, attrs: &Attrs) -> Lacks {
+        match attrs.str("gate") {
+            "softplus" | "safe" => {}
+            other => return Err(format!("KDA gate \"{other}\"")),
+        }
+        let ops = self.g.operands(n);
+        for (i, what) in [(5usize, "A_log"), (6, "dt_bias")] {
+            if self.g.value_type(ops[i]).dtype != DType::F32 {
+                return Err(format!("KDA {what} that is not f32"));
+            }
+        }
+        Ok(())
+    }
+
+    fn attn_res(&self, n: NodeId) -> Lacks {
+        let ops = self.g.operands(n);
+        let hidden = self.g.value_type(ops[0]).elements();
+        let rows = self.g.value_type(ops[1]).elements() / hidden.max(1);
+        if rows > MAX_BANK_ROWS {
+            return Err(format!("an attention-residual bank of {rows} rows (at most {MAX_BANK_ROWS})"));
+        }
+        if !hidden.is_multiple_of(4) {
+            return Err(format!("an attention-residual mix of rows of {hidden} (a multiple of 4)"));
+        }
+        // attn_res_mix's partial sums: the consumer warps' [batch][bank rows + 1] scores, twice.
+        let scratch = CONSUMER_WARPS * self.batch * (MAX_BANK_ROWS + 1) * 2 * 4;
+        if scratch > SCRATCH_BYTES {
+            let most = SCRATCH_BYTES / (CONSUMER_WARPS * (MAX_BANK_ROWS + 1) * 2 * 4);
+            return Err(format!(
+                "an attention-residual mix at batch {} ({scratch} bytes of partial sums, at most {SCRATCH_BYTES}: \
+                 batch {most} at most)",
+                self.batch
+            ));
+        }
+        Ok(())
+    }
+
+    fn router(&self, n: NodeId, attrs: &Attrs) -> Lacks {
+        let e = self.g.value_type(self.g.operands(n)[0]).elements();
+        let n_group = attrs.int("n_group");
+        if !(1..=ROUTER_MAX_GROUPS as i64).contains(&n_group)
+            || !e.is_multiple_of(n_group as u64)
+            || e * 8 > SCRATCH_BYTES
+        {
+            return Err(format!(
+                "a router over {e} experts in {n_group} groups (the device router takes up to {ROUTER_MAX_GROUPS} \
+                 equal groups and {} experts)",
+                SCRATCH_BYTES / 8
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the experts are MXFP4 (else bf16), or what the library lacks.
+    fn expert_kind(&self, n: NodeId, attrs: &Attrs) -> std::result::Result<bool, String> {
+        match attrs.str("act") {
+            "silu" | "situ" => {}
+            a => return Err(format!("experts with act_and_mul with act \"{a}\"")),
+        }
+        match self.g.value_type(self.g.operands(n)[3]).dtype {
+            DType::Bf16 => Ok(false),
+            DType::Mxfp4 => Ok(true),
+            other => Err(format!("{} expert weights", other.name())),
+        }
+    }
+
+    fn moe(&self, n: NodeId) -> Lacks {
+        let ops = self.g.operands(n);
+        let wg = self.g.value_type(ops[3]);
+        let mx = wg.dtype == DType::Mxfp4;
+        let (i, d) = (wg.shape[1], wg.shape[2]);
+        let k = self.g.value_type(ops[1]).elements();
+        if mx && (!d.is_multiple_of(MX_BLOCK) || !i.is_multiple_of(MX_BLOCK)) {
+            return Err(format!("MXFP4 experts whose widths ({d}, {i}) are not multiples of {MX_BLOCK}"));
+        }
+        if !d.is_multiple_of(8) || !i.is_multiple_of(8) || self.batch * k > MOE_MAX_CHOICES {
+            return Err(format!(
+                "expert widths ({d}, {i}) that are multiples of 8 and at most {MOE_MAX_CHOICES} choices per step \
+                 ({} here)",
+                self.batch * k
+            ));
+        }
+        if mx {
+            // MXFP4 rows come in tiles (device/mkc/mx_layout.h): a task starts
+            // on a tile, and a gate/up task's rows are whole tiles.
+            for (j, s) in self.stages.iter().take(2).enumerate() {
+                let is_down = j == 1;
+                for t in &self.tiling.stages[*s].tasks {
+                    let TaskArgs::ExpertRows { r0, r1, .. } = self.tiling.tasks[*t].args else {
+                        return Err("expert tasks without expert rows".into());
+                    };
+                    let rows = MX_TILE_ROWS as u32;
+                    if !r0.is_multiple_of(rows) || (!is_down && !(r1 - r0).is_multiple_of(rows)) {
+                        return Err(format!(
+                            "MXFP4 expert rows [{r0}, {r1}) in a task: they must start on a tile of {rows} rows"
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl FusedOp {
+    /// The node the operation is built around (the first of its nodes whose
+    /// op gives it its kind; an element-wise one's first node): where its
+    /// errors point.
+    pub fn anchor(&self, g: &Graph) -> NodeId {
+        let ids = || self.nodes.iter().map(|n| NodeId(petgraph::stable_graph::NodeIndex::new(*n)));
+        ids()
+            .find(|n| op_of(g, *n).and_then(|(k, _)| FusedKind::of_anchor(k)) == Some(self.kind))
+            .unwrap_or_else(|| ids().next().expect("a fused operation has nodes"))
+    }
+}
