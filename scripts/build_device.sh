@@ -9,7 +9,7 @@ cu13=$(dirname "$(dirname "$nvcc")")
 cutlass=.toolchain/site/cutlass_library/source
 out=${1:-target/device}
 mkdir -p "$out"
-flags=(-std=c++17 -O3 -Xcompiler -Wall -I device -I "$cutlass/include" -L "$cu13/lib")
+flags=(-std=c++20 -O3 -Xcompiler -Wall -I device -I "$cutlass/include" -L "$cu13/lib")
 for arch in 90a 100a 103a; do
   "$nvcc" "${flags[@]}" -gencode="arch=compute_${arch},code=sm_${arch}" \
     -o "$out/skeleton_test_sm${arch}" device/tests/skeleton_test.cu

@@ -19,7 +19,7 @@ nvcc=$(scripts/toolchain.sh)
 cu13=$(dirname "$(dirname "$nvcc")")
 cutlass=.toolchain/site/cutlass_library/source
 mkdir -p "$out"
-flags=(${MKC_NVCC_FLAGS:-} -std=c++17 -O3 -lineinfo -gencode="arch=compute_${arch},code=sm_${arch}" --expt-relaxed-constexpr -Xcompiler -fPIC
+flags=(${MKC_NVCC_FLAGS:-} -std=c++20 -O3 -lineinfo -gencode="arch=compute_${arch},code=sm_${arch}" --expt-relaxed-constexpr -Xcompiler -fPIC
   -I "$dir" -I device -I runtime/include -I "$cutlass/include")
 if [ "${3:-}" = "--object-only" ]; then
   "$nvcc" "${flags[@]}" -c -o "$out/model.o" "$dir/model.cu"
@@ -29,6 +29,6 @@ test -f "$dir/plan.mkcplan" || { echo "error: $dir has no plan.mkcplan (run mkc 
 cp "$dir/plan.mkcplan" "$out/plan.mkcplan"
 "$nvcc" "${flags[@]}" -shared -o "$out/lib$name.so" "$dir/model.cu" runtime/src/checkpoint.cpp \
   -L "$cu13/lib" -cudart static
-"$nvcc" -std=c++17 -O2 -I runtime/include -o "$out/${name}_generate" runtime/tools/generate.cpp \
+"$nvcc" -std=c++20 -O2 -I runtime/include -o "$out/${name}_generate" runtime/tools/generate.cpp \
   -L "$out" -L "$cu13/lib" -l"$name" -Xlinker -rpath -Xlinker '$ORIGIN'
 echo "$out/lib$name.so"

@@ -6,17 +6,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/runtime
 mkdir -p "$out"
-g++ -std=c++17 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
+g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
   -I runtime/include runtime/src/checkpoint.cpp runtime/tests/checkpoint_test.cpp -o "$out/checkpoint_test"
 "$out/checkpoint_test" tests/fixtures/checkpoints
 # The GPU layout of MXFP4 weights the runtime makes on upload.
-g++ -std=c++17 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
+g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
   -I device runtime/tests/mx_layout_test.cpp -o "$out/mx_layout_test"
 "$out/mx_layout_test"
 
 # The plan-file reader on the plan files of generated/: the right one reads; another
 # model's, target's or format's, a truncated one and flipped bytes are refused by name.
-g++ -std=c++17 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
+g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
   -I runtime/include -I device runtime/tests/plan_file_test.cpp -o "$out/plan_file_test"
 mkdir -p "$out/plan_scratch"
 "$out/plan_file_test" generated "$out/plan_scratch"
@@ -24,7 +24,7 @@ mkdir -p "$out/plan_scratch"
 # The runtime of a generated model (tiny K2, built with the pinned toolchain),
 # opened on the transformers fixture and on broken copies of it.
 scripts/build_model.sh generated/kimi_k2_tiny_h200 "$out/kimi_k2_tiny_h200" > /dev/null
-g++ -std=c++17 -O1 -g -Wall -Wextra -Werror -I runtime/include runtime/tests/model_test.cpp \
+g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -I runtime/include runtime/tests/model_test.cpp \
   -L "$out/kimi_k2_tiny_h200" -lkimi_k2_tiny_h200 -Wl,-rpath,"$PWD/$out/kimi_k2_tiny_h200" -o "$out/model_test"
 rm -rf "$out/model_scratch"
 "$out/model_test" tests/fixtures/checkpoints/deepseek_v3_tiny "$out/model_scratch"

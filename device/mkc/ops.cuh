@@ -9,6 +9,14 @@
 // programs (a few KB per token: exact enough to follow an fp32 reference
 // through routing decisions), or bf16.
 //
+// Arguments. A function the generated program calls with more than a few
+// values takes them in one struct named after it (attn_res_mix: AttnResMix,
+// ep_conv_update: EpConvUpdate), its fields commented, which the generated
+// code spells with C++20 designated initializers; what says where a call runs
+// stays positional: the page ring's position `it`, the consumer `warp`, the
+// staging tile `st` (and an epilogue step's tile width `n` and span `s`).
+// Short obvious calls (ep_store, ep_add, rows_load) keep plain arguments.
+//
 // The library is split by family under ops/; this header includes it all.
 #pragma once
 

@@ -85,12 +85,22 @@ __global__ void __launch_bounds__(mkc::kConsumerThreads + 32, 1) rows_kernel() {
       mkc::rows_load<B>(c.rows, it);
     } else {
       if (c.head_norm != nullptr) {
-        mkc::rows_compute_gated<B>(c.rows, c.x, c.gate, c.rows.k / c.head_dim, c.head_dim, c.head_norm, 1e-5f, 1, it,
-                                   warp, c.out, c.spill);
+        mkc::rows_compute_gated<B>(mkc::RowsComputeGated{.rows = c.rows,
+                                                         .x = c.x,
+                                                         .gate = c.gate,
+                                                         .heads = c.rows.k / c.head_dim,
+                                                         .d = c.head_dim,
+                                                         .w = c.head_norm,
+                                                         .eps = 1e-5f,
+                                                         .sigmoid_act = 1,
+                                                         .spill = c.spill},
+                                   it, warp, c.out);
       } else if (c.gate != nullptr) {
-        mkc::rows_compute_mul<B>(c.rows, c.x, c.gate, 1, it, warp, c.out, c.spill);
+        mkc::rows_compute_mul<B>(
+            mkc::RowsComputeMul{.rows = c.rows, .x = c.x, .g = c.gate, .sigmoid_gate = 1, .spill = c.spill}, it, warp,
+            c.out);
       } else {
-        mkc::rows_compute<B>(c.rows, c.x, c.norm, 1e-6f, it, warp, c.out);
+        mkc::rows_compute<B>(mkc::RowsCompute{.rows = c.rows, .x = c.x, .norm = c.norm, .eps = 1e-6f}, it, warp, c.out);
       }
       mkc::consumer_sync();
     }
@@ -197,7 +207,9 @@ __global__ void __launch_bounds__(mkc::kConsumerThreads + 32, 1) mx_kernel() {
     if (threadIdx.x / 32 == mkc::kConsumerWarps) {
       mkc::mx_rows_load(c.rows, it);
     } else {
-      mkc::mx_rows_compute<B>(c.rows, c.x, c.norm, 1e-6f, it, threadIdx.x / 32, c.out, c.spill);
+      mkc::mx_rows_compute<B>(
+          mkc::MxRowsCompute{.rows = c.rows, .x = c.x, .norm = c.norm, .eps = 1e-6f, .spill = c.spill}, it,
+          threadIdx.x / 32, c.out);
       mkc::consumer_sync();
     }
   }
@@ -298,14 +310,18 @@ __device__ const float* g_bias;
 __device__ int32_t* g_ids;
 __device__ float* g_wts;
 __device__ int32_t* g_log;
-__global__ void router_kernel() { mkc::router<kRB>(g_router, g_logits, g_bias, g_ids, g_wts, g_log); }
+__global__ void router_kernel() {
+  mkc::router<kRB>(
+      mkc::Router{.shape = g_router, .logits = g_logits, .bias = g_bias, .ids = g_ids, .wts = g_wts, .log = g_log});
+}
 
 static void test_router(std::mt19937& rng, uint32_t e, uint32_t k, uint32_t groups, uint32_t topk_group) {
   std::normal_distribution<float> n(0.f, 1.f);
   std::vector<float> logits(kRB * e), bias(e);
   for (auto& x : logits) x = n(rng);
   for (auto& x : bias) x = 0.1f * n(rng);
-  const mkc::RouterShape shape{e, k, groups, topk_group, true, 2.5f};
+  const mkc::RouterShape shape{
+      .experts = e, .top_k = k, .n_group = groups, .topk_group = topk_group, .renormalize = true, .scale = 2.5f};
   float* d_l = upload(logits);
   float* d_b = upload(bias);
   int32_t* d_ids = upload(std::vector<int32_t>(kRB * k, -7));
@@ -421,7 +437,13 @@ __device__ mkc::Span g_span;
 __device__ uint32_t g_n, g_head_dim, g_rot;
 __device__ bool g_interleaved;
 __global__ void rope_kernel() {
-  mkc::ep_rope<kPB>(g_tile, g_n, g_span, g_head_dim, g_rot, g_interleaved, g_inv, 1.25f, g_pos);
+  mkc::ep_rope<kPB>(g_tile, g_n, g_span,
+                    mkc::EpRope{.head_dim = g_head_dim,
+                                .rot = g_rot,
+                                .interleaved = g_interleaved,
+                                .inv_freq = g_inv,
+                                .mscale = 1.25f,
+                                .pos = g_pos});
 }
 
 static void test_rope(std::mt19937& rng, bool interleaved) {
@@ -491,9 +513,27 @@ __global__ void mla_split_kernel() {
   __syncthreads();
   uint32_t it = 0;
   if (threadIdx.x / 32 == mkc::kConsumerWarps) {
-    mkc::mla_split_load<kMB>(g_mla, g_hg, g_split, g_wkvb, g_cache, g_mpos, it);
+    mkc::mla_split_load<kMB>(mkc::MlaSplitLoad{.shape = g_mla,
+                                               .head_group = g_hg,
+                                               .split = g_split,
+                                               .wkvb = g_wkvb,
+                                               .cache = g_cache,
+                                               .pos = g_mpos},
+                             it);
   } else {
-    mkc::mla_split<kMB>(g_mla, g_hg, g_split, g_q, g_ckv, g_norm, 1e-6f, g_kpe, g_wkvb, g_cache, g_mpos, g_part, it);
+    mkc::mla_split<kMB>(mkc::MlaSplit{.shape = g_mla,
+                                      .head_group = g_hg,
+                                      .split = g_split,
+                                      .q = g_q,
+                                      .ckv_raw = g_ckv,
+                                      .norm = g_norm,
+                                      .eps = 1e-6f,
+                                      .kpe = g_kpe,
+                                      .wkvb = g_wkvb,
+                                      .cache = g_cache,
+                                      .pos = g_mpos,
+                                      .partials = g_part},
+                        it);
   }
 }
 __global__ void mla_combine_kernel() {
@@ -502,9 +542,11 @@ __global__ void mla_combine_kernel() {
   uint32_t it = 0;
   const int warp = threadIdx.x / 32;
   if (warp == mkc::kConsumerWarps) {
-    mkc::mla_combine_load<kMB>(g_mla, g_hg, g_hg + 1, g_wkvb, it);
+    mkc::mla_combine_load<kMB>(mkc::MlaCombineLoad{.shape = g_mla, .h0 = g_hg, .h1 = g_hg + 1, .wkvb = g_wkvb}, it);
   } else {
-    mkc::mla_combine<kMB>(g_mla, g_hg, g_hg + 1, g_part, g_wkvb, g_out, it, warp);
+    mkc::mla_combine<kMB>(
+        mkc::MlaCombine{.shape = g_mla, .h0 = g_hg, .h1 = g_hg + 1, .partials = g_part, .wkvb = g_wkvb, .out = g_out},
+        it, warp);
   }
 }
 
@@ -518,7 +560,16 @@ static void test_mla(std::mt19937& rng, const MlaDims& d) {
   const uint32_t heads = d.heads, hpt = d.hpt, groups = d.groups, splits = d.splits, ctx = d.ctx, c = d.c,
                  nope = d.nope, rope = d.rope, v = d.v;
   const float scale = d.scale;
-  const mkc::MlaShape s{heads, hpt, groups, splits, ctx, c, nope, rope, v, scale};
+  const mkc::MlaShape s{.heads = heads,
+                        .hpt = hpt,
+                        .groups = groups,
+                        .splits = splits,
+                        .ctx = ctx,
+                        .c = c,
+                        .nope = nope,
+                        .rope = rope,
+                        .v_dim = v,
+                        .scale = scale};
   std::normal_distribution<float> nd(0.f, 1.f);
   const std::vector<int32_t> pos(d.pos, d.pos + kMB);
   std::vector<float> q(kMB * heads * (nope + rope)), ckv(kMB * c), kpe(kMB * rope);
@@ -639,13 +690,30 @@ __device__ KdaCase g_kda;
 __global__ void conv_l2_kernel() {
   const KdaCase c = g_kda;
   const mkc::Span span{c.c0, c.e0, c.len};
-  mkc::ep_conv_update<kKB>(c.st, c.n, span, c.conv_w, 4, c.conv_state, size_t(3) * c.channels, c.channels, 1);
+  mkc::ep_conv_update<kKB>(c.st, c.n, span,
+                           mkc::EpConvUpdate{.w = c.conv_w,
+                                             .width = 4,
+                                             .state = c.conv_state,
+                                             .state_stride = size_t(3) * c.channels,
+                                             .channels = c.channels,
+                                             .silu = 1});
   mkc::consumer_sync();
-  mkc::ep_l2_norm<kKB>(c.st, c.n, span, c.group, 1e-6f);
+  mkc::ep_l2_norm<kKB>(c.st, c.n, span, mkc::EpL2Norm{.group = c.group, .eps = 1e-6f});
 }
 __global__ void kda_kernel() {
   const KdaCase c = g_kda;
-  mkc::kda_decode<kKB>(c.shape, c.h0, c.h1, c.q, c.k, c.v, c.f, c.b, c.a_log, c.dt_bias, c.state, c.out);
+  mkc::kda_decode<kKB>(mkc::KdaDecode{.shape = c.shape,
+                                      .h0 = c.h0,
+                                      .h1 = c.h1,
+                                      .q = c.q,
+                                      .k = c.k,
+                                      .v = c.v,
+                                      .f = c.f,
+                                      .b_logit = c.b,
+                                      .a_log = c.a_log,
+                                      .dt_bias = c.dt_bias,
+                                      .state = c.state,
+                                      .out = c.out});
 }
 __global__ void gated_norm_kernel() {
   const KdaCase c = g_kda;
@@ -727,7 +795,7 @@ static void test_kda(std::mt19937& rng, uint32_t heads, uint32_t d, bool safe) {
   std::vector<__nv_bfloat16> norm_w(d);
   for (auto& x : norm_w) x = __float2bfloat16(1.f + 0.1f * nd(rng));
   KdaCase c{};
-  c.shape = mkc::KdaShape{heads, d, safe, -5.f};
+  c.shape = mkc::KdaShape{.heads = heads, .d = d, .safe_gate = safe, .lower_bound = -5.f};
   c.q = upload(q), c.k = upload(k), c.v = upload(v), c.f = upload(f), c.b = upload(bl);
   c.a_log = upload(a_log), c.dt_bias = upload(dt), c.gate = upload(gate);
   c.state = upload(state);
@@ -807,11 +875,21 @@ struct K3Case {
 __device__ K3Case g_k3;
 __global__ void situ_kernel() {
   const K3Case c = g_k3;
-  mkc::ep_situ_and_mul<kKB>(c.st, c.n, mkc::Span{0, 0, c.n / 2}, 4.f, 25.f);
+  mkc::ep_situ_and_mul<kKB>(c.st, c.n, mkc::Span{.c0 = 0, .e0 = 0, .len = c.n / 2},
+                            mkc::EpSituAndMul{.beta = 4.f, .lin = 25.f});
 }
 __global__ void attn_res_kernel() {
   const K3Case c = g_k3;
-  mkc::attn_res_mix<kKB>(c.bank, c.rows, c.u, c.w, c.gamma, 1e-6f, c.hidden, 0, c.hidden, c.out);
+  mkc::attn_res_mix<kKB>(mkc::AttnResMix{.bank = c.bank,
+                                        .rows = c.rows,
+                                        .row = c.u,
+                                        .w = c.w,
+                                        .gamma = c.gamma,
+                                        .eps = 1e-6f,
+                                        .hidden = c.hidden,
+                                        .d0 = 0,
+                                        .d1 = c.hidden,
+                                        .out = c.out});
 }
 
 static void test_situ(std::mt19937& rng) {

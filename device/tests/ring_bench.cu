@@ -223,7 +223,8 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) mx_stream(const uint8_t* cod
     for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 512) {
       const mkc::MxRows part{codes, scales, nullptr, nullptr, j0, min(j0 + 512, r.r1), mkc::kMxK};
       if (kMode == 0) {
-        mkc::mx_rows_compute<B>(part, ones, static_cast<const __nv_bfloat16*>(nullptr), 0.f, it, warp, st, nullptr);
+        mkc::mx_rows_compute<B>(mkc::MxRowsCompute{.rows = part, .x = ones, .norm = nullptr, .eps = 0.f, .spill = nullptr},
+                                it, warp, st);
       } else {
         mkc::mx_rows_pages<B>(part, xs, it, warp, st);
       }

@@ -55,8 +55,10 @@ struct embedding0_params {
 
 // embedding: token rows
 __device__ inline void embedding0(const Memory& m, const embedding0_params& p) {
-  embedding<kBatch>(static_cast<const __nv_bfloat16*>(m.w[p.embed]), m.tokens, 64,
-                    reinterpret_cast<float*>(m.arena + p.h));
+  embedding<kBatch>(Embedding{.table = static_cast<const __nv_bfloat16*>(m.w[p.embed]),
+                              .tokens = m.tokens,
+                              .hidden = 64,
+                              .out = reinterpret_cast<float*>(m.arena + p.h)});
 }
 
 // ---------------------------------------------------------------------------
@@ -79,7 +81,7 @@ __device__ const float projection0_rope1[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 
 // projection_rows: output rows
 __device__ inline Rows projection0_rows(const TaskArgs& t, const Memory& m, const projection0_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 64};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_qa]);
@@ -99,8 +101,11 @@ __device__ inline void projection0(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection0_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
-                       1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm rms_norm (125:18)
   // linear linear (65:25)
@@ -113,7 +118,10 @@ __device__ inline void projection0(const TaskArgs& t, const Memory& m, const pro
   const Span s4 = sub_span(s2, 32, 8);
   ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + p.c_kv), 32);
   // rope k_pe (81:10)
-  ep_rope<kBatch>(st, n, s4, 8, 8, true, projection0_rope1, 1e0f, m.pos);
+  ep_rope<kBatch>(
+      st, n, s4,
+      EpRope{
+          .head_dim = 8, .rot = 8, .interleaved = true, .inv_freq = projection0_rope1, .mscale = 1e0f, .pos = m.pos});
   consumer_sync();
   ep_store<kBatch>(st, n, s4, reinterpret_cast<float*>(m.arena + p.k_pe), 8);
 }
@@ -133,7 +141,7 @@ __device__ const float projection1_rope1[4] = {1e0f, 1e-1f, 1e-2f, 1e-3f};
 
 // projection_rows: output rows
 __device__ inline Rows projection1_rows(const TaskArgs& t, const Memory& m, const projection1_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 32};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 32};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_qb]);
@@ -149,14 +157,20 @@ __device__ inline void projection1(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection1_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_qa]),
-                       1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_qa]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm rms_norm (65:16)
   // linear q (65:9)
   const Span s1 = linear_span(t, 0);
   // rope q#2 (76:7)
-  ep_rope<kBatch>(st, n, s1, 24, 8, true, projection1_rope1, 1e0f, m.pos);
+  ep_rope<kBatch>(
+      st, n, s1,
+      EpRope{
+          .head_dim = 24, .rot = 8, .interleaved = true, .inv_freq = projection1_rope1, .mscale = 1e0f, .pos = m.pos});
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.q_2), 96);
 }
@@ -176,30 +190,59 @@ struct mla0_params {
   uint64_t partials;  // arena offset
 };
 
-__device__ constexpr MlaShape mla0_shape{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415e-1f};
+__device__ constexpr MlaShape mla0_shape = MlaShape{.heads = 4,
+                                                    .hpt = 1,
+                                                    .groups = 4,
+                                                    .splits = 16,
+                                                    .ctx = 4096,
+                                                    .c = 32,
+                                                    .nope = 16,
+                                                    .rope = 8,
+                                                    .v_dim = 16,
+                                                    .scale = 2.0412415e-1f};
 
 // mla_split: attention over one KV split (cache rows through the page ring, online softmax)
 __device__ inline void mla0_mla_split_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
-                         static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos, it);
+  mla_split_load<kBatch>(MlaSplitLoad{.shape = mla0_shape,
+                                      .head_group = t.a[0],
+                                      .split = t.a[1],
+                                      .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                                      .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
+                                      .pos = m.pos},
+                         it);
 }
 __device__ inline void mla0_mla_split(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in),
-                    reinterpret_cast<float*>(m.arena + p.in_2), static_cast<const __nv_bfloat16*>(m.w[p.n_kva]), 1e-6f,
-                    reinterpret_cast<float*>(m.arena + p.in_3), static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
-                    static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos,
-                    reinterpret_cast<float*>(m.arena + p.partials), it);
+  mla_split<kBatch>(MlaSplit{.shape = mla0_shape,
+                             .head_group = t.a[0],
+                             .split = t.a[1],
+                             .q = reinterpret_cast<float*>(m.arena + p.in),
+                             .ckv_raw = reinterpret_cast<float*>(m.arena + p.in_2),
+                             .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_kva]),
+                             .eps = 1e-6f,
+                             .kpe = reinterpret_cast<float*>(m.arena + p.in_3),
+                             .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                             .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
+                             .pos = m.pos,
+                             .partials = reinterpret_cast<float*>(m.arena + p.partials)},
+                    it);
 }
 
 // mla_combine: split merge and value up-projection (W_UV through the page ring)
 __device__ inline void mla0_mla_combine_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_combine_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), it);
+  mla_combine_load<kBatch>(
+      MlaCombineLoad{
+          .shape = mla0_shape, .h0 = t.a[0], .h1 = t.a[1], .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb])},
+      it);
 }
 __device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it,
                                         int warp) {
-  mla_combine<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.partials),
-                      static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), reinterpret_cast<float*>(m.arena + p.o), it,
-                      warp);
+  mla_combine<kBatch>(MlaCombine{.shape = mla0_shape,
+                                 .h0 = t.a[0],
+                                 .h1 = t.a[1],
+                                 .partials = reinterpret_cast<float*>(m.arena + p.partials),
+                                 .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                                 .out = reinterpret_cast<float*>(m.arena + p.o)},
+                      it, warp);
 }
 
 // ---------------------------------------------------------------------------
@@ -215,7 +258,7 @@ struct projection2_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection2_rows(const TaskArgs& t, const Memory& m, const projection2_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 64};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]);
@@ -231,7 +274,9 @@ __device__ inline void projection2(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection2_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear out (85:9)
   const Span s1 = linear_span(t, 0);
@@ -257,7 +302,7 @@ struct projection3_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection3_rows(const TaskArgs& t, const Memory& m, const projection3_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 64};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_gate]);
@@ -277,8 +322,11 @@ __device__ inline void projection3(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection3_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
-                       1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm x (126:7)
   // linear linear (94:19)
@@ -304,7 +352,7 @@ struct projection4_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection4_rows(const TaskArgs& t, const Memory& m, const projection4_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 128};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 128};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_down]);
@@ -320,7 +368,9 @@ __device__ inline void projection4(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection4_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear out (95:9)
   const Span s1 = linear_span(t, 0);
@@ -349,7 +399,7 @@ struct projection5_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection5_rows(const TaskArgs& t, const Memory& m, const projection5_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 64};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.router_w]);
@@ -373,8 +423,11 @@ __device__ inline void projection5(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection5_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
-                       1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm x (126:7)
   // linear linear (107:25)
@@ -403,9 +456,14 @@ struct router0_params {
 
 // router: scores and top-k
 __device__ inline void router0(const Memory& m, const router0_params& p) {
-  router<kBatch>(RouterShape{8, 2, 2, 1, true, 2.5e0f}, reinterpret_cast<float*>(m.arena + p.in),
-                 static_cast<const float*>(m.w[p.router_b]), reinterpret_cast<int32_t*>(m.arena + p.ids),
-                 reinterpret_cast<float*>(m.arena + p.ids_1), reinterpret_cast<int32_t*>(m.arena + p.route_log));
+  router<kBatch>(Router{
+      .shape =
+          RouterShape{.experts = 8, .top_k = 2, .n_group = 2, .topk_group = 1, .renormalize = true, .scale = 2.5e0f},
+      .logits = reinterpret_cast<float*>(m.arena + p.in),
+      .bias = static_cast<const float*>(m.w[p.router_b]),
+      .ids = reinterpret_cast<int32_t*>(m.arena + p.ids),
+      .wts = reinterpret_cast<float*>(m.arena + p.ids_1),
+      .log = reinterpret_cast<int32_t*>(m.arena + p.route_log)});
 }
 
 // ---------------------------------------------------------------------------
@@ -426,23 +484,39 @@ struct moe0_params {
 };
 
 __device__ inline MoeShape moe0_shape(const moe0_params& p) {
-  return MoeShape{8, 2, 32, 64, 2, uint32_t(p.e_gate), uint32_t(p.e_up), uint32_t(p.e_down), 1};
+  return MoeShape{.experts = 8,
+                  .top_k = 2,
+                  .inter = 32,
+                  .hidden = 64,
+                  .slots = 2,
+                  .gate_base = uint32_t(p.e_gate),
+                  .up_base = uint32_t(p.e_up),
+                  .down_base = uint32_t(p.e_down),
+                  .stride = 1};
 }
 
 // expert_up: one expert slot's gate/up rows
 __device__ inline Rows moe0_expert_up_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2),
-                             false);
+  return expert_rows<kBatch>(ExpertRows{.shape = moe0_shape(p),
+                                        .slot = t.a[0],
+                                        .r0 = t.a[1],
+                                        .r1 = t.a[2],
+                                        .w = m.w,
+                                        .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                                        .down = false});
 }
 __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                       int warp) {
   const Rows r = moe0_expert_up_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
-                       1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
-  const Span s = Span{0, r.r0, r.r1 - r.r0};
+  const Span s = Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0};
   ep_silu_and_mul<kBatch>(st, n, s);
   consumer_sync();
   ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 32, 32);
@@ -450,26 +524,38 @@ __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const 
 
 // expert_down: one expert slot's down rows
 __device__ inline Rows moe0_expert_down_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2),
-                             true);
+  return expert_rows<kBatch>(ExpertRows{.shape = moe0_shape(p),
+                                        .slot = t.a[0],
+                                        .r0 = t.a[1],
+                                        .r1 = t.a[2],
+                                        .w = m.w,
+                                        .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                                        .down = true});
 }
 __device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                         int warp) {
   const Rows r = moe0_expert_down_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it,
-                       warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 32,
+                                   .norm = nullptr,
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
-  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0},
+  ep_store<kBatch>(st, n, Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0},
                    reinterpret_cast<float*>(m.arena + p.down) + size_t(t.a[0]) * kBatch * 64, 64);
 }
 
 // expert_combine: weighted sum of the slots
 __device__ inline void moe0_expert_combine(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  expert_combine<kBatch>(moe0_shape(p), t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + p.in_2),
-                         reinterpret_cast<float*>(m.arena + p.in_3), reinterpret_cast<float*>(m.arena + p.down),
-                         reinterpret_cast<float*>(m.arena + p.routed));
+  expert_combine<kBatch>(ExpertCombine{.shape = moe0_shape(p),
+                                       .tile = t.a[0],
+                                       .tiles = t.a[1],
+                                       .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                                       .wts = reinterpret_cast<float*>(m.arena + p.in_3),
+                                       .dn = reinterpret_cast<float*>(m.arena + p.down),
+                                       .routed = reinterpret_cast<float*>(m.arena + p.routed)});
 }
 
 // ---------------------------------------------------------------------------
@@ -487,7 +573,7 @@ struct projection6_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection6_rows(const TaskArgs& t, const Memory& m, const projection6_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 32};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 32};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]);
@@ -503,7 +589,9 @@ __device__ inline void projection6(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection6_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear shared (115:14)
   const Span s1 = linear_span(t, 0);
@@ -530,7 +618,7 @@ struct lm_head0_params {
 
 // lm_head_rows: output rows
 __device__ inline Rows lm_head0_lm_head_rows_rows(const TaskArgs& t, const Memory& m, const lm_head0_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 64};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.lm_w]);
@@ -546,20 +634,26 @@ __device__ inline void lm_head0_lm_head_rows(const TaskArgs& t, const Memory& m,
   const Rows r = lm_head0_lm_head_rows_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in),
-                       static_cast<const __nv_bfloat16*>(m.w[p.final_norm]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.final_norm]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm rms_norm (148:20)
   // lm_head logits (148:12)
   const Span s1 = linear_span(t, 0);
   ep_store<kBatch>(st, n, s1, static_cast<float*>(m.out[1]), 512);
   // argmax next_token (149:16)
-  ep_tile_max<kBatch>(st, n, s1, reinterpret_cast<float2*>(m.arena + p.tile_max), t.index, 2);
+  ep_tile_max<kBatch>(st, n, s1,
+                      EpTileMax{.out = reinterpret_cast<float2*>(m.arena + p.tile_max), .tile = t.index, .tiles = 2});
 }
 
 // argmax: argmax over the row tiles
 __device__ inline void lm_head0_argmax(const Memory& m, const lm_head0_params& p) {
-  argmax_tiles<kBatch>(reinterpret_cast<float2*>(m.arena + p.tile_max), 2, static_cast<int32_t*>(m.out[0]));
+  argmax_tiles<kBatch>(ArgmaxTiles{.tile_max = reinterpret_cast<float2*>(m.arena + p.tile_max),
+                                   .tiles = 2,
+                                   .next = static_cast<int32_t*>(m.out[0])});
 }
 
 // The megakernel's task policy (device/mkc/megakernel.cuh): a task's stage

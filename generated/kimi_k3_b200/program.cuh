@@ -57,11 +57,16 @@ struct embedding0_params {
 
 // embedding: token rows
 __device__ inline void embedding0(const Memory& m, const embedding0_params& p) {
-  embedding<kBatch>(static_cast<const __nv_bfloat16*>(m.w[p.embed]), m.tokens, 7168,
-                    reinterpret_cast<float*>(m.arena + p.c));
+  embedding<kBatch>(Embedding{.table = static_cast<const __nv_bfloat16*>(m.w[p.embed]),
+                              .tokens = m.tokens,
+                              .hidden = 7168,
+                              .out = reinterpret_cast<float*>(m.arena + p.c)});
   consumer_sync();
-  stack_rows<kBatch>(static_cast<const float*>(nullptr), 0, reinterpret_cast<float*>(m.arena + p.c), 7168,
-                     reinterpret_cast<float*>(m.arena + p.bank));
+  stack_rows<kBatch>(StackRows{.bank = static_cast<const float*>(nullptr),
+                               .rows = 0,
+                               .row = reinterpret_cast<float*>(m.arena + p.c),
+                               .hidden = 7168,
+                               .out = reinterpret_cast<float*>(m.arena + p.bank)});
 }
 
 // ---------------------------------------------------------------------------
@@ -103,7 +108,7 @@ struct projection0_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection0_rows(const TaskArgs& t, const Memory& m, const projection0_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 7168};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 7168};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_q]);
@@ -139,35 +144,53 @@ __device__ inline void projection0(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection0_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
-                       1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm x (200:7)
   // linear linear (93:27)
   const Span s1 = linear_span(t, 0);
   // conv_update conv_update (93:15)
-  ep_conv_update<kBatch>(st, n, s1, static_cast<const float*>(m.w[p.conv_q]), 4,
-                         static_cast<__nv_bfloat16*>(m.state[p.conv_q_state]), 36864, 12288, 1);
+  ep_conv_update<kBatch>(st, n, s1,
+                         EpConvUpdate{.w = static_cast<const float*>(m.w[p.conv_q]),
+                                      .width = 4,
+                                      .state = static_cast<__nv_bfloat16*>(m.state[p.conv_q_state]),
+                                      .state_stride = 36864,
+                                      .channels = 12288,
+                                      .silu = 1});
   consumer_sync();
   // l2_norm q (93:7)
-  ep_l2_norm<kBatch>(st, n, s1, 128, 1e-6f);
+  ep_l2_norm<kBatch>(st, n, s1, EpL2Norm{.group = 128, .eps = 1e-6f});
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.q), 12288);
   // linear linear#2 (94:27)
   const Span s2 = linear_span(t, 1);
   // conv_update conv_update#2 (94:15)
-  ep_conv_update<kBatch>(st, n, s2, static_cast<const float*>(m.w[p.conv_k]), 4,
-                         static_cast<__nv_bfloat16*>(m.state[p.conv_k_state]), 36864, 12288, 1);
+  ep_conv_update<kBatch>(st, n, s2,
+                         EpConvUpdate{.w = static_cast<const float*>(m.w[p.conv_k]),
+                                      .width = 4,
+                                      .state = static_cast<__nv_bfloat16*>(m.state[p.conv_k_state]),
+                                      .state_stride = 36864,
+                                      .channels = 12288,
+                                      .silu = 1});
   consumer_sync();
   // l2_norm k (94:7)
-  ep_l2_norm<kBatch>(st, n, s2, 128, 1e-6f);
+  ep_l2_norm<kBatch>(st, n, s2, EpL2Norm{.group = 128, .eps = 1e-6f});
   consumer_sync();
   ep_store<kBatch>(st, n, s2, reinterpret_cast<float*>(m.arena + p.k), 12288);
   // linear linear#3 (95:19)
   const Span s3 = linear_span(t, 2);
   // conv_update v (95:7)
-  ep_conv_update<kBatch>(st, n, s3, static_cast<const float*>(m.w[p.conv_v]), 4,
-                         static_cast<__nv_bfloat16*>(m.state[p.conv_v_state]), 36864, 12288, 1);
+  ep_conv_update<kBatch>(st, n, s3,
+                         EpConvUpdate{.w = static_cast<const float*>(m.w[p.conv_v]),
+                                      .width = 4,
+                                      .state = static_cast<__nv_bfloat16*>(m.state[p.conv_v_state]),
+                                      .state_stride = 36864,
+                                      .channels = 12288,
+                                      .silu = 1});
   consumer_sync();
   ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + p.v), 12288);
   // linear linear#4 (96:14)
@@ -192,7 +215,7 @@ struct projection1_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection1_rows(const TaskArgs& t, const Memory& m, const projection1_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 128};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 128};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_fb]);
@@ -208,7 +231,9 @@ __device__ inline void projection1(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection1_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear f (96:7)
   const Span s1 = linear_span(t, 0);
@@ -233,11 +258,18 @@ struct kda0_params {
 
 // kda: state update of a range of heads
 __device__ inline void kda0(const TaskArgs& t, const Memory& m, const kda0_params& p) {
-  kda_decode<kBatch>(KdaShape{96, 128, true, -5e0f}, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in),
-                     reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in_3),
-                     reinterpret_cast<float*>(m.arena + p.in_4), reinterpret_cast<float*>(m.arena + p.in_5),
-                     static_cast<const float*>(m.w[p.a_log]), static_cast<const float*>(m.w[p.dt_bias]),
-                     static_cast<float*>(m.state[p.recurrent]), reinterpret_cast<float*>(m.arena + p.o));
+  kda_decode<kBatch>(KdaDecode{.shape = KdaShape{.heads = 96, .d = 128, .safe_gate = true, .lower_bound = -5e0f},
+                               .h0 = t.a[0],
+                               .h1 = t.a[1],
+                               .q = reinterpret_cast<float*>(m.arena + p.in),
+                               .k = reinterpret_cast<float*>(m.arena + p.in_2),
+                               .v = reinterpret_cast<float*>(m.arena + p.in_3),
+                               .f = reinterpret_cast<float*>(m.arena + p.in_4),
+                               .b_logit = reinterpret_cast<float*>(m.arena + p.in_5),
+                               .a_log = static_cast<const float*>(m.w[p.a_log]),
+                               .dt_bias = static_cast<const float*>(m.w[p.dt_bias]),
+                               .state = static_cast<float*>(m.state[p.recurrent]),
+                               .out = reinterpret_cast<float*>(m.arena + p.o)});
 }
 
 // ---------------------------------------------------------------------------
@@ -254,7 +286,7 @@ struct projection2_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection2_rows(const TaskArgs& t, const Memory& m, const projection2_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 12288};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 12288};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]);
@@ -270,9 +302,16 @@ __device__ inline void projection2(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection2_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in),
-                             96, 128, static_cast<const __nv_bfloat16*>(m.w[p.o_norm]), 1e-5f, 1, it, warp, st,
-                             nullptr);
+  rows_compute_gated<kBatch>(RowsComputeGated{.rows = r,
+                                              .x = reinterpret_cast<float*>(m.arena + p.in_2),
+                                              .gate = reinterpret_cast<float*>(m.arena + p.in),
+                                              .heads = 96,
+                                              .d = 128,
+                                              .w = static_cast<const __nv_bfloat16*>(m.w[p.o_norm]),
+                                              .eps = 1e-5f,
+                                              .sigmoid_act = 1,
+                                              .spill = nullptr},
+                             it, warp, st);
   consumer_sync();
   // gated_rms_norm y (108:7)
   // linear out (109:9)
@@ -294,10 +333,16 @@ struct attn_res0_params {
 
 // attn_res: the mix of the bank and the current row
 __device__ inline void attn_res0(const Memory& m, const attn_res0_params& p) {
-  attn_res_mix<kBatch>(reinterpret_cast<float*>(m.arena + p.in_2), p.bank_rows,
-                       reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.mr_w]),
-                       static_cast<const __nv_bfloat16*>(m.w[p.mr_n]), 1e-6f, 7168, 0, 7168,
-                       reinterpret_cast<float*>(m.arena + p.attn_res_mix));
+  attn_res_mix<kBatch>(AttnResMix{.bank = reinterpret_cast<float*>(m.arena + p.in_2),
+                                  .rows = uint32_t(p.bank_rows),
+                                  .row = reinterpret_cast<float*>(m.arena + p.in),
+                                  .w = static_cast<const __nv_bfloat16*>(m.w[p.mr_w]),
+                                  .gamma = static_cast<const __nv_bfloat16*>(m.w[p.mr_n]),
+                                  .eps = 1e-6f,
+                                  .hidden = 7168,
+                                  .d0 = 0,
+                                  .d1 = 7168,
+                                  .out = reinterpret_cast<float*>(m.arena + p.attn_res_mix)});
 }
 
 // ---------------------------------------------------------------------------
@@ -316,7 +361,7 @@ struct projection3_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection3_rows(const TaskArgs& t, const Memory& m, const projection3_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 7168};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 7168};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_gate]);
@@ -336,8 +381,11 @@ __device__ inline void projection3(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection3_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
-                       1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm x#2 (214:7)
   // linear linear (142:19)
@@ -345,7 +393,7 @@ __device__ inline void projection3(const TaskArgs& t, const Memory& m, const pro
   // linear linear#2 (142:38)
   const Span s2 = linear_span(t, 1);
   // act_and_mul h (142:7)
-  ep_situ_and_mul<kBatch>(st, n, s1, 4e0f, 2.5e1f);
+  ep_situ_and_mul<kBatch>(st, n, s1, EpSituAndMul{.beta = 4e0f, .lin = 2.5e1f});
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.h), 33792);
 }
@@ -363,7 +411,7 @@ struct projection4_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection4_rows(const TaskArgs& t, const Memory& m, const projection4_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 33792};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 33792};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_down]);
@@ -379,7 +427,9 @@ __device__ inline void projection4(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection4_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear out (143:9)
   const Span s1 = linear_span(t, 0);
@@ -403,10 +453,16 @@ struct attn_res1_params {
 
 // attn_res: the mix of the bank and the current row
 __device__ inline void attn_res1(const Memory& m, const attn_res1_params& p) {
-  attn_res_mix<kBatch>(reinterpret_cast<float*>(m.arena + p.in_2), p.bank_rows,
-                       reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.ar_w]),
-                       static_cast<const __nv_bfloat16*>(m.w[p.ar_n]), 1e-6f, 7168, 0, 7168,
-                       reinterpret_cast<float*>(m.arena + p.m));
+  attn_res_mix<kBatch>(AttnResMix{.bank = reinterpret_cast<float*>(m.arena + p.in_2),
+                                  .rows = uint32_t(p.bank_rows),
+                                  .row = reinterpret_cast<float*>(m.arena + p.in),
+                                  .w = static_cast<const __nv_bfloat16*>(m.w[p.ar_w]),
+                                  .gamma = static_cast<const __nv_bfloat16*>(m.w[p.ar_n]),
+                                  .eps = 1e-6f,
+                                  .hidden = 7168,
+                                  .d0 = 0,
+                                  .d1 = 7168,
+                                  .out = reinterpret_cast<float*>(m.arena + p.m)});
 }
 
 // ---------------------------------------------------------------------------
@@ -425,7 +481,7 @@ struct projection5_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection5_rows(const TaskArgs& t, const Memory& m, const projection5_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 12288};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 12288};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]);
@@ -441,9 +497,16 @@ __device__ inline void projection5(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection5_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in),
-                             96, 128, static_cast<const __nv_bfloat16*>(m.w[p.o_norm]), 1e-5f, 1, it, warp, st,
-                             nullptr);
+  rows_compute_gated<kBatch>(RowsComputeGated{.rows = r,
+                                              .x = reinterpret_cast<float*>(m.arena + p.in_2),
+                                              .gate = reinterpret_cast<float*>(m.arena + p.in),
+                                              .heads = 96,
+                                              .d = 128,
+                                              .w = static_cast<const __nv_bfloat16*>(m.w[p.o_norm]),
+                                              .eps = 1e-5f,
+                                              .sigmoid_act = 1,
+                                              .spill = nullptr},
+                             it, warp, st);
   consumer_sync();
   // gated_rms_norm y (108:7)
   // linear out (109:9)
@@ -468,10 +531,16 @@ struct attn_res2_params {
 
 // attn_res: the mix of the bank and the current row
 __device__ inline void attn_res2(const Memory& m, const attn_res2_params& p) {
-  attn_res_mix<kBatch>(reinterpret_cast<float*>(m.arena + p.in_2), p.bank_rows,
-                       reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.mr_w]),
-                       static_cast<const __nv_bfloat16*>(m.w[p.mr_n]), 1e-6f, 7168, 0, 7168,
-                       reinterpret_cast<float*>(m.arena + p.attn_res_mix_2));
+  attn_res_mix<kBatch>(AttnResMix{.bank = reinterpret_cast<float*>(m.arena + p.in_2),
+                                  .rows = uint32_t(p.bank_rows),
+                                  .row = reinterpret_cast<float*>(m.arena + p.in),
+                                  .w = static_cast<const __nv_bfloat16*>(m.w[p.mr_w]),
+                                  .gamma = static_cast<const __nv_bfloat16*>(m.w[p.mr_n]),
+                                  .eps = 1e-6f,
+                                  .hidden = 7168,
+                                  .d0 = 0,
+                                  .d1 = 7168,
+                                  .out = reinterpret_cast<float*>(m.arena + p.attn_res_mix_2)});
 }
 
 // ---------------------------------------------------------------------------
@@ -496,7 +565,7 @@ struct projection6_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection6_rows(const TaskArgs& t, const Memory& m, const projection6_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 7168};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 7168};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.router_w]);
@@ -524,8 +593,11 @@ __device__ inline void projection6(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection6_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
-                       1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm x#2 (214:7)
   // linear linear (160:25)
@@ -536,7 +608,7 @@ __device__ inline void projection6(const TaskArgs& t, const Memory& m, const pro
   // linear linear#3 (162:50)
   const Span s3 = linear_span(t, 2);
   // act_and_mul act_and_mul (162:19)
-  ep_situ_and_mul<kBatch>(st, n, s2, 4e0f, 2.5e1f);
+  ep_situ_and_mul<kBatch>(st, n, s2, EpSituAndMul{.beta = 4e0f, .lin = 2.5e1f});
   consumer_sync();
   ep_store<kBatch>(st, n, s2, reinterpret_cast<float*>(m.arena + p.act_and_mul), 6144);
   // linear linear#5 (163:11)
@@ -557,9 +629,15 @@ struct router0_params {
 
 // router: scores and top-k
 __device__ inline void router0(const Memory& m, const router0_params& p) {
-  router<kBatch>(RouterShape{896, 16, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + p.in),
-                 static_cast<const float*>(m.w[p.router_b]), reinterpret_cast<int32_t*>(m.arena + p.ids),
-                 reinterpret_cast<float*>(m.arena + p.ids_1), reinterpret_cast<int32_t*>(m.arena + p.route_log));
+  router<kBatch>(Router{
+      .shape =
+          RouterShape{
+              .experts = 896, .top_k = 16, .n_group = 1, .topk_group = 1, .renormalize = true, .scale = 2.446e0f},
+      .logits = reinterpret_cast<float*>(m.arena + p.in),
+      .bias = static_cast<const float*>(m.w[p.router_b]),
+      .ids = reinterpret_cast<int32_t*>(m.arena + p.ids),
+      .wts = reinterpret_cast<float*>(m.arena + p.ids_1),
+      .log = reinterpret_cast<int32_t*>(m.arena + p.route_log)});
 }
 
 // ---------------------------------------------------------------------------
@@ -578,49 +656,78 @@ struct moe0_params {
 };
 
 __device__ inline MoeShape moe0_shape(const moe0_params& p) {
-  return MoeShape{896, 16, 3072, 3584, 16, uint32_t(p.e_w1), uint32_t(p.e_w3), uint32_t(p.e_w2), 2};
+  return MoeShape{.experts = 896,
+                  .top_k = 16,
+                  .inter = 3072,
+                  .hidden = 3584,
+                  .slots = 16,
+                  .gate_base = uint32_t(p.e_w1),
+                  .up_base = uint32_t(p.e_w3),
+                  .down_base = uint32_t(p.e_w2),
+                  .stride = 2};
 }
 
 // expert_up: one expert slot's gate/up rows
 __device__ inline MxRows moe0_expert_up_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_mx_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w,
-                                reinterpret_cast<int32_t*>(m.arena + p.in_2), false);
+  return expert_mx_rows<kBatch>(ExpertRows{.shape = moe0_shape(p),
+                                           .slot = t.a[0],
+                                           .r0 = t.a[1],
+                                           .r1 = t.a[2],
+                                           .w = m.w,
+                                           .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                                           .down = false});
 }
 __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                       int warp) {
   const MxRows r = moe0_expert_up_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st, nullptr);
+  mx_rows_compute<kBatch>(
+      MxRowsCompute{
+          .rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f, .spill = nullptr},
+      it, warp, st);
   consumer_sync();
-  const Span s = Span{0, r.r0, r.r1 - r.r0};
-  ep_situ_and_mul<kBatch>(st, n, s, 4e0f, 2.5e1f);
+  const Span s = Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0};
+  ep_situ_and_mul<kBatch>(st, n, s, EpSituAndMul{.beta = 4e0f, .lin = 2.5e1f});
   consumer_sync();
   ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 3072, 3072);
 }
 
 // expert_down: one expert slot's down rows
 __device__ inline MxRows moe0_expert_down_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_mx_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w,
-                                reinterpret_cast<int32_t*>(m.arena + p.in_2), true);
+  return expert_mx_rows<kBatch>(ExpertRows{.shape = moe0_shape(p),
+                                           .slot = t.a[0],
+                                           .r0 = t.a[1],
+                                           .r1 = t.a[2],
+                                           .w = m.w,
+                                           .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                                           .down = true});
 }
 __device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                         int warp) {
   const MxRows r = moe0_expert_down_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 3072, nullptr, 1e-6f,
-                          it, warp, st, nullptr);
+  mx_rows_compute<kBatch>(MxRowsCompute{.rows = r,
+                                        .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 3072,
+                                        .norm = nullptr,
+                                        .eps = 1e-6f,
+                                        .spill = nullptr},
+                          it, warp, st);
   consumer_sync();
-  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0},
+  ep_store<kBatch>(st, n, Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0},
                    reinterpret_cast<float*>(m.arena + p.down) + size_t(t.a[0]) * kBatch * 3584, 3584);
 }
 
 // expert_combine: weighted sum of the slots
 __device__ inline void moe0_expert_combine(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  expert_combine<kBatch>(moe0_shape(p), t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + p.in_2),
-                         reinterpret_cast<float*>(m.arena + p.in_3), reinterpret_cast<float*>(m.arena + p.down),
-                         reinterpret_cast<float*>(m.arena + p.z));
+  expert_combine<kBatch>(ExpertCombine{.shape = moe0_shape(p),
+                                       .tile = t.a[0],
+                                       .tiles = t.a[1],
+                                       .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                                       .wts = reinterpret_cast<float*>(m.arena + p.in_3),
+                                       .dn = reinterpret_cast<float*>(m.arena + p.down),
+                                       .routed = reinterpret_cast<float*>(m.arena + p.z)});
 }
 
 // ---------------------------------------------------------------------------
@@ -636,7 +743,7 @@ struct projection7_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection7_rows(const TaskArgs& t, const Memory& m, const projection7_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 3584};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 3584};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.l_up]);
@@ -652,8 +759,11 @@ __device__ inline void projection7(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection7_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_lat]),
-                       1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_lat]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm z#2 (166:9)
   // linear linear#6 (168:13)
@@ -676,7 +786,7 @@ struct projection8_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection8_rows(const TaskArgs& t, const Memory& m, const projection8_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 6144};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 6144};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]);
@@ -692,7 +802,9 @@ __device__ inline void projection8(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection8_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear shared (162:12)
   const Span s1 = linear_span(t, 0);
@@ -726,7 +838,7 @@ struct projection9_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection9_rows(const TaskArgs& t, const Memory& m, const projection9_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 7168};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 7168};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_qa]);
@@ -750,8 +862,11 @@ __device__ inline void projection9(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection9_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
-                       1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm x (200:7)
   // linear linear (124:23)
@@ -782,7 +897,7 @@ struct projection10_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection10_rows(const TaskArgs& t, const Memory& m, const projection10_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 1536};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 1536};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_qb]);
@@ -798,8 +913,11 @@ __device__ inline void projection10(const TaskArgs& t, const Memory& m, const pr
   const Rows r = projection10_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_qa]),
-                       1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_qa]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm rms_norm (124:14)
   // linear q (124:7)
@@ -822,30 +940,59 @@ struct mla0_params {
   uint64_t partials;  // arena offset
 };
 
-__device__ constexpr MlaShape mla0_shape{96, 6, 16, 9, 4096, 512, 128, 64, 128, 7.216878e-2f};
+__device__ constexpr MlaShape mla0_shape = MlaShape{.heads = 96,
+                                                    .hpt = 6,
+                                                    .groups = 16,
+                                                    .splits = 9,
+                                                    .ctx = 4096,
+                                                    .c = 512,
+                                                    .nope = 128,
+                                                    .rope = 64,
+                                                    .v_dim = 128,
+                                                    .scale = 7.216878e-2f};
 
 // mla_split: attention over one KV split (cache rows through the page ring, online softmax)
 __device__ inline void mla0_mla_split_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
-                         static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos, it);
+  mla_split_load<kBatch>(MlaSplitLoad{.shape = mla0_shape,
+                                      .head_group = t.a[0],
+                                      .split = t.a[1],
+                                      .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                                      .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
+                                      .pos = m.pos},
+                         it);
 }
 __device__ inline void mla0_mla_split(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in),
-                    reinterpret_cast<float*>(m.arena + p.in_2), static_cast<const __nv_bfloat16*>(m.w[p.n_kva]), 1e-6f,
-                    reinterpret_cast<float*>(m.arena + p.in_3), static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
-                    static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos,
-                    reinterpret_cast<float*>(m.arena + p.partials), it);
+  mla_split<kBatch>(MlaSplit{.shape = mla0_shape,
+                             .head_group = t.a[0],
+                             .split = t.a[1],
+                             .q = reinterpret_cast<float*>(m.arena + p.in),
+                             .ckv_raw = reinterpret_cast<float*>(m.arena + p.in_2),
+                             .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_kva]),
+                             .eps = 1e-6f,
+                             .kpe = reinterpret_cast<float*>(m.arena + p.in_3),
+                             .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                             .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
+                             .pos = m.pos,
+                             .partials = reinterpret_cast<float*>(m.arena + p.partials)},
+                    it);
 }
 
 // mla_combine: split merge and value up-projection (W_UV through the page ring)
 __device__ inline void mla0_mla_combine_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_combine_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), it);
+  mla_combine_load<kBatch>(
+      MlaCombineLoad{
+          .shape = mla0_shape, .h0 = t.a[0], .h1 = t.a[1], .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb])},
+      it);
 }
 __device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it,
                                         int warp) {
-  mla_combine<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.partials),
-                      static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), reinterpret_cast<float*>(m.arena + p.o), it,
-                      warp);
+  mla_combine<kBatch>(MlaCombine{.shape = mla0_shape,
+                                 .h0 = t.a[0],
+                                 .h1 = t.a[1],
+                                 .partials = reinterpret_cast<float*>(m.arena + p.partials),
+                                 .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                                 .out = reinterpret_cast<float*>(m.arena + p.o)},
+                      it, warp);
 }
 
 // ---------------------------------------------------------------------------
@@ -864,7 +1011,7 @@ struct projection11_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection11_rows(const TaskArgs& t, const Memory& m, const projection11_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 12288};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 12288};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]);
@@ -880,8 +1027,12 @@ __device__ inline void projection11(const TaskArgs& t, const Memory& m, const pr
   const Rows r = projection11_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_mul<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in), 1,
-                           it, warp, st, nullptr);
+  rows_compute_mul<kBatch>(RowsComputeMul{.rows = r,
+                                          .x = reinterpret_cast<float*>(m.arena + p.in_2),
+                                          .g = reinterpret_cast<float*>(m.arena + p.in),
+                                          .sigmoid_gate = 1,
+                                          .spill = nullptr},
+                           it, warp, st);
   consumer_sync();
   // sigmoid sigmoid (131:16)
   // mul o#2 (131:9)
@@ -912,7 +1063,7 @@ struct projection12_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection12_rows(const TaskArgs& t, const Memory& m, const projection12_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 6144};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 6144};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]);
@@ -928,7 +1079,9 @@ __device__ inline void projection12(const TaskArgs& t, const Memory& m, const pr
   const Rows r = projection12_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear shared (162:12)
   const Span s1 = linear_span(t, 0);
@@ -940,8 +1093,11 @@ __device__ inline void projection12(const TaskArgs& t, const Memory& m, const pr
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.u), 7168);
   // stack bank (195:14)
-  ep_stack<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_4), p.bank_rows, 7168,
-                   reinterpret_cast<float*>(m.arena + p.bank));
+  ep_stack<kBatch>(st, n, s1,
+                   EpStack{.bank = reinterpret_cast<float*>(m.arena + p.in_4),
+                           .rows = uint32_t(p.bank_rows),
+                           .hidden = 7168,
+                           .bank_new = reinterpret_cast<float*>(m.arena + p.bank)});
 }
 
 // ---------------------------------------------------------------------------
@@ -959,7 +1115,7 @@ struct projection13_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection13_rows(const TaskArgs& t, const Memory& m, const projection13_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 6144};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 6144};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]);
@@ -975,7 +1131,9 @@ __device__ inline void projection13(const TaskArgs& t, const Memory& m, const pr
   const Rows r = projection13_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear shared (162:12)
   const Span s1 = linear_span(t, 0);
@@ -1002,10 +1160,16 @@ struct attn_res3_params {
 
 // attn_res: the mix of the bank and the current row
 __device__ inline void attn_res3(const Memory& m, const attn_res3_params& p) {
-  attn_res_mix<kBatch>(reinterpret_cast<float*>(m.arena + p.in_2), p.bank_rows,
-                       reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.out_w]),
-                       static_cast<const __nv_bfloat16*>(m.w[p.out_n]), 1e-6f, 7168, 0, 7168,
-                       reinterpret_cast<float*>(m.arena + p.attn_res_mix));
+  attn_res_mix<kBatch>(AttnResMix{.bank = reinterpret_cast<float*>(m.arena + p.in_2),
+                                  .rows = uint32_t(p.bank_rows),
+                                  .row = reinterpret_cast<float*>(m.arena + p.in),
+                                  .w = static_cast<const __nv_bfloat16*>(m.w[p.out_w]),
+                                  .gamma = static_cast<const __nv_bfloat16*>(m.w[p.out_n]),
+                                  .eps = 1e-6f,
+                                  .hidden = 7168,
+                                  .d0 = 0,
+                                  .d1 = 7168,
+                                  .out = reinterpret_cast<float*>(m.arena + p.attn_res_mix)});
 }
 
 // ---------------------------------------------------------------------------
@@ -1022,7 +1186,7 @@ struct lm_head0_params {
 
 // lm_head_rows: output rows
 __device__ inline Rows lm_head0_lm_head_rows_rows(const TaskArgs& t, const Memory& m, const lm_head0_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 7168};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 7168};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.lm_w]);
@@ -1038,20 +1202,26 @@ __device__ inline void lm_head0_lm_head_rows(const TaskArgs& t, const Memory& m,
   const Rows r = lm_head0_lm_head_rows_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in),
-                       static_cast<const __nv_bfloat16*>(m.w[p.final_norm]), 1e-6f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.final_norm]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm h (239:7)
   // lm_head logits (240:12)
   const Span s1 = linear_span(t, 0);
   ep_store<kBatch>(st, n, s1, static_cast<float*>(m.out[1]), 163840);
   // argmax next_token (241:16)
-  ep_tile_max<kBatch>(st, n, s1, reinterpret_cast<float2*>(m.arena + p.tile_max), t.index, 147);
+  ep_tile_max<kBatch>(st, n, s1,
+                      EpTileMax{.out = reinterpret_cast<float2*>(m.arena + p.tile_max), .tile = t.index, .tiles = 147});
 }
 
 // argmax: argmax over the row tiles
 __device__ inline void lm_head0_argmax(const Memory& m, const lm_head0_params& p) {
-  argmax_tiles<kBatch>(reinterpret_cast<float2*>(m.arena + p.tile_max), 147, static_cast<int32_t*>(m.out[0]));
+  argmax_tiles<kBatch>(ArgmaxTiles{.tile_max = reinterpret_cast<float2*>(m.arena + p.tile_max),
+                                   .tiles = 147,
+                                   .next = static_cast<int32_t*>(m.out[0])});
 }
 
 // The megakernel's task policy (device/mkc/megakernel.cuh): a task's stage

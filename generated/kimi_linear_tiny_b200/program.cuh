@@ -55,8 +55,10 @@ struct embedding0_params {
 
 // embedding: token rows
 __device__ inline void embedding0(const Memory& m, const embedding0_params& p) {
-  embedding<kBatch>(static_cast<const __nv_bfloat16*>(m.w[p.embed]), m.tokens, 64,
-                    reinterpret_cast<float*>(m.arena + p.h));
+  embedding<kBatch>(Embedding{.table = static_cast<const __nv_bfloat16*>(m.w[p.embed]),
+                              .tokens = m.tokens,
+                              .hidden = 64,
+                              .out = reinterpret_cast<float*>(m.arena + p.h)});
 }
 
 // ---------------------------------------------------------------------------
@@ -98,7 +100,7 @@ struct projection0_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection0_rows(const TaskArgs& t, const Memory& m, const projection0_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 64};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_q]);
@@ -134,35 +136,53 @@ __device__ inline void projection0(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection0_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
-                       1e-5f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
+                                   .eps = 1e-5f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm x (139:7)
   // linear linear (67:27)
   const Span s1 = linear_span(t, 0);
   // conv_update conv_update (67:15)
-  ep_conv_update<kBatch>(st, n, s1, static_cast<const float*>(m.w[p.conv_q]), 4,
-                         static_cast<__nv_bfloat16*>(m.state[p.conv_q_state]), 96, 32, 1);
+  ep_conv_update<kBatch>(st, n, s1,
+                         EpConvUpdate{.w = static_cast<const float*>(m.w[p.conv_q]),
+                                      .width = 4,
+                                      .state = static_cast<__nv_bfloat16*>(m.state[p.conv_q_state]),
+                                      .state_stride = 96,
+                                      .channels = 32,
+                                      .silu = 1});
   consumer_sync();
   // l2_norm q (67:7)
-  ep_l2_norm<kBatch>(st, n, s1, 16, 1e-6f);
+  ep_l2_norm<kBatch>(st, n, s1, EpL2Norm{.group = 16, .eps = 1e-6f});
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.q), 32);
   // linear linear#2 (68:27)
   const Span s2 = linear_span(t, 1);
   // conv_update conv_update#2 (68:15)
-  ep_conv_update<kBatch>(st, n, s2, static_cast<const float*>(m.w[p.conv_k]), 4,
-                         static_cast<__nv_bfloat16*>(m.state[p.conv_k_state]), 96, 32, 1);
+  ep_conv_update<kBatch>(st, n, s2,
+                         EpConvUpdate{.w = static_cast<const float*>(m.w[p.conv_k]),
+                                      .width = 4,
+                                      .state = static_cast<__nv_bfloat16*>(m.state[p.conv_k_state]),
+                                      .state_stride = 96,
+                                      .channels = 32,
+                                      .silu = 1});
   consumer_sync();
   // l2_norm k (68:7)
-  ep_l2_norm<kBatch>(st, n, s2, 16, 1e-6f);
+  ep_l2_norm<kBatch>(st, n, s2, EpL2Norm{.group = 16, .eps = 1e-6f});
   consumer_sync();
   ep_store<kBatch>(st, n, s2, reinterpret_cast<float*>(m.arena + p.k), 32);
   // linear linear#3 (69:19)
   const Span s3 = linear_span(t, 2);
   // conv_update v (69:7)
-  ep_conv_update<kBatch>(st, n, s3, static_cast<const float*>(m.w[p.conv_v]), 4,
-                         static_cast<__nv_bfloat16*>(m.state[p.conv_v_state]), 96, 32, 1);
+  ep_conv_update<kBatch>(st, n, s3,
+                         EpConvUpdate{.w = static_cast<const float*>(m.w[p.conv_v]),
+                                      .width = 4,
+                                      .state = static_cast<__nv_bfloat16*>(m.state[p.conv_v_state]),
+                                      .state_stride = 96,
+                                      .channels = 32,
+                                      .silu = 1});
   consumer_sync();
   ep_store<kBatch>(st, n, s3, reinterpret_cast<float*>(m.arena + p.v), 32);
   // linear linear#4 (70:14)
@@ -187,7 +207,7 @@ struct projection1_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection1_rows(const TaskArgs& t, const Memory& m, const projection1_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 16};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 16};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_fb]);
@@ -203,7 +223,9 @@ __device__ inline void projection1(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection1_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear f (70:7)
   const Span s1 = linear_span(t, 0);
@@ -228,11 +250,18 @@ struct kda0_params {
 
 // kda: state update of a range of heads
 __device__ inline void kda0(const TaskArgs& t, const Memory& m, const kda0_params& p) {
-  kda_decode<kBatch>(KdaShape{2, 16, false, 0e0f}, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in),
-                     reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in_3),
-                     reinterpret_cast<float*>(m.arena + p.in_4), reinterpret_cast<float*>(m.arena + p.in_5),
-                     static_cast<const float*>(m.w[p.a_log]), static_cast<const float*>(m.w[p.dt_bias]),
-                     static_cast<float*>(m.state[p.recurrent]), reinterpret_cast<float*>(m.arena + p.o));
+  kda_decode<kBatch>(KdaDecode{.shape = KdaShape{.heads = 2, .d = 16, .safe_gate = false, .lower_bound = 0e0f},
+                               .h0 = t.a[0],
+                               .h1 = t.a[1],
+                               .q = reinterpret_cast<float*>(m.arena + p.in),
+                               .k = reinterpret_cast<float*>(m.arena + p.in_2),
+                               .v = reinterpret_cast<float*>(m.arena + p.in_3),
+                               .f = reinterpret_cast<float*>(m.arena + p.in_4),
+                               .b_logit = reinterpret_cast<float*>(m.arena + p.in_5),
+                               .a_log = static_cast<const float*>(m.w[p.a_log]),
+                               .dt_bias = static_cast<const float*>(m.w[p.dt_bias]),
+                               .state = static_cast<float*>(m.state[p.recurrent]),
+                               .out = reinterpret_cast<float*>(m.arena + p.o)});
 }
 
 // ---------------------------------------------------------------------------
@@ -246,7 +275,7 @@ struct projection2_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection2_rows(const TaskArgs& t, const Memory& m, const projection2_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 16};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 16};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_gb]);
@@ -262,7 +291,9 @@ __device__ inline void projection2(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection2_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear g (73:7)
   const Span s1 = linear_span(t, 0);
@@ -285,7 +316,7 @@ struct projection3_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection3_rows(const TaskArgs& t, const Memory& m, const projection3_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 32};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 32};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]);
@@ -301,8 +332,16 @@ __device__ inline void projection3(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection3_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in_2), reinterpret_cast<float*>(m.arena + p.in), 2,
-                             16, static_cast<const __nv_bfloat16*>(m.w[p.o_norm]), 1e-5f, 1, it, warp, st, nullptr);
+  rows_compute_gated<kBatch>(RowsComputeGated{.rows = r,
+                                              .x = reinterpret_cast<float*>(m.arena + p.in_2),
+                                              .gate = reinterpret_cast<float*>(m.arena + p.in),
+                                              .heads = 2,
+                                              .d = 16,
+                                              .w = static_cast<const __nv_bfloat16*>(m.w[p.o_norm]),
+                                              .eps = 1e-5f,
+                                              .sigmoid_act = 1,
+                                              .spill = nullptr},
+                             it, warp, st);
   consumer_sync();
   // gated_rms_norm gated_rms_norm (74:16)
   // linear out (74:9)
@@ -329,7 +368,7 @@ struct projection4_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection4_rows(const TaskArgs& t, const Memory& m, const projection4_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 64};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_gate]);
@@ -349,8 +388,11 @@ __device__ inline void projection4(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection4_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
-                       1e-5f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                                   .eps = 1e-5f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm x#2 (145:7)
   // linear linear (110:28)
@@ -376,7 +418,7 @@ struct projection5_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection5_rows(const TaskArgs& t, const Memory& m, const projection5_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 128};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 128};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_down]);
@@ -392,7 +434,9 @@ __device__ inline void projection5(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection5_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear out (110:9)
   const Span s1 = linear_span(t, 0);
@@ -421,7 +465,7 @@ struct projection6_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection6_rows(const TaskArgs& t, const Memory& m, const projection6_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 64};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.router_w]);
@@ -445,8 +489,11 @@ __device__ inline void projection6(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection6_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
-                       1e-5f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                                   .eps = 1e-5f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm x#2 (145:7)
   // linear linear (122:25)
@@ -475,9 +522,14 @@ struct router0_params {
 
 // router: scores and top-k
 __device__ inline void router0(const Memory& m, const router0_params& p) {
-  router<kBatch>(RouterShape{8, 2, 1, 1, true, 2.446e0f}, reinterpret_cast<float*>(m.arena + p.in),
-                 static_cast<const float*>(m.w[p.router_b]), reinterpret_cast<int32_t*>(m.arena + p.ids),
-                 reinterpret_cast<float*>(m.arena + p.ids_1), reinterpret_cast<int32_t*>(m.arena + p.route_log));
+  router<kBatch>(Router{
+      .shape =
+          RouterShape{.experts = 8, .top_k = 2, .n_group = 1, .topk_group = 1, .renormalize = true, .scale = 2.446e0f},
+      .logits = reinterpret_cast<float*>(m.arena + p.in),
+      .bias = static_cast<const float*>(m.w[p.router_b]),
+      .ids = reinterpret_cast<int32_t*>(m.arena + p.ids),
+      .wts = reinterpret_cast<float*>(m.arena + p.ids_1),
+      .log = reinterpret_cast<int32_t*>(m.arena + p.route_log)});
 }
 
 // ---------------------------------------------------------------------------
@@ -498,23 +550,39 @@ struct moe0_params {
 };
 
 __device__ inline MoeShape moe0_shape(const moe0_params& p) {
-  return MoeShape{8, 2, 32, 64, 2, uint32_t(p.e_w1), uint32_t(p.e_w3), uint32_t(p.e_w2), 1};
+  return MoeShape{.experts = 8,
+                  .top_k = 2,
+                  .inter = 32,
+                  .hidden = 64,
+                  .slots = 2,
+                  .gate_base = uint32_t(p.e_w1),
+                  .up_base = uint32_t(p.e_w3),
+                  .down_base = uint32_t(p.e_w2),
+                  .stride = 1};
 }
 
 // expert_up: one expert slot's gate/up rows
 __device__ inline Rows moe0_expert_up_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2),
-                             false);
+  return expert_rows<kBatch>(ExpertRows{.shape = moe0_shape(p),
+                                        .slot = t.a[0],
+                                        .r0 = t.a[1],
+                                        .r1 = t.a[2],
+                                        .w = m.w,
+                                        .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                                        .down = false});
 }
 __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                       int warp) {
   const Rows r = moe0_expert_up_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
-                       1e-5f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                                   .eps = 1e-5f},
+                       it, warp, st);
   consumer_sync();
-  const Span s = Span{0, r.r0, r.r1 - r.r0};
+  const Span s = Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0};
   ep_silu_and_mul<kBatch>(st, n, s);
   consumer_sync();
   ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 32, 32);
@@ -522,26 +590,38 @@ __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const 
 
 // expert_down: one expert slot's down rows
 __device__ inline Rows moe0_expert_down_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_rows<kBatch>(moe0_shape(p), t.a[0], t.a[1], t.a[2], m.w, reinterpret_cast<int32_t*>(m.arena + p.in_2),
-                             true);
+  return expert_rows<kBatch>(ExpertRows{.shape = moe0_shape(p),
+                                        .slot = t.a[0],
+                                        .r0 = t.a[1],
+                                        .r1 = t.a[2],
+                                        .w = m.w,
+                                        .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                                        .down = true});
 }
 __device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                         int warp) {
   const Rows r = moe0_expert_down_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 32, nullptr, 1e-6f, it,
-                       warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 32,
+                                   .norm = nullptr,
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
-  ep_store<kBatch>(st, n, Span{0, r.r0, r.r1 - r.r0},
+  ep_store<kBatch>(st, n, Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0},
                    reinterpret_cast<float*>(m.arena + p.down) + size_t(t.a[0]) * kBatch * 64, 64);
 }
 
 // expert_combine: weighted sum of the slots
 __device__ inline void moe0_expert_combine(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  expert_combine<kBatch>(moe0_shape(p), t.a[0], t.a[1], reinterpret_cast<int32_t*>(m.arena + p.in_2),
-                         reinterpret_cast<float*>(m.arena + p.in_3), reinterpret_cast<float*>(m.arena + p.down),
-                         reinterpret_cast<float*>(m.arena + p.out));
+  expert_combine<kBatch>(ExpertCombine{.shape = moe0_shape(p),
+                                       .tile = t.a[0],
+                                       .tiles = t.a[1],
+                                       .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                                       .wts = reinterpret_cast<float*>(m.arena + p.in_3),
+                                       .dn = reinterpret_cast<float*>(m.arena + p.down),
+                                       .routed = reinterpret_cast<float*>(m.arena + p.out)});
 }
 
 // ---------------------------------------------------------------------------
@@ -559,7 +639,7 @@ struct projection7_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection7_rows(const TaskArgs& t, const Memory& m, const projection7_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 32};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 32};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.s_down]);
@@ -575,7 +655,9 @@ __device__ inline void projection7(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection7_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear linear#4 (129:20)
   const Span s1 = linear_span(t, 0);
@@ -606,7 +688,7 @@ struct projection8_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection8_rows(const TaskArgs& t, const Memory& m, const projection8_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 64};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_q]);
@@ -626,8 +708,11 @@ __device__ inline void projection8(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection8_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
-                       1e-5f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_in]),
+                                   .eps = 1e-5f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm x (139:7)
   // linear q (87:9)
@@ -657,30 +742,59 @@ struct mla0_params {
   uint64_t partials;  // arena offset
 };
 
-__device__ constexpr MlaShape mla0_shape{4, 1, 4, 16, 4096, 32, 16, 8, 16, 2.0412415e-1f};
+__device__ constexpr MlaShape mla0_shape = MlaShape{.heads = 4,
+                                                    .hpt = 1,
+                                                    .groups = 4,
+                                                    .splits = 16,
+                                                    .ctx = 4096,
+                                                    .c = 32,
+                                                    .nope = 16,
+                                                    .rope = 8,
+                                                    .v_dim = 16,
+                                                    .scale = 2.0412415e-1f};
 
 // mla_split: attention over one KV split (cache rows through the page ring, online softmax)
 __device__ inline void mla0_mla_split_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
-                         static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos, it);
+  mla_split_load<kBatch>(MlaSplitLoad{.shape = mla0_shape,
+                                      .head_group = t.a[0],
+                                      .split = t.a[1],
+                                      .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                                      .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
+                                      .pos = m.pos},
+                         it);
 }
 __device__ inline void mla0_mla_split(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.in),
-                    reinterpret_cast<float*>(m.arena + p.in_2), static_cast<const __nv_bfloat16*>(m.w[p.n_kva]), 1e-5f,
-                    reinterpret_cast<float*>(m.arena + p.in_3), static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
-                    static_cast<__nv_bfloat16*>(m.state[p.kv_cache]), m.pos,
-                    reinterpret_cast<float*>(m.arena + p.partials), it);
+  mla_split<kBatch>(MlaSplit{.shape = mla0_shape,
+                             .head_group = t.a[0],
+                             .split = t.a[1],
+                             .q = reinterpret_cast<float*>(m.arena + p.in),
+                             .ckv_raw = reinterpret_cast<float*>(m.arena + p.in_2),
+                             .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_kva]),
+                             .eps = 1e-5f,
+                             .kpe = reinterpret_cast<float*>(m.arena + p.in_3),
+                             .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                             .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
+                             .pos = m.pos,
+                             .partials = reinterpret_cast<float*>(m.arena + p.partials)},
+                    it);
 }
 
 // mla_combine: split merge and value up-projection (W_UV through the page ring)
 __device__ inline void mla0_mla_combine_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_combine_load<kBatch>(mla0_shape, t.a[0], t.a[1], static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), it);
+  mla_combine_load<kBatch>(
+      MlaCombineLoad{
+          .shape = mla0_shape, .h0 = t.a[0], .h1 = t.a[1], .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb])},
+      it);
 }
 __device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it,
                                         int warp) {
-  mla_combine<kBatch>(mla0_shape, t.a[0], t.a[1], reinterpret_cast<float*>(m.arena + p.partials),
-                      static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]), reinterpret_cast<float*>(m.arena + p.o), it,
-                      warp);
+  mla_combine<kBatch>(MlaCombine{.shape = mla0_shape,
+                                 .h0 = t.a[0],
+                                 .h1 = t.a[1],
+                                 .partials = reinterpret_cast<float*>(m.arena + p.partials),
+                                 .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                                 .out = reinterpret_cast<float*>(m.arena + p.o)},
+                      it, warp);
 }
 
 // ---------------------------------------------------------------------------
@@ -696,7 +810,7 @@ struct projection9_params {
 
 // projection_rows: output rows
 __device__ inline Rows projection9_rows(const TaskArgs& t, const Memory& m, const projection9_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 64};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.w_o]);
@@ -712,7 +826,9 @@ __device__ inline void projection9(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection9_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in), nullptr, 1e-6f, it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
   // linear out (99:9)
   const Span s1 = linear_span(t, 0);
@@ -736,7 +852,7 @@ struct lm_head0_params {
 
 // lm_head_rows: output rows
 __device__ inline Rows lm_head0_lm_head_rows_rows(const TaskArgs& t, const Memory& m, const lm_head0_params& p) {
-  Rows r{nullptr, nullptr, t.a[2], t.a[3], 64};
+  Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 64};
   switch (t.a[0]) {
     case 0:
       r.w0 = static_cast<const __nv_bfloat16*>(m.w[p.lm_w]);
@@ -752,20 +868,26 @@ __device__ inline void lm_head0_lm_head_rows(const TaskArgs& t, const Memory& m,
   const Rows r = lm_head0_lm_head_rows_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(r, reinterpret_cast<float*>(m.arena + p.in),
-                       static_cast<const __nv_bfloat16*>(m.w[p.final_norm]), 1e-5f, it, warp, st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.final_norm]),
+                                   .eps = 1e-5f},
+                       it, warp, st);
   consumer_sync();
   // rms_norm rms_norm (166:20)
   // lm_head logits (166:12)
   const Span s1 = linear_span(t, 0);
   ep_store<kBatch>(st, n, s1, static_cast<float*>(m.out[1]), 512);
   // argmax next_token (167:16)
-  ep_tile_max<kBatch>(st, n, s1, reinterpret_cast<float2*>(m.arena + p.tile_max), t.index, 2);
+  ep_tile_max<kBatch>(st, n, s1,
+                      EpTileMax{.out = reinterpret_cast<float2*>(m.arena + p.tile_max), .tile = t.index, .tiles = 2});
 }
 
 // argmax: argmax over the row tiles
 __device__ inline void lm_head0_argmax(const Memory& m, const lm_head0_params& p) {
-  argmax_tiles<kBatch>(reinterpret_cast<float2*>(m.arena + p.tile_max), 2, static_cast<int32_t*>(m.out[0]));
+  argmax_tiles<kBatch>(ArgmaxTiles{.tile_max = reinterpret_cast<float2*>(m.arena + p.tile_max),
+                                   .tiles = 2,
+                                   .next = static_cast<int32_t*>(m.out[0])});
 }
 
 // The megakernel's task policy (device/mkc/megakernel.cuh): a task's stage

@@ -37,6 +37,21 @@ use crate::plan::tile::TaskArgs;
 use crate::plan::Plan;
 use crate::valid::Validated;
 
+/// A C++20 designated initializer, `Type{.field = value, ...}`: how the
+/// generated code spells the argument structs of the device library's calls
+/// (fields in the struct's declaration order, as C++ requires).
+/// `init!("EpL2Norm"; group = 128, eps = "1e-6f")` is
+/// `EpL2Norm{.group = 128, .eps = 1e-6f}`.
+macro_rules! init {
+    ($ty:expr; $($field:ident = $value:expr),+ $(,)?) => {
+        format!(
+            "{}{{{}}}",
+            $ty,
+            [$(format!(concat!(".", stringify!($field), " = {}"), $value)),+].join(", ")
+        )
+    };
+}
+
 // The stage emitters, by family (each an `impl Gen` block).
 mod attention;
 mod moe;
@@ -262,9 +277,8 @@ fn act_and_mul_call(attrs: &Attrs, span: &str) -> std::result::Result<String, St
     match attrs.str("act") {
         "silu" => Ok(format!("ep_silu_and_mul<kBatch>(st, n, {span});")),
         "situ" => Ok(format!(
-            "ep_situ_and_mul<kBatch>(st, n, {span}, {}, {});",
-            float(attrs.float("beta")),
-            float(attrs.float("linear_beta"))
+            "ep_situ_and_mul<kBatch>(st, n, {span}, {});",
+            init!("EpSituAndMul"; beta = float(attrs.float("beta")), lin = float(attrs.float("linear_beta")))
         )),
         a => Err(format!("act_and_mul with act \"{a}\"")),
     }
@@ -675,20 +689,24 @@ impl<'a> Gen<'a> {
                         return Err(unsupported(op, "an embedding epilogue that stacks more than its row"));
                     }
                     let bank = self.value(ValueRef { node: e, output: 0 }, op)?;
-                    let out = out.clone();
-                    let _ = write!(
-                        extra,
-                        "\n  consumer_sync();\n  stack_rows<kBatch>(static_cast<const float*>(nullptr), 0, {out}, {hidden}, {bank});"
+                    let args = init!("StackRows";
+                        bank = "static_cast<const float*>(nullptr)",
+                        rows = 0,
+                        row = out,
+                        hidden = hidden,
+                        out = bank,
                     );
+                    let _ = write!(extra, "\n  consumer_sync();\n  stack_rows<kBatch>({args});");
                 }
                 _ => return Err(unsupported(op, &format!("an embedding epilogue {}", self.g.node(e).name))),
             }
         }
         self.header(stage, op, "token rows");
         let f = self.fname(op, stage);
+        let args = init!("Embedding"; table = table, tokens = "m.tokens", hidden = hidden, out = out);
         let _ = writeln!(
             self.code,
-            "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  embedding<kBatch>({table}, m.tokens, {hidden}, {out});{extra}\n}}"
+            "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  embedding<kBatch>({args});{extra}\n}}"
         );
         self.role(stage, format!("{f}(m, p);"), None);
         Ok(())

@@ -19,10 +19,26 @@ namespace mkc {
 // idle and each lane's loads in a long chain); the partial sums meet in
 // scratch, the scores in shared memory.
 // kMaxBankRows: contract.h.
+template <class T>
+struct AttnResMix {
+  const T* bank;               // [B][n][hidden]
+  uint32_t rows;               // n, the bank's rows
+  const T* row;                // u [B][hidden], the current row
+  const __nv_bfloat16* w;      // [hidden] the score's projection
+  const __nv_bfloat16* gamma;  // [hidden] the score's RMSNorm weight
+  float eps;
+  uint32_t hidden;             // a row's width, a multiple of 4
+  uint32_t d0, d1;             // output columns [d0, d1), multiples of 4
+  float* out;                  // [B][hidden]
+};
 
 template <int B, class T>
-__device__ void attn_res_mix(const T* bank, uint32_t n, const T* u, const __nv_bfloat16* w, const __nv_bfloat16* gamma,
-                             float eps, uint32_t hidden, uint32_t d0, uint32_t d1, float* out) {
+__device__ void attn_res_mix(AttnResMix<T> a) {
+  const T *bank = a.bank, *u = a.row;
+  const __nv_bfloat16 *w = a.w, *gamma = a.gamma;
+  const uint32_t n = a.rows, hidden = a.hidden, d0 = a.d0, d1 = a.d1;
+  const float eps = a.eps;
+  float* out = a.out;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ float p[B][kMaxBankRows + 1];
   static_assert(kConsumerWarps * B * (kMaxBankRows + 1) * 2 * sizeof(float) <= size_t(kScratchBytes),
@@ -75,13 +91,23 @@ __device__ void attn_res_mix(const T* bank, uint32_t n, const T* u, const __nv_b
   consumer_sync();
 }
 
-// A bank with one more row: out [B][n + 1][hidden] = (bank [B][n][hidden],
-// row [B][hidden]); bank may be null when n is 0.
+// A bank with one more row: out [B][rows + 1][hidden] = (bank
+// [B][rows][hidden], row [B][hidden]).
+template <class T, class U>
+struct StackRows {
+  const T* bank;    // [B][rows][hidden], or null when rows is 0
+  uint32_t rows;    // the bank's rows
+  const U* row;     // [B][hidden]
+  uint32_t hidden;  // a row's width
+  T* out;           // [B][rows + 1][hidden]
+};
 template <int B, class T, class U>
-__device__ void stack_rows(const T* bank, uint32_t n, const U* row, uint32_t hidden, T* out) {
-  for (uint32_t i = threadIdx.x; i < B * (n + 1) * hidden; i += kConsumerThreads) {
-    const uint32_t b = i / ((n + 1) * hidden), j = (i / hidden) % (n + 1), d = i % hidden;
-    out[i] = j < n ? bank[(size_t(b) * n + j) * hidden + d] : from_float<T>(to_float(row[size_t(b) * hidden + d]));
+__device__ void stack_rows(StackRows<T, U> a) {
+  const uint32_t n = a.rows;
+  for (uint32_t i = threadIdx.x; i < B * (n + 1) * a.hidden; i += kConsumerThreads) {
+    const uint32_t b = i / ((n + 1) * a.hidden), j = (i / a.hidden) % (n + 1), d = i % a.hidden;
+    a.out[i] = j < n ? a.bank[(size_t(b) * n + j) * a.hidden + d]
+                       : from_float<T>(to_float(a.row[size_t(b) * a.hidden + d]));
   }
   consumer_sync();
 }
@@ -115,17 +141,25 @@ struct MulInput {
 // to 6) the pages read it where it is (MulInput); otherwise it is staged as
 // fp32 in shared memory, or in `spill` when it does not fit (input_area; read
 // a page ahead, rows_pages_staged).
+template <class T, class G>
+struct RowsComputeMul {
+  Rows rows;         // the task's weight rows (rows_load streams them)
+  const T* x;        // [B, rows.k] the value
+  const G* g;        // [B, rows.k] the gate
+  int sigmoid_gate;  // x * sigmoid(g) (1) or x * g (0)
+  float* spill;      // where the input is staged when it does not fit shared memory (or null)
+};
 template <int B, class T, class G>
-__device__ void rows_compute_mul(const Rows& r, const T* x, const G* g, int sigmoid_gate, uint32_t& it, int warp,
-                                 float* st, float* spill) {
+__device__ void rows_compute_mul(RowsComputeMul<T, G> a, uint32_t& it, int warp, float* st) {
+  const Rows& r = a.rows;
   if constexpr (kRowsMma<B>) {
-    rows_pages_mma<B>(r, MulInput<T, G>{x, g, r.k, sigmoid_gate}, it, warp, st);
+    rows_pages_mma<B>(r, MulInput<T, G>{a.x, a.g, r.k, a.sigmoid_gate}, it, warp, st);
     return;
   }
   const uint32_t n = uint32_t(B) * r.k;
-  float* xs = input_area<B>(r.k, spill);
+  float* xs = input_area<B>(r.k, a.spill);
   for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) {
-    xs[i] = to_float(x[i]) * output_gate(to_float(g[i]), sigmoid_gate);
+    xs[i] = to_float(a.x[i]) * output_gate(to_float(a.g[i]), a.sigmoid_gate);
   }
   consumer_sync();
   rows_pages_staged<B>(r, xs, it, warp, st);

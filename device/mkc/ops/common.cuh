@@ -179,11 +179,18 @@ __device__ inline float warp_dot(const __nv_bfloat16* w, const float* x, uint32_
 
 // ---------------------------------------------------------------------------
 // Embedding: out[b] = table[tokens[b]].
+template <class T>
+struct Embedding {
+  const __nv_bfloat16* table;  // [vocab, hidden]
+  const int32_t* tokens;       // [B]
+  uint32_t hidden;             // a row's width
+  T* out;                      // [B, hidden]
+};
 template <int B, class T>
-__device__ void embedding(const __nv_bfloat16* table, const int32_t* tokens, uint32_t hidden, T* out) {
-  for (uint32_t i = threadIdx.x; i < B * hidden; i += kConsumerThreads) {
-    const uint32_t b = i / hidden, e = i % hidden;
-    out[i] = from_float<T>(bf(table[size_t(tokens[b]) * hidden + e]));
+__device__ void embedding(Embedding<T> a) {
+  for (uint32_t i = threadIdx.x; i < B * a.hidden; i += kConsumerThreads) {
+    const uint32_t b = i / a.hidden, e = i % a.hidden;
+    a.out[i] = from_float<T>(bf(a.table[size_t(a.tokens[b]) * a.hidden + e]));
   }
 }
 

@@ -18,7 +18,8 @@ namespace mkc {
 // so each state row is read and written once. The state is [B][heads][d][d]
 // fp32, key channels contiguous.
 struct KdaShape {
-  uint32_t heads, d;
+  uint32_t heads;     // heads of the layer
+  uint32_t d;         // head_dim (keys and values)
   bool safe_gate;     // K3's lower-bounded sigmoid gate instead of softplus
   float lower_bound;  // safe gate only
 };
@@ -27,10 +28,31 @@ struct KdaShape {
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
+// One task's work: heads [h0, h1) of the layer's shape, its inputs [B,
+// heads d] (q, k, v, the gate's f, beta's logits [B, heads]) and its state.
+template <class T>
+struct KdaDecode {
+  KdaShape shape;
+  uint32_t h0, h1;        // the task's heads [h0, h1)
+  const T* q;             // [B, heads d], L2-normalised
+  const T* k;             // [B, heads d], L2-normalised
+  const T* v;             // [B, heads d]
+  const T* f;             // [B, heads d] the forget gate's input
+  const T* b_logit;       // [B, heads] beta before its sigmoid
+  const float* a_log;     // [heads]
+  const float* dt_bias;   // [heads d]
+  float* state;           // [B][heads][d][d] fp32
+  T* out;                 // [B, heads d]
+};
+
 template <int B, class T>
-__device__ void kda_decode(const KdaShape& s, uint32_t h0, uint32_t h1, const T* q, const T* k, const T* v,
-                           const T* f, const T* b_logit, const float* a_log, const float* dt_bias, float* state,
-                           T* out) {
+__device__ void kda_decode(KdaDecode<T> a) {
+  const KdaShape& s = a.shape;
+  const T *q = a.q, *k = a.k, *v = a.v, *f = a.f, *b_logit = a.b_logit;
+  const float *a_log = a.a_log, *dt_bias = a.dt_bias;
+  float* state = a.state;
+  T* out = a.out;
+  const uint32_t h0 = a.h0, h1 = a.h1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t d = s.d, p = s.heads * d;
   constexpr uint32_t kPer = kMaxKdaDim / 128;  // float4 groups per lane
@@ -184,21 +206,32 @@ struct GatedInput {
 // fp32 in shared memory, or in `spill` when it does not fit (input_area),
 // normed and gated there, then the pages read it (rows_pages_staged: from
 // `spill` a page ahead).
+template <class T>
+struct RowsComputeGated {
+  Rows rows;               // the task's weight rows (rows_load streams them)
+  const T* x;              // [B, heads d] the input
+  const T* gate;           // [B, heads d]
+  uint32_t heads;          // norm groups (heads d = rows.k)
+  uint32_t d;              // channels per head
+  const __nv_bfloat16* w;  // [d] the norm's weight
+  float eps;
+  int sigmoid_act;         // the gate's activation: sigmoid (1) or SiLU (0)
+  float* spill;            // where the input is staged when it does not fit shared memory (or null)
+};
 template <int B, class T>
-__device__ void rows_compute_gated(const Rows& r, const T* x, const T* gate, uint32_t heads, uint32_t d,
-                                   const __nv_bfloat16* w, float eps, int sigmoid_act, uint32_t& it, int warp,
-                                   float* st, float* spill) {
-  if (heads * d != r.k) __trap();
+__device__ void rows_compute_gated(RowsComputeGated<T> a, uint32_t& it, int warp, float* st) {
+  const Rows& r = a.rows;
+  if (a.heads * a.d != r.k) __trap();
   if constexpr (kRowsMma<B>) {
-    if (d % 8 == 0 && size_t(B) * heads * sizeof(float) <= size_t(kActivationBytes)) {
+    if (a.d % 8 == 0 && size_t(B) * a.heads * sizeof(float) <= size_t(kActivationBytes)) {
       float* rs = activation_ptr();  // [B, heads]
-      gated_rms_scales<B>(x, heads, d, eps, rs);
-      rows_pages_mma<B>(r, GatedInput<T>{x, gate, rs, w, r.k, heads, d, sigmoid_act}, it, warp, st);
+      gated_rms_scales<B>(a.x, a.heads, a.d, a.eps, rs);
+      rows_pages_mma<B>(r, GatedInput<T>{a.x, a.gate, rs, a.w, r.k, a.heads, a.d, a.sigmoid_act}, it, warp, st);
       return;
     }
   }
-  float* xs = stage_input<B>(x, r.k, static_cast<const __nv_bfloat16*>(nullptr), 0.f, input_area<B>(r.k, spill));
-  gated_rms_norm_inplace<B>(xs, gate, heads, d, w, eps, sigmoid_act);
+  float* xs = stage_input<B>(a.x, r.k, static_cast<const __nv_bfloat16*>(nullptr), 0.f, input_area<B>(r.k, a.spill));
+  gated_rms_norm_inplace<B>(xs, a.gate, a.heads, a.d, a.w, a.eps, a.sigmoid_act);
   consumer_sync();
   rows_pages_staged<B>(r, xs, it, warp, st);
 }

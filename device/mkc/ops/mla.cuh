@@ -16,9 +16,16 @@ namespace mkc {
 // kMaxMlaHeads: contract.h.
 
 struct MlaShape {
-  uint32_t heads, hpt, groups, splits;
-  uint32_t ctx, c, nope, rope, v_dim;
-  float scale;
+  uint32_t heads;   // attention heads
+  uint32_t hpt;     // heads per split task (a head group)
+  uint32_t groups;  // head groups
+  uint32_t splits;  // KV splits of the context
+  uint32_t ctx;     // the cache's rows per sequence (the context)
+  uint32_t c;       // the latent width (kv_lora_rank)
+  uint32_t nope;    // the query's and key's no-PE width
+  uint32_t rope;    // their RoPE width
+  uint32_t v_dim;   // a head's value width
+  float scale;      // the scores' scale
 };
 
 __device__ inline void split_range(const MlaShape& s, uint32_t split, uint32_t& p0, uint32_t& p1) {
@@ -69,13 +76,21 @@ __device__ inline const __nv_bfloat16* mla_key_block(const MlaShape& s, const __
 // Loader side of a split task, token by token: the W_UK block of each head
 // of the group (the query's absorption; L2-resident, every split of the
 // group reads it), then the split's cache rows.
+struct MlaSplitLoad {
+  MlaShape shape;
+  uint32_t head_group;         // the task's heads [head_group hpt, + hpt)
+  uint32_t split;              // the task's KV split
+  const __nv_bfloat16* wkvb;   // kv_b_proj [heads (nope + v_dim), c]
+  const __nv_bfloat16* cache;  // [B][ctx][c + rope]
+  const int32_t* pos;          // [B] each sequence's position
+};
 template <int B>
-__device__ void mla_split_load(const MlaShape& s, uint32_t hg, uint32_t split, const __nv_bfloat16* wkvb,
-                               const __nv_bfloat16* cache, const int32_t* pos, uint32_t& it) {
-  const uint32_t h0 = hg * s.hpt, nh = min(s.hpt, s.heads - h0);
+__device__ void mla_split_load(MlaSplitLoad a, uint32_t& it) {
+  const MlaShape& s = a.shape;
+  const uint32_t h0 = a.head_group * s.hpt, nh = min(s.hpt, s.heads - h0);
   for (int b = 0; b < B; ++b) {
-    for (uint32_t h = h0; h < h0 + nh; ++h) packed_load(mla_key_block(s, wkvb, h), s.nope, s.c, it);
-    const Rows r = mla_cache_rows(s, split, cache, b, uint32_t(pos[b]));
+    for (uint32_t h = h0; h < h0 + nh; ++h) packed_load(mla_key_block(s, a.wkvb, h), s.nope, s.c, it);
+    const Rows r = mla_cache_rows(s, a.split, a.cache, b, uint32_t(a.pos[b]));
     packed_load(r.w0 + size_t(r.r0) * r.k, r.r1 - r.r0, r.k, it);
   }
 }
@@ -233,10 +248,31 @@ __device__ void mla_fold(const MlaShape& s, uint32_t nh, const FoldRows& f, cons
 // ring, kMlaFoldPages pages per fold (mla_split_load streams both). The split
 // holding the current position appends the new row to the cache (head group 0
 // writes it; the others use their own copy in shared memory).
+template <class T>
+struct MlaSplit {
+  MlaShape shape;
+  uint32_t head_group;         // the task's heads [head_group hpt, + hpt)
+  uint32_t split;              // the task's KV split
+  const T* q;                  // [B, heads (nope + rope)]
+  const T* ckv_raw;            // [B, c] the new latent row, before its norm
+  const __nv_bfloat16* norm;   // [c] the latent's RMSNorm weight, or null: none
+  float eps;                   // the norm's epsilon
+  const T* kpe;                // [B, rope] the new row's RoPE'd key
+  const __nv_bfloat16* wkvb;   // kv_b_proj [heads (nope + v_dim), c]
+  __nv_bfloat16* cache;        // [B][ctx][c + rope]
+  const int32_t* pos;          // [B] each sequence's position
+  float* partials;             // [B, heads, splits, 2 + c]
+};
 template <int B, class T>
-__device__ void mla_split(const MlaShape& s, uint32_t hg, uint32_t split, const T* q, const T* ckv_raw,
-                          const __nv_bfloat16* norm, float eps, const T* kpe, const __nv_bfloat16* wkvb,
-                          __nv_bfloat16* cache, const int32_t* pos, float* partials, uint32_t& it) {
+__device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
+  const MlaShape& s = a.shape;
+  const uint32_t hg = a.head_group, split = a.split;
+  const T *q = a.q, *ckv_raw = a.ckv_raw, *kpe = a.kpe;
+  const __nv_bfloat16* norm = a.norm;
+  const float eps = a.eps;
+  __nv_bfloat16* cache = a.cache;
+  const int32_t* pos = a.pos;
+  float* partials = a.partials;
   const uint32_t h0 = hg * s.hpt, nh = min(s.hpt, s.heads - h0);
   const uint32_t qk = s.nope + s.rope, row = s.c + s.rope;
   uint32_t p0, p1;
@@ -347,10 +383,14 @@ __device__ inline Rows mla_value_rows(const MlaShape& s, const __nv_bfloat16* wk
 }
 
 // Loader side of a combine task: W_UV of each of its heads [h0, h1), in order.
+struct MlaCombineLoad {
+  MlaShape shape;
+  uint32_t h0, h1;            // the task's heads [h0, h1)
+  const __nv_bfloat16* wkvb;  // kv_b_proj [heads (nope + v_dim), c]
+};
 template <int B>
-__device__ inline void mla_combine_load(const MlaShape& s, uint32_t h0, uint32_t h1, const __nv_bfloat16* wkvb,
-                                        uint32_t& it) {
-  for (uint32_t h = h0; h < h1; ++h) rows_load<B>(mla_value_rows(s, wkvb, h), it);
+__device__ inline void mla_combine_load(MlaCombineLoad a, uint32_t& it) {
+  for (uint32_t h = a.h0; h < a.h1; ++h) rows_load<B>(mla_value_rows(a.shape, a.wkvb, h), it);
 }
 
 // Heads [h0, h1), one at a time: merges the splits by log-sum-exp into the
@@ -358,9 +398,21 @@ __device__ inline void mla_combine_load(const MlaShape& s, uint32_t h0, uint32_t
 // page ring (rows_compute, which stages olat where it already is; its result
 // [B, v_dim] after olat), both in the activation area (the tensor-core rows
 // consumer keeps its partial sums in scratch).
+template <class T>
+struct MlaCombine {
+  MlaShape shape;
+  uint32_t h0, h1;            // the task's heads [h0, h1)
+  const float* partials;      // [B, heads, splits, 2 + c], from mla_split
+  const __nv_bfloat16* wkvb;  // kv_b_proj [heads (nope + v_dim), c]
+  T* out;                     // [B, heads v_dim]
+};
 template <int B, class T>
-__device__ void mla_combine(const MlaShape& s, uint32_t h0, uint32_t h1, const float* partials,
-                            const __nv_bfloat16* wkvb, T* out, uint32_t& it, int warp) {
+__device__ void mla_combine(MlaCombine<T> a, uint32_t& it, int warp) {
+  const MlaShape& s = a.shape;
+  const uint32_t h0 = a.h0, h1 = a.h1;
+  const float* partials = a.partials;
+  const __nv_bfloat16* wkvb = a.wkvb;
+  T* out = a.out;
   float* olat = activation_ptr();  // [B, c]
   float* st = olat + B * s.c;      // [B, v_dim]
   if (size_t(B) * (s.c + s.v_dim) * sizeof(float) > size_t(kActivationBytes)) __trap();  // the code generator's check
@@ -381,7 +433,8 @@ __device__ void mla_combine(const MlaShape& s, uint32_t h0, uint32_t h1, const f
       olat[i] = acc / l;
     }
     consumer_sync();
-    rows_compute<B>(mla_value_rows(s, wkvb, h), olat, nullptr, 0.f, it, warp, st);
+    rows_compute<B>(RowsCompute<float>{.rows = mla_value_rows(s, wkvb, h), .x = olat, .norm = nullptr, .eps = 0.f}, it,
+                    warp, st);
     consumer_sync();
     for (uint32_t i = threadIdx.x; i < B * s.v_dim; i += kConsumerThreads) {
       const uint32_t b = i / s.v_dim, j = i % s.v_dim;

@@ -12,9 +12,12 @@ namespace mkc {
 // (the others' choices set to 0); top-k of the choices; weights s at the
 // chosen experts, renormalised (sum + 1e-20) if asked, times `scale`.
 struct RouterShape {
-  uint32_t experts, top_k, n_group, topk_group;
-  bool renormalize;
-  float scale;
+  uint32_t experts;     // routed experts
+  uint32_t top_k;       // experts chosen per token
+  uint32_t n_group;     // expert groups (1: no group limit)
+  uint32_t topk_group;  // groups kept
+  bool renormalize;     // the chosen weights divided by their sum
+  float scale;          // the weights' scale
 };
 
 // All consumer threads take part: scores and choices are staged in shared
@@ -22,9 +25,22 @@ struct RouterShape {
 // of a warp arg-max (ties to the lower expert id, as a sequential scan).
 // `log` [B, top_k] receives the ids too: the arena's routing log, which no
 // other stage reuses, so the host can read every router's choice after a step.
+struct Router {
+  RouterShape shape;
+  const float* logits;  // [B, experts]
+  const float* bias;    // [experts] the selection's correction bias, or null
+  int32_t* ids;         // [B, top_k] the chosen experts
+  float* wts;           // [B, top_k] their weights
+  int32_t* log;         // [B, top_k] the routing log's rows of this router
+};
 template <int B>
-__device__ void router(const RouterShape& r, const float* logits, const float* bias, int32_t* ids, float* wts,
-                       int32_t* log) {
+__device__ void router(Router a) {
+  const RouterShape& r = a.shape;
+  const float* logits = a.logits;
+  const float* bias = a.bias;
+  int32_t* ids = a.ids;
+  float* wts = a.wts;
+  int32_t* log = a.log;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* score = reinterpret_cast<float*>(scratch_ptr());  // [experts]
   float* choice = score + r.experts;                        // [experts], then what is left to pick
@@ -110,7 +126,11 @@ __device__ void router(const RouterShape& r, const float* logits, const float* b
 // batch's choices (so every task finds the same assignment without talking);
 // a slot past the distinct count is empty.
 struct MoeShape {
-  uint32_t experts, top_k, inter, hidden, slots;
+  uint32_t experts;  // routed experts
+  uint32_t top_k;    // experts chosen per token
+  uint32_t inter;    // an expert's intermediate width
+  uint32_t hidden;   // the model's width
+  uint32_t slots;    // expert slots per step: min(B top_k, experts)
   uint32_t gate_base, up_base, down_base;  // weight index of expert 0's tensors
   // MXFP4 experts: expert e's codes at base + stride e, its scales right after.
   uint32_t stride = 1;
@@ -146,9 +166,21 @@ __device__ inline uint32_t slot_of(const int32_t* ids, uint32_t n, int32_t e) {
 // The weight rows of an expert task: rows [r0, r1) of the slot's expert's
 // w0 (gate, paired with up) or down matrix; no rows for an empty slot.
 // Loader and consumers compute the same rows from the router's ids.
+struct ExpertRows {
+  MoeShape shape;
+  uint32_t slot;        // the task's expert slot
+  uint32_t r0, r1;      // its rows [r0, r1)
+  void* const* w;       // the weight table
+  const int32_t* ids;   // [B, top_k] the router's choices
+  bool down;            // the down matrix (else gate, paired with up)
+};
 template <int B>
-__device__ inline Rows expert_rows(const MoeShape& s, uint32_t slot, uint32_t r0, uint32_t r1, void* const* w,
-                                   const int32_t* ids, bool down) {
+__device__ inline Rows expert_rows(ExpertRows a) {
+  const MoeShape& s = a.shape;
+  const uint32_t slot = a.slot, r0 = a.r0, r1 = a.r1;
+  void* const* w = a.w;
+  const int32_t* ids = a.ids;
+  const bool down = a.down;
   const int e = slot_expert<B>(ids, B * s.top_k, slot);
   if (e < 0) return Rows{nullptr, nullptr, 0, 0, down ? s.inter : s.hidden};
   if (down) return Rows{static_cast<const __nv_bfloat16*>(w[s.down_base + e]), nullptr, r0, r1, s.inter};
@@ -156,10 +188,14 @@ __device__ inline Rows expert_rows(const MoeShape& s, uint32_t slot, uint32_t r0
               r0, r1, s.hidden};
 }
 
-// The MXFP4 rows of an expert task (as expert_rows).
+// The MXFP4 rows of an expert task (as expert_rows, of the same arguments).
 template <int B>
-__device__ inline MxRows expert_mx_rows(const MoeShape& s, uint32_t slot, uint32_t r0, uint32_t r1, void* const* w,
-                                       const int32_t* ids, bool down) {
+__device__ inline MxRows expert_mx_rows(ExpertRows a) {
+  const MoeShape& s = a.shape;
+  const uint32_t slot = a.slot, r0 = a.r0, r1 = a.r1;
+  void* const* w = a.w;
+  const int32_t* ids = a.ids;
+  const bool down = a.down;
   const int e = slot_expert<B>(ids, B * s.top_k, slot);
   auto u8 = [&](uint32_t i) { return static_cast<const uint8_t*>(w[i]); };
   if (e < 0) return MxRows{nullptr, nullptr, nullptr, nullptr, 0, 0, down ? s.inter : s.hidden};
@@ -173,9 +209,23 @@ __device__ inline MxRows expert_mx_rows(const MoeShape& s, uint32_t slot, uint32
 
 // routed[b, d] = sum_j weight[b, j] out[slot(ids[b, j]), b, d], for column
 // tile `tile` of `tiles`.
+template <class T>
+struct ExpertCombine {
+  MoeShape shape;
+  uint32_t tile, tiles;  // the task's column tile of `tiles`
+  const int32_t* ids;    // [B, top_k] the router's choices
+  const float* wts;      // [B, top_k] their weights
+  const float* dn;       // out [slots, B, hidden]: the down projections
+  T* routed;             // [B, hidden]
+};
 template <int B, class T>
-__device__ void expert_combine(const MoeShape& s, uint32_t tile, uint32_t tiles, const int32_t* ids, const float* wts,
-                               const float* dn, T* routed) {
+__device__ void expert_combine(ExpertCombine<T> a) {
+  const MoeShape& s = a.shape;
+  const uint32_t tile = a.tile, tiles = a.tiles;
+  const int32_t* ids = a.ids;
+  const float* wts = a.wts;
+  const float* dn = a.dn;
+  T* routed = a.routed;
   __shared__ uint32_t slot[B * 64];
   if (B * s.top_k > B * 64) __trap();
   for (uint32_t i = threadIdx.x; i < B * s.top_k; i += kConsumerThreads) slot[i] = slot_of(ids, B * s.top_k, ids[i]);

@@ -397,19 +397,26 @@ __device__ float* stage_input(const T* x, uint32_t k, const __nv_bfloat16* norm,
 // x). When x [B, k] fits in kActivationBytes it is first copied to shared
 // memory as fp32, normed there, so the pages read it from shared memory
 // (otherwise from L2, a round trip per page).
+template <class T>
+struct RowsCompute {
+  Rows rows;                  // the task's weight rows (rows_load streams them)
+  const T* x;                 // [B, rows.k] the input
+  const __nv_bfloat16* norm;  // [rows.k] the RMSNorm prologue's weight, or null: no prologue
+  float eps;                  // the prologue's epsilon
+};
 template <int B, class T>
-__device__ void rows_compute(const Rows& r, const T* x, const __nv_bfloat16* norm, float eps,
-                             uint32_t& it, int warp, float* st) {
+__device__ void rows_compute(RowsCompute<T> a, uint32_t& it, int warp, float* st) {
+  const Rows& r = a.rows;
   __shared__ float scale[B];
   if (input_fits<B>(r.k)) {
-    rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps, activation_ptr()), nullptr, nullptr, it, warp, st);
+    rows_pages<B>(r, stage_input<B>(a.x, r.k, a.norm, a.eps, activation_ptr()), nullptr, nullptr, it, warp, st);
     return;
   }
-  if (norm != nullptr) rms_scales<B>(x, r.k, eps, scale);
+  if (a.norm != nullptr) rms_scales<B>(a.x, r.k, a.eps, scale);
   // x from L2, each page's slice copied a page ahead where two pages of it fit the activation area
   // (fp32 input up to batch 8, bf16 up to 16); beyond, read in place.
   constexpr bool kAhead = 2 * B * kPageK * sizeof(T) <= size_t(kActivationBytes);
-  rows_pages<B, kAhead>(r, x, norm, scale, it, warp, st);
+  rows_pages<B, kAhead>(r, a.x, a.norm, scale, it, warp, st);
 }
 
 // ---------------------------------------------------------------------------
@@ -902,9 +909,17 @@ __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B>& a, uin
 // two parts) when the fragments fit the input's area, otherwise on the CUDA
 // cores (staged as fp32); in shared memory, or in `spill` when it does not fit
 // (input_area).
+template <class T>
+struct MxRowsCompute {
+  MxRows rows;                // the task's weight rows (mx_rows_load streams them)
+  const T* x;                 // [B, rows.k] the input
+  const __nv_bfloat16* norm;  // [rows.k] the RMSNorm prologue's weight, or null: no prologue
+  float eps;                  // the prologue's epsilon
+  float* spill;               // where the input is staged when it does not fit shared memory (or null)
+};
 template <int B, class T>
-__device__ void mx_rows_compute(const MxRows& r, const T* x, const __nv_bfloat16* norm, float eps, uint32_t& it,
-                                int warp, float* st, float* spill) {
+__device__ void mx_rows_compute(MxRowsCompute<T> a, uint32_t& it, int warp, float* st) {
+  const MxRows& r = a.rows;
   // The tensor cores' fragments take (k / 64) pairs x 32 lanes x 16 bytes an
   // n-tile: a token at batch 1 and 2 (twice the fp32 input's size), two at 3
   // and 4 (4/3 of it at 3, the same at 4). At K3's widths (k <= 3584) they fit
@@ -913,20 +928,20 @@ __device__ void mx_rows_compute(const MxRows& r, const T* x, const __nv_bfloat16
   const size_t pairs = (r.k / 32 + 1) / 2;
   if constexpr (B <= 2) {
     if (pairs * B * 512 <= area) {
-      MxFrags<B> a;
-      stage_mx_frags<B>(x, r.k, norm, eps, input_area<B>(r.k, spill), a);
-      mx_rows_pages_mma<B>(r, a, it, warp, st);
+      MxFrags<B> frags;
+      stage_mx_frags<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill), frags);
+      mx_rows_pages_mma<B>(r, frags, it, warp, st);
       return;
     }
   } else if constexpr (B <= 4) {
     if (pairs * MxHalfFrags<B>::kTiles * 512 <= area) {
-      MxHalfFrags<B> a;
-      stage_mx_half_frags<B>(x, r.k, norm, eps, input_area<B>(r.k, spill), a);
-      mx_rows_pages_hmma<B>(r, a, it, warp, st);
+      MxHalfFrags<B> frags;
+      stage_mx_half_frags<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill), frags);
+      mx_rows_pages_hmma<B>(r, frags, it, warp, st);
       return;
     }
   }
-  mx_rows_pages<B>(r, stage_input<B>(x, r.k, norm, eps, input_area<B>(r.k, spill)), it, warp, st);
+  mx_rows_pages<B>(r, stage_input<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill)), it, warp, st);
 }
 
 }  // namespace mkc

@@ -37,30 +37,68 @@ impl Gen<'_> {
         let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
         let at = self.reserve(split, partial_bytes)?;
         let partials = format!("reinterpret_cast<float*>({})", self.arena("partials", at));
-        let _ = writeln!(
-            self.code,
-            "\n__device__ constexpr MlaShape @K@_shape{{{heads}, {hpt}, {groups}, {splits}, {ctx}, {c}, {nope}, {rope}, {v_dim}, {}}};",
-            float(attrs.float("scale"))
+        let shape = init!("MlaShape";
+            heads = heads,
+            hpt = hpt,
+            groups = groups,
+            splits = splits,
+            ctx = ctx,
+            c = c,
+            nope = nope,
+            rope = rope,
+            v_dim = v_dim,
+            scale = float(attrs.float("scale")),
         );
+        let _ = writeln!(self.code, "\n__device__ constexpr MlaShape @K@_shape = {shape};");
         self.header(split, op, "attention over one KV split (cache rows through the page ring, online softmax)");
         let f = self.fname(op, split);
+        let load = init!("MlaSplitLoad";
+            shape = "@K@_shape",
+            head_group = "t.a[0]",
+            split = "t.a[1]",
+            wkvb = wkvb,
+            cache = cache,
+            pos = "m.pos",
+        );
+        let args = init!("MlaSplit";
+            shape = "@K@_shape",
+            head_group = "t.a[0]",
+            split = "t.a[1]",
+            q = q,
+            ckv_raw = ckv,
+            norm = norm,
+            eps = float(eps),
+            kpe = kpe,
+            wkvb = wkvb,
+            cache = cache,
+            pos = "m.pos",
+            partials = partials,
+        );
         let _ = writeln!(
             self.code,
             "__device__ inline void {f}_load(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
-             mla_split_load<kBatch>(@K@_shape, t.a[0], t.a[1], {wkvb}, {cache}, m.pos, it);\n}}\n\
+             mla_split_load<kBatch>({load}, it);\n}}\n\
              __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
-             mla_split<kBatch>(@K@_shape, t.a[0], t.a[1], {q}, {ckv}, {norm}, {}, {kpe}, {wkvb}, {cache}, m.pos, {partials}, it);\n}}",
-            float(eps),
+             mla_split<kBatch>({args}, it);\n}}",
         );
         self.role(split, format!("{f}(t, m, p, it);"), Some(format!("{f}_load(t, m, p, it);")));
         self.header(combine, op, "split merge and value up-projection (W_UV through the page ring)");
         let f = self.fname(op, combine);
+        let load = init!("MlaCombineLoad"; shape = "@K@_shape", h0 = "t.a[0]", h1 = "t.a[1]", wkvb = wkvb);
+        let args = init!("MlaCombine";
+            shape = "@K@_shape",
+            h0 = "t.a[0]",
+            h1 = "t.a[1]",
+            partials = partials,
+            wkvb = wkvb,
+            out = out,
+        );
         let _ = writeln!(
             self.code,
             "__device__ inline void {f}_load(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
-             mla_combine_load<kBatch>(@K@_shape, t.a[0], t.a[1], {wkvb}, it);\n}}\n\
+             mla_combine_load<kBatch>({load}, it);\n}}\n\
              __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it, int warp) {{\n  \
-             mla_combine<kBatch>(@K@_shape, t.a[0], t.a[1], {partials}, {wkvb}, {out}, it, warp);\n}}",
+             mla_combine<kBatch>({args}, it, warp);\n}}",
         );
         self.role(combine, format!("{f}(t, m, p, it, warp);"), Some(format!("{f}_load(t, m, p, it);")));
         Ok(())
@@ -112,17 +150,25 @@ impl Gen<'_> {
         self.check_reads(stage, &[ops[0], ops[1], ops[2], ops[3], beta])?;
         self.header(stage, op, "state update of a range of heads");
         let f = self.fname(op, stage);
+        let shape = init!("KdaShape"; heads = heads, d = d, safe_gate = safe, lower_bound = float(lower));
+        let args = init!("KdaDecode";
+            shape = shape,
+            h0 = "t.a[0]",
+            h1 = "t.a[1]",
+            q = ptrs[0],
+            k = ptrs[1],
+            v = ptrs[2],
+            f = ptrs[3],
+            b_logit = ptrs[4],
+            a_log = a_log,
+            dt_bias = dt_bias,
+            state = state,
+            out = out,
+        );
         let _ = writeln!(
             self.code,
             "__device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
-             kda_decode<kBatch>(KdaShape{{{heads}, {d}, {safe}, {}}}, t.a[0], t.a[1], {}, {}, {}, {}, {}, {a_log}, \
-             {dt_bias}, {state}, {out});\n}}",
-            float(lower),
-            ptrs[0],
-            ptrs[1],
-            ptrs[2],
-            ptrs[3],
-            ptrs[4]
+             kda_decode<kBatch>({args});\n}}"
         );
         self.role(stage, format!("{f}(t, m, p);"), None);
         Ok(())
@@ -152,11 +198,21 @@ impl Gen<'_> {
         let rows = self.param("bank_rows", Param::Int(rows));
         self.header(stage, op, "the mix of the bank and the current row");
         let f = self.fname(op, stage);
+        let args = init!("AttnResMix";
+            bank = bank,
+            rows = format!("uint32_t({rows})"),
+            row = u,
+            w = w,
+            gamma = gamma,
+            eps = float(attrs.float("eps")),
+            hidden = hidden,
+            d0 = 0,
+            d1 = hidden,
+            out = out,
+        );
         let _ = writeln!(
             self.code,
-            "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  \
-             attn_res_mix<kBatch>({bank}, {rows}, {u}, {w}, {gamma}, {}, {hidden}, 0, {hidden}, {out});\n}}",
-            float(attrs.float("eps"))
+            "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  attn_res_mix<kBatch>({args});\n}}"
         );
         self.role(stage, format!("{f}(m, p);"), None);
         Ok(())

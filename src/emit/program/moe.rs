@@ -25,15 +25,25 @@ impl Gen<'_> {
         let log = self.param("route_log", Param::RouteLog(log_at));
         self.header(stage, op, "scores and top-k");
         let f = self.fname(op, stage);
+        let shape = init!("RouterShape";
+            experts = e,
+            top_k = top_k,
+            n_group = attrs.int("n_group"),
+            topk_group = attrs.int("topk_group"),
+            renormalize = attrs.bool("renormalize"),
+            scale = float(attrs.float("scale")),
+        );
+        let args = init!("Router";
+            shape = shape,
+            logits = logits,
+            bias = bias,
+            ids = ids,
+            wts = wts,
+            log = format!("reinterpret_cast<int32_t*>(m.arena + {log})"),
+        );
         let _ = writeln!(
             self.code,
-            "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  \
-             router<kBatch>(RouterShape{{{e}, {top_k}, {}, {}, {}, {}}}, {logits}, {bias}, {ids}, {wts},\n    \
-             reinterpret_cast<int32_t*>(m.arena + {log}));\n}}",
-            attrs.int("n_group"),
-            attrs.int("topk_group"),
-            attrs.bool("renormalize"),
-            float(attrs.float("scale"))
+            "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  router<kBatch>({args});\n}}"
         );
         self.role(stage, format!("{f}(m, p);"), None);
         Ok(())
@@ -89,10 +99,20 @@ impl Gen<'_> {
         self.check_reads(combine, &[ops[1], ops[2]])?;
         let act_at = self.reserve(up, self.batch * slots * i * 4)?;
         let down_at = self.reserve(down, self.batch * slots * d * 4)?;
+        let shape = init!("MoeShape";
+            experts = e,
+            top_k = k,
+            inter = i,
+            hidden = d,
+            slots = slots,
+            gate_base = format!("uint32_t({bg})"),
+            up_base = format!("uint32_t({bu})"),
+            down_base = format!("uint32_t({bd})"),
+            stride = stride,
+        );
         let _ = writeln!(
             self.code,
-            "\n__device__ inline MoeShape @K@_shape(const @K@_params& p) {{\n  \
-             return MoeShape{{{e}, {k}, {i}, {d}, {slots}, uint32_t({bg}), uint32_t({bu}), uint32_t({bd}), {stride}}};\n}}"
+            "\n__device__ inline MoeShape @K@_shape(const @K@_params& p) {{\n  return {shape};\n}}"
         );
         // The row type, its loader and its consumer.
         let (rows_t, rows_fn, load_fn, compute_fn) = if mx {
@@ -121,20 +141,40 @@ impl Gen<'_> {
                 spill[usize::from(is_down)] = self.spill(tile, if is_down { i } else { d });
             }
         }
-        let spill_arg = |s: &str| if mx { format!(", {s}") } else { String::new() };
-        let (up_spill, down_spill) = (spill_arg(&spill[0]), spill_arg(&spill[1]));
+        // The consumer's arguments: the rows, the input and its prologue (and
+        // where an MXFP4 stage's input spills).
+        let compute = |x: &str, norm: &str, eps: f64, spill: &str| {
+            if mx {
+                init!("MxRowsCompute"; rows = "r", x = x, norm = norm, eps = float(eps), spill = spill)
+            } else {
+                init!("RowsCompute"; rows = "r", x = x, norm = norm, eps = float(eps))
+            }
+        };
+        let expert_rows = |down: bool| {
+            init!("ExpertRows";
+                shape = "@K@_shape(p)",
+                slot = "t.a[0]",
+                r0 = "t.a[1]",
+                r1 = "t.a[2]",
+                w = "m.w",
+                ids = ids,
+                down = down,
+            )
+        };
+        let span = "Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0}";
         self.header(up, op, "one expert slot's gate/up rows");
         let f = self.fname(op, up);
         let _ = writeln!(
             self.code,
             "__device__ inline {rows_t} {f}_rows(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
-             return {rows_fn}<kBatch>(@K@_shape(p), t.a[0], t.a[1], t.a[2], m.w, {ids}, false);\n}}\n\
+             return {rows_fn}<kBatch>({});\n}}\n\
              __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it, int warp) {{\n  \
              const {rows_t} r = {f}_rows(t, m, p);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
-             {compute_fn}<kBatch>(r, {x}, {norm}, {}, it, warp, st{up_spill});\n  consumer_sync();\n  \
-             const Span s = Span{{0, r.r0, r.r1 - r.r0}};\n  {act_call}\n  consumer_sync();\n  \
+             {compute_fn}<kBatch>({}, it, warp, st);\n  consumer_sync();\n  \
+             const Span s = {span};\n  {act_call}\n  consumer_sync();\n  \
              ep_store<kBatch>(st, n, s, {act} + size_t(t.a[0]) * kBatch * {i}, {i});\n}}",
-            float(eps)
+            expert_rows(false),
+            compute(&x, &norm, eps, &spill[0]),
         );
         self.role(up, format!("{f}(t, m, p, it, warp);"), Some(format!("{load_fn}({f}_rows(t, m, p), it);")));
         self.header(down, op, "one expert slot's down rows");
@@ -142,12 +182,14 @@ impl Gen<'_> {
         let _ = writeln!(
             self.code,
             "__device__ inline {rows_t} {f}_rows(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
-             return {rows_fn}<kBatch>(@K@_shape(p), t.a[0], t.a[1], t.a[2], m.w, {ids}, true);\n}}\n\
+             return {rows_fn}<kBatch>({});\n}}\n\
              __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it, int warp) {{\n  \
              const {rows_t} r = {f}_rows(t, m, p);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
-             {compute_fn}<kBatch>(r, {act} + size_t(t.a[0]) * kBatch * {i}, nullptr, 1e-6f, it, warp, st{down_spill});\n  \
+             {compute_fn}<kBatch>({}, it, warp, st);\n  \
              consumer_sync();\n  \
-             ep_store<kBatch>(st, n, Span{{0, r.r0, r.r1 - r.r0}}, {dn} + size_t(t.a[0]) * kBatch * {d}, {d});\n}}"
+             ep_store<kBatch>(st, n, {span}, {dn} + size_t(t.a[0]) * kBatch * {d}, {d});\n}}",
+            expert_rows(true),
+            compute(&format!("{act} + size_t(t.a[0]) * kBatch * {i}"), "nullptr", 1e-6, &spill[1]),
         );
         // The loader waits for the router's whole stage before reading the
         // ids (the schedule's load waits, checked by the verifier).
@@ -157,10 +199,19 @@ impl Gen<'_> {
         self.role(down, format!("{f}(t, m, p, it, warp);"), Some(format!("{load_fn}({f}_rows(t, m, p), it);")));
         self.header(combine, op, "weighted sum of the slots");
         let f = self.fname(op, combine);
+        let args = init!("ExpertCombine";
+            shape = "@K@_shape(p)",
+            tile = "t.a[0]",
+            tiles = "t.a[1]",
+            ids = ids,
+            wts = wts,
+            dn = dn,
+            routed = out,
+        );
         let _ = writeln!(
             self.code,
             "__device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
-             expert_combine<kBatch>(@K@_shape(p), t.a[0], t.a[1], {ids}, {wts}, {dn}, {out});\n}}"
+             expert_combine<kBatch>({args});\n}}"
         );
         self.role(combine, format!("{f}(t, m, p);"), None);
         Ok(())

@@ -90,7 +90,8 @@ impl Gen<'_> {
         }
         // Row sources of each task, by its linear node.
         let mut rows = String::new();
-        let _ = writeln!(rows, "  Rows r{{nullptr, nullptr, t.a[2], t.a[3], {k}}};\n  switch (t.a[0]) {{");
+        let r = init!("Rows"; w0 = "nullptr", w1 = "nullptr", r0 = "t.a[2]", r1 = "t.a[3]", k = k);
+        let _ = writeln!(rows, "  Rows r = {r};\n  switch (t.a[0]) {{");
         for (ordinal, l) in linears.iter().enumerate() {
             let w = self.weight(g.operands(*l)[1].node, 0)?;
             let up = op
@@ -196,13 +197,15 @@ impl Gen<'_> {
                         "neox" => "false",
                         s => return Err(unsupported(op, &format!("RoPE style \"{s}\""))),
                     };
-                    let _ = writeln!(
-                        body,
-                        "  ep_rope<kBatch>(st, n, {src}, {}, {}, {style}, {table}, {}, m.pos);\n  consumer_sync();",
-                        attrs.int("head_dim"),
-                        attrs.int("rot"),
-                        float(mscale)
+                    let args = init!("EpRope";
+                        head_dim = attrs.int("head_dim"),
+                        rot = attrs.int("rot"),
+                        interleaved = style,
+                        inv_freq = table,
+                        mscale = float(mscale),
+                        pos = "m.pos",
                     );
+                    let _ = writeln!(body, "  ep_rope<kBatch>(st, n, {src}, {args});\n  consumer_sync();");
                     span.insert(out, src);
                 }
                 OpKind::Add => {
@@ -227,11 +230,8 @@ impl Gen<'_> {
                     if g.value_type(ops[1]).elements() != len {
                         return Err(unsupported(op, "a grouped RMSNorm epilogue"));
                     }
-                    let _ = writeln!(
-                        body,
-                        "  ep_rms_norm<kBatch>(st, n, {src}, {len}, {w}, {});\n  consumer_sync();",
-                        float(attrs.float("eps"))
-                    );
+                    let args = init!("EpRmsNorm"; full = len, w = w, eps = float(attrs.float("eps")));
+                    let _ = writeln!(body, "  ep_rms_norm<kBatch>(st, n, {src}, {args});\n  consumer_sync();");
                     span.insert(out, src);
                 }
                 OpKind::Stack => {
@@ -252,7 +252,13 @@ impl Gen<'_> {
                     reads.push(ops[0]);
                     let dst = self.value(out, op)?;
                     let rows = self.param("bank_rows", Param::Int(rows));
-                    let _ = writeln!(body, "  ep_stack<kBatch>(st, n, {src}, {bank}, {rows}, {hidden}, {dst});");
+                    let args = init!("EpStack";
+                        bank = bank,
+                        rows = format!("uint32_t({rows})"),
+                        hidden = hidden,
+                        bank_new = dst,
+                    );
+                    let _ = writeln!(body, "  ep_stack<kBatch>(st, n, {src}, {args});");
                     // The stacked bank is stored here, not through a span.
                     continue;
                 }
@@ -286,11 +292,15 @@ impl Gen<'_> {
                     };
                     let w = self.weight(ops[1].node, 0)?;
                     let state = self.state(ops[2].node, c_type);
-                    let _ = writeln!(
-                        body,
-                        "  ep_conv_update<kBatch>(st, n, {src}, {w}, {width}, {state}, {}, {channels}, {silu});\n  consumer_sync();",
-                        st_type.elements()
+                    let args = init!("EpConvUpdate";
+                        w = w,
+                        width = width,
+                        state = state,
+                        state_stride = st_type.elements(),
+                        channels = channels,
+                        silu = silu,
                     );
+                    let _ = writeln!(body, "  ep_conv_update<kBatch>(st, n, {src}, {args});\n  consumer_sync();");
                     span.insert(out, src);
                 }
                 OpKind::L2Norm => {
@@ -298,12 +308,8 @@ impl Gen<'_> {
                         .get(&ops[0])
                         .cloned()
                         .ok_or_else(|| unsupported(op, "an L2 norm of a value it does not compute"))?;
-                    let _ = writeln!(
-                        body,
-                        "  ep_l2_norm<kBatch>(st, n, {src}, {}, {});\n  consumer_sync();",
-                        attrs.int("group"),
-                        float(attrs.float("eps"))
-                    );
+                    let args = init!("EpL2Norm"; group = attrs.int("group"), eps = float(attrs.float("eps")));
+                    let _ = writeln!(body, "  ep_l2_norm<kBatch>(st, n, {src}, {args});\n  consumer_sync();");
                     span.insert(out, src);
                 }
                 OpKind::Argmax => {
@@ -314,7 +320,8 @@ impl Gen<'_> {
                     let tiles = tasks.len();
                     let at = self.reserve(rows_stage, self.batch * tiles as u64 * 8)?;
                     let ptr = format!("reinterpret_cast<float2*>({})", self.arena("tile_max", at));
-                    let _ = writeln!(body, "  ep_tile_max<kBatch>(st, n, {src}, {ptr}, t.index, {tiles});");
+                    let args = init!("EpTileMax"; out = ptr, tile = "t.index", tiles = tiles);
+                    let _ = writeln!(body, "  ep_tile_max<kBatch>(st, n, {src}, {args});");
                     lm_tiles = Some((ptr, tiles, out));
                     continue;
                 }
@@ -342,14 +349,27 @@ impl Gen<'_> {
         );
         let compute = match (&gate, &mul_gate) {
             (None, Some((gptr, sig))) => {
-                format!("rows_compute_mul<kBatch>(r, {x_ptr}, {gptr}, {sig}, it, warp, st, {spill});")
+                let args = init!("RowsComputeMul"; rows = "r", x = x_ptr, g = gptr, sigmoid_gate = sig, spill = spill);
+                format!("rows_compute_mul<kBatch>({args}, it, warp, st);")
             }
-            (None, None) => format!("rows_compute<kBatch>(r, {x_ptr}, {norm}, {}, it, warp, st);", float(eps)),
-            (Some((_, gptr, d, act)), _) => format!(
-                "rows_compute_gated<kBatch>(r, {x_ptr}, {gptr}, {}, {d}, {norm}, {}, {act}, it, warp, st, {spill});",
-                k / d,
-                float(eps)
-            ),
+            (None, None) => {
+                let args = init!("RowsCompute"; rows = "r", x = x_ptr, norm = norm, eps = float(eps));
+                format!("rows_compute<kBatch>({args}, it, warp, st);")
+            }
+            (Some((_, gptr, d, act)), _) => {
+                let args = init!("RowsComputeGated";
+                    rows = "r",
+                    x = x_ptr,
+                    gate = gptr,
+                    heads = k / d,
+                    d = d,
+                    w = norm,
+                    eps = float(eps),
+                    sigmoid_act = act,
+                    spill = spill,
+                );
+                format!("rows_compute_gated<kBatch>({args}, it, warp, st);")
+            }
         };
         let _ = writeln!(
             self.code,
@@ -369,7 +389,8 @@ impl Gen<'_> {
             let f = self.fname(op, stage);
             let _ = writeln!(
                 self.code,
-                "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  argmax_tiles<kBatch>({ptr}, {tiles}, {dst});\n}}"
+                "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  argmax_tiles<kBatch>({});\n}}",
+                init!("ArgmaxTiles"; tile_max = ptr, tiles = tiles, next = dst)
             );
             self.role(stage, format!("{f}(m, p);"), None);
         }
