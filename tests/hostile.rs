@@ -1,0 +1,73 @@
+//! Hostile input (issue 20): the `mkc` command under ordinary shell misuse and
+//! deliberately broken inputs ends with a clear error naming the file, line,
+//! field or key, and never panics, hangs, fills memory or writes outside its
+//! output folder.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn mkc() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mkc"));
+    c.current_dir(env!("CARGO_MANIFEST_DIR"));
+    c
+}
+
+fn root(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs `mkc ARGS` and returns its output.
+fn run(args: &[&str]) -> Output {
+    mkc().args(args).output().expect("mkc runs")
+}
+
+/// Asserts `mkc ARGS` fails without a panic, its stderr holding every one of `needles`.
+fn refuses(args: &[&str], needles: &[&str]) -> String {
+    let out = run(args);
+    let err = text(&out.stderr);
+    assert!(!err.contains("panicked"), "mkc {args:?} panicked:\n{err}");
+    assert_eq!(out.status.code(), Some(1), "mkc {args:?} must fail with status 1; stderr:\n{err}");
+    for n in needles {
+        assert!(err.contains(n), "mkc {args:?}: stderr must name {n:?}:\n{err}");
+    }
+    err
+}
+
+// ---- (8) standard output that cannot be written --------------------------
+
+/// `mkc graph ... | head -c 10`: the reader goes away after 10 bytes; mkc ends
+/// quietly with 141 (128 + SIGPIPE, what the shell reports for coreutils).
+#[test]
+fn broken_pipe_ends_quietly() {
+    let mut child = mkc()
+        .args(["graph", "model_graphs/kimi_k3/graph.mkc"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mkc starts");
+    let mut head = [0u8; 10];
+    child.stdout.take().expect("stdout").read_exact(&mut head).expect("10 bytes");
+    // The pipe's read end closes here; the K3 listing is far larger than a pipe buffer.
+    let out = child.wait_with_output().expect("mkc ends");
+    let err = text(&out.stderr);
+    assert!(err.is_empty(), "a broken pipe ends quietly, stderr was:\n{err}");
+    assert_eq!(out.status.code(), Some(141));
+}
+
+/// Standard output on a full disk: a clear error, status 1, no panic.
+#[test]
+fn full_disk_is_a_clear_error() {
+    for args in [["graph", "model_graphs/kimi_k3/graph.mkc"], ["check", "model_graphs/kimi_k2/graph.mkc"]] {
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").expect("/dev/full");
+        let out = mkc().args(args).stdout(full).output().expect("mkc runs");
+        let err = text(&out.stderr);
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(err.contains("cannot write to standard output: No space left on device"), "{err}");
+        assert_eq!(out.status.code(), Some(1));
+    }
+}
