@@ -247,14 +247,12 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                 emit::Provenance { graph: graph.display().to_string(), config: config_name.display().to_string() };
             let name = folder.file_name().map_or_else(|| v.graph().model.clone(), |n| n.to_string_lossy().into_owned());
             let artifact = emit::emit(&v, &p, &name, &from, &source, tables_only).map_err(|e| render(&e))?;
-            std::fs::create_dir_all(&folder)
-                .map_err(|e| format!("error: cannot create {}: {e}\n", folder.display()))?;
             let plan_file = (emit::PLAN_FILE.to_string(), artifact.plan.clone());
-            for (file, bytes) in
-                artifact.files.iter().map(|(f, t)| (f.clone(), t.as_bytes().to_vec())).chain([plan_file])
-            {
-                let path = folder.join(&file);
-                std::fs::write(&path, bytes).map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
+            let files: Vec<(String, Vec<u8>)> =
+                artifact.files.iter().map(|(f, t)| (f.clone(), t.as_bytes().to_vec())).chain([plan_file]).collect();
+            let written =
+                mkc::files::write_folder(&folder, &files).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
+            for path in written {
                 writeln!(out, "wrote {}", path.display())?;
             }
             Ok(ExitCode::SUCCESS)

@@ -71,3 +71,64 @@ fn full_disk_is_a_clear_error() {
         assert_eq!(out.status.code(), Some(1));
     }
 }
+
+// ---- (5) writes outside the output folder --------------------------------
+
+const CODEGEN_OUTPUTS: [&str; 5] = ["program.cuh", "model.cu", "CMakeLists.txt", "plan_summary.txt", "plan.mkcplan"];
+
+fn codegen_into(folder: &Path) -> Output {
+    let out = folder.to_str().expect("utf-8 path");
+    run(&[
+        "codegen",
+        "model_graphs/kimi_k2/graph.mkc",
+        "--config",
+        "model_graphs/kimi_k2/tiny.json",
+        "--target",
+        "h200",
+        "-o",
+        out,
+    ])
+}
+
+/// Any output file that is a symbolic link is refused by name, before
+/// anything is written, and the file it points at is untouched.
+#[test]
+fn codegen_refuses_symbolic_links_in_the_output_folder() {
+    for name in CODEGEN_OUTPUTS {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let victim = dir.path().join("victim.txt");
+        std::fs::write(&victim, "precious").expect("victim");
+        let folder = dir.path().join("out");
+        std::fs::create_dir(&folder).expect("out");
+        std::os::unix::fs::symlink("../victim.txt", folder.join(name)).expect("link");
+        let out = codegen_into(&folder);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {err}");
+        assert!(err.contains(&format!("{}: it is a symbolic link", folder.join(name).display())), "{name}: {err}");
+        assert_eq!(std::fs::read_to_string(&victim).expect("victim"), "precious", "{name}");
+        // Nothing else was written either, and no temporary file is left.
+        let left: Vec<_> = std::fs::read_dir(&folder).expect("out").map(|e| e.expect("entry").file_name()).collect();
+        assert_eq!(left, [std::ffi::OsString::from(name)], "{name}");
+    }
+}
+
+/// A plain run writes every file, replacing what was there, and leaves no
+/// temporary file behind.
+#[test]
+fn codegen_replaces_files_and_leaves_no_temporaries() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let folder = dir.path().join("out");
+    std::fs::create_dir(&folder).expect("out");
+    std::fs::write(folder.join("model.cu"), "old").expect("old file");
+    let out = codegen_into(&folder);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut names: Vec<String> = std::fs::read_dir(&folder)
+        .expect("out")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    let mut want: Vec<String> = CODEGEN_OUTPUTS.iter().map(|s| s.to_string()).collect();
+    want.sort();
+    assert_eq!(names, want);
+    assert_ne!(std::fs::read_to_string(folder.join("model.cu")).expect("model.cu"), "old");
+}
