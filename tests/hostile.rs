@@ -13,6 +13,7 @@ fn mkc() -> Command {
     c
 }
 
+#[allow(dead_code)] // used by the reads tests below
 fn root(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
 }
@@ -131,4 +132,42 @@ fn codegen_replaces_files_and_leaves_no_temporaries() {
     want.sort();
     assert_eq!(names, want);
     assert_ne!(std::fs::read_to_string(folder.join("model.cu")).expect("model.cu"), "old");
+}
+
+// ---- (2) nesting that would overflow the stack ---------------------------
+
+/// Writes `text` to `name` in a fresh temporary folder.
+fn temp_file(name: &str, text: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).expect("write");
+    (dir, path)
+}
+
+/// The 72 KB params expression of 3,600 nested `if true then ...
+/// else 0`, the same nesting in a condition and in a `require`: a
+/// `mkc::limit` error naming the line, not a stack overflow.
+#[test]
+fn deeply_nested_if_is_a_limit_error() {
+    let n = 3_600;
+    let sources = [
+        format!("model m\nparams {{\n  x = {}1{}\n}}\n", "if true then ".repeat(n), " else 0".repeat(n)),
+        format!(
+            "model m\nparams {{\n  x = if {}true{} then 1 else 0\n}}\n",
+            "if ".repeat(n),
+            " then true else false".repeat(n)
+        ),
+        format!(
+            "model m\ngraph {{\n  require {}true{}, \"m\"\n}}\n",
+            "if true then ".repeat(n),
+            " else false".repeat(n)
+        ),
+    ];
+    for src in sources {
+        let (_dir, graph) = temp_file("deep.mkc", &src);
+        let (_cdir, config) = temp_file("config.json", "{}");
+        let g = graph.to_str().expect("utf-8");
+        let err = refuses(&["check", g, "--config", config.to_str().expect("utf-8")], &["error[mkc::limit]"]);
+        assert!(err.starts_with(&format!("{g}:3:")), "the error names line 3:\n{err}");
+    }
 }
