@@ -13,7 +13,6 @@ fn mkc() -> Command {
     c
 }
 
-#[allow(dead_code)] // used by the reads tests below
 fn root(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
 }
@@ -170,4 +169,67 @@ fn deeply_nested_if_is_a_limit_error() {
         let err = refuses(&["check", g, "--config", config.to_str().expect("utf-8")], &["error[mkc::limit]"]);
         assert!(err.starts_with(&format!("{g}:3:")), "the error names line 3:\n{err}");
     }
+}
+
+// ---- (3) target files --------------------------------------------------------
+
+/// The shipped h200 target with `line` (a whole `key: value` line) replaced.
+fn h200_with(key: &str, line: &str) -> String {
+    let h200 = std::fs::read_to_string(root("targets/h200.yaml")).expect("h200");
+    let mut found = false;
+    let text: Vec<String> = h200
+        .lines()
+        .map(|l| {
+            if l.trim_start().starts_with(&format!("{key}:")) {
+                found = true;
+                let indent = &l[..l.len() - l.trim_start().len()];
+                format!("{indent}{line}")
+            } else {
+                l.to_string()
+            }
+        })
+        .collect();
+    assert!(found, "h200.yaml has no {key}");
+    text.join("\n") + "\n"
+}
+
+/// Out-of-range target fields are refused, naming the file, the field and the
+/// bound, before anything is sized from them.
+#[test]
+fn target_fields_are_bounded() {
+    let cases = [
+        ("sms", "sms: 4294967295", "`sms` is 4294967295; it must be in 1..=1024"),
+        ("sms", "sms: 1000000", "`sms` is 1000000; it must be in 1..=1024"),
+        ("hbm_bytes", "hbm_bytes: 0", "`hbm_bytes` is 0; it must be in"),
+        ("fp8_tensor", "fp8_tensor: -1", "`flops.fp8_tensor` is -1; it must be a number in 0..=1e18"),
+        ("datasheet", "datasheet: .nan", "`hbm_bandwidth.datasheet` is NaN; it must be a number in 1e9..=1e15"),
+        ("datasheet", "datasheet: 1e-300", "`hbm_bandwidth.datasheet` is 1e-300; it must be a number in"),
+        ("smem_per_sm", "smem_per_sm: 18446744073709551615", "`smem_per_sm` is 18446744073709551615; it must be in"),
+        ("clock_ghz", "clock_ghz: .inf", "`clock_ghz` is inf; it must be a number in"),
+    ];
+    for (key, line, want) in cases {
+        let (_dir, target) = temp_file("bad.yaml", &h200_with(key, line));
+        let t = target.to_str().expect("utf-8");
+        let args = ["plan", "model_graphs/kimi_k2/graph.mkc", "--config", "model_graphs/kimi_k2/tiny.json"];
+        let err = refuses(&[&args[..], &["--target", t, "--estimate"]].concat(), &[&format!("target {t}: "), want]);
+        assert!(!err.contains("inf us") && !err.contains("NaN%"), "{err}");
+    }
+}
+
+/// The estimate of a valid target prints finite numbers only.
+#[test]
+fn estimate_is_finite() {
+    let out = run(&[
+        "plan",
+        "model_graphs/kimi_k2/graph.mkc",
+        "--config",
+        "model_graphs/kimi_k2/tiny.json",
+        "--target",
+        "h200",
+        "--estimate",
+    ]);
+    let s = text(&out.stdout);
+    assert!(out.status.success());
+    assert!(s.contains("% of floor"), "{s}");
+    assert!(!s.contains("inf") && !s.contains("NaN"), "{s}");
 }
