@@ -11,6 +11,15 @@ use mkc::lower::Limits;
 use mkc::target::Target;
 use mkc::{checkpoint, diag, dot, emit, plan, report, Error};
 
+/// The largest `--batch`: sequences one step carries. Above the device's
+/// `kMaxBatch` (8) the projections take the wider register budget, and the
+/// planner refuses, by name, each operation whose scratch a batch outgrows.
+const MAX_BATCH: i64 = 64;
+
+/// The largest `--context`: 16M tokens, so every per-sequence size (tokens
+/// times bytes per token) stays far from 64-bit overflow.
+const MAX_CONTEXT: u64 = 1 << 24;
+
 #[derive(Parser)]
 #[command(name = "mkc", version, about = "Compile an LLM decode-step graph to a CUDA megakernel")]
 struct Cli {
@@ -32,7 +41,7 @@ enum Command {
         #[arg(long)]
         checkpoint: Option<PathBuf>,
         /// Context length the per-sequence state is sized for.
-        #[arg(long, default_value_t = 4096)]
+        #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=MAX_CONTEXT))]
         context: u64,
     },
     /// Plan the decode step for a target: fuse, tile, specialize, schedule, verify.
@@ -49,10 +58,10 @@ enum Command {
         #[arg(long)]
         estimate: bool,
         /// Batch the plan dumps (--yaml, --dot) are made for.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_BATCH))]
         batch: u32,
         /// Context length the attention work is sized for.
-        #[arg(long, default_value_t = 4096)]
+        #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=MAX_CONTEXT))]
         context: u64,
         /// GPUs the routed experts are sharded over: plan one GPU's share
         /// (its experts, every other weight); communication is not modelled.
@@ -80,10 +89,10 @@ enum Command {
         #[arg(long)]
         target: String,
         /// Batch the plan is made for.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_BATCH))]
         batch: u32,
         /// Context length the attention work is sized for.
-        #[arg(long, default_value_t = 4096)]
+        #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=MAX_CONTEXT))]
         context: u64,
         /// The output folder (created if missing).
         #[arg(short, long)]

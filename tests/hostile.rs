@@ -233,3 +233,44 @@ fn estimate_is_finite() {
     assert!(s.contains("% of floor"), "{s}");
     assert!(!s.contains("inf") && !s.contains("NaN"), "{s}");
 }
+
+// ---- (6) impossible models -----------------------------------------------------
+
+/// `--batch 0`, a batch past the largest and a context of 2^64-1 are refused
+/// by option name and bound (clap's usage error, status 2).
+#[test]
+fn batch_and_context_are_bounded() {
+    let base = ["codegen", "model_graphs/kimi_k2/graph.mkc", "--config", "model_graphs/kimi_k2/tiny.json"];
+    let cases: [(&[&str], &str); 4] = [
+        (&["--batch", "0"], "'--batch <BATCH>': 0 is not in 1..=64"),
+        (&["--batch", "65"], "'--batch <BATCH>': 65 is not in 1..=64"),
+        (&["--context", "18446744073709551615"], "'--context <CONTEXT>': 18446744073709551615 is not in 1..=16777216"),
+        (&["--context", "0"], "'--context <CONTEXT>': 0 is not in 1..=16777216"),
+    ];
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = dir.path().join("out");
+    for (extra, want) in cases {
+        let args = [&base[..], &["--target", "h200", "-o", out.to_str().expect("utf-8")], extra].concat();
+        let o = run(&args);
+        let err = text(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains(want), "{err}");
+        assert!(!out.exists(), "nothing is written");
+    }
+}
+
+/// `num_hidden_layers: -3` no longer builds a model of 0 layers: the loop
+/// over the layers is refused at its line.
+#[test]
+fn negative_layer_count_is_refused() {
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root("model_graphs/kimi_k2/tiny.json")).expect("tiny"))
+            .expect("json");
+    c["num_hidden_layers"] = (-3).into();
+    let (_dir, config) = temp_file("config.json", &c.to_string());
+    let err = refuses(
+        &["check", "model_graphs/kimi_k2/graph.mkc", "--config", config.to_str().expect("utf-8")],
+        &["error[mkc::value]: loop range 0..-3 runs backwards"],
+    );
+    assert!(err.starts_with("model_graphs/kimi_k2/graph.mkc:"), "{err}");
+}
