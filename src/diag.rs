@@ -180,6 +180,16 @@ pub fn render(error: &Error, file_name: &str, source: &str) -> String {
         }
         None => out.push_str(&format!("error[{}]: {}\n", error.kind.code(), error.reason)),
     }
+    // miette cannot frame a line wider than a formatting width (it panics
+    // past 65,535 columns); show such lines by their position only.
+    let unframed;
+    let error = match error.span {
+        Some(span) if longest_line(source, span) > MAX_FRAMED_LINE => {
+            unframed = Error { span: None, ..error.clone() };
+            &unframed
+        }
+        _ => error,
+    };
     let report = Report { error, source: miette::NamedSource::new(file_name, source.to_string()) };
     let handler = miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor())
         .with_width(100)
@@ -189,4 +199,16 @@ pub fn render(error: &Error, file_name: &str, source: &str) -> String {
         out.push_str(&frame);
     }
     out
+}
+
+/// The widest line (in bytes) a code frame shows.
+const MAX_FRAMED_LINE: usize = 4096;
+
+/// The longest line, in bytes, that `span` touches in `source`.
+fn longest_line(source: &str, span: Span) -> usize {
+    let bytes = source.as_bytes();
+    let (first, last) = (span.start.min(bytes.len()), span.end.clamp(span.start, bytes.len()).min(bytes.len()));
+    let start = bytes[..first].iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let end = bytes[last..].iter().position(|&b| b == b'\n').map_or(bytes.len(), |i| last + i);
+    bytes[start..end.max(start)].split(|&b| b == b'\n').map(<[u8]>::len).max().unwrap_or(0)
 }

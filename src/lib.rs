@@ -14,6 +14,7 @@ pub mod contract;
 pub mod diag;
 pub mod dot;
 pub mod emit;
+pub mod files;
 pub mod front;
 pub mod ir;
 pub mod lower;

@@ -1,5 +1,6 @@
 //! The `mkc` command line: parses flags, calls the library, renders reports.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -9,6 +10,15 @@ use mkc::config::Config;
 use mkc::lower::Limits;
 use mkc::target::Target;
 use mkc::{checkpoint, diag, dot, emit, plan, report, Error};
+
+/// The largest `--batch`: sequences one step carries. Above the device's
+/// `kMaxBatch` (8) the projections take the wider register budget, and the
+/// planner refuses, by name, each operation whose scratch a batch outgrows.
+const MAX_BATCH: i64 = 64;
+
+/// The largest `--context`: 16M tokens, so every per-sequence size (tokens
+/// times bytes per token) stays far from 64-bit overflow.
+const MAX_CONTEXT: u64 = 1 << 24;
 
 #[derive(Parser)]
 #[command(name = "mkc", version, about = "Compile an LLM decode-step graph to a CUDA megakernel")]
@@ -31,7 +41,7 @@ enum Command {
         #[arg(long)]
         checkpoint: Option<PathBuf>,
         /// Context length the per-sequence state is sized for.
-        #[arg(long, default_value_t = 4096)]
+        #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=MAX_CONTEXT))]
         context: u64,
     },
     /// Plan the decode step for a target: fuse, tile, specialize, schedule, verify.
@@ -48,10 +58,10 @@ enum Command {
         #[arg(long)]
         estimate: bool,
         /// Batch the plan dumps (--yaml, --dot) are made for.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_BATCH))]
         batch: u32,
         /// Context length the attention work is sized for.
-        #[arg(long, default_value_t = 4096)]
+        #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=MAX_CONTEXT))]
         context: u64,
         /// GPUs the routed experts are sharded over: plan one GPU's share
         /// (its experts, every other weight); communication is not modelled.
@@ -79,10 +89,10 @@ enum Command {
         #[arg(long)]
         target: String,
         /// Batch the plan is made for.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_BATCH))]
         batch: u32,
         /// Context length the attention work is sized for.
-        #[arg(long, default_value_t = 4096)]
+        #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=MAX_CONTEXT))]
         context: u64,
         /// The output folder (created if missing).
         #[arg(short, long)]
@@ -105,12 +115,48 @@ enum Command {
     },
 }
 
+/// The exit status of a program that writes into a closed pipe: 128 plus
+/// SIGPIPE, as the shell reports it for coreutils (`seq 1 1000000 | head`).
+const BROKEN_PIPE: u8 = 141;
+
+/// Why the program stopped early.
+enum Stop {
+    /// A rendered error for stderr.
+    Error(String),
+    /// Standard output could not be written.
+    Output(std::io::Error),
+}
+
+impl From<String> for Stop {
+    fn from(msg: String) -> Self {
+        Stop::Error(msg)
+    }
+}
+
+impl From<std::io::Error> for Stop {
+    fn from(e: std::io::Error) -> Self {
+        Stop::Output(e)
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli) {
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    let result = run(cli, &mut out).and_then(|code| out.flush().map(|()| code).map_err(Stop::Output));
+    match result {
         Ok(code) => code,
-        Err(msg) => {
+        Err(Stop::Error(msg)) => {
+            // What was printed before the error still goes out; a failure to
+            // write it is not worth a second message.
+            let _ = out.flush();
             eprint!("{msg}");
+            ExitCode::FAILURE
+        }
+        // A reader that stopped early (`mkc graph ... | head`) is not an error:
+        // end quietly, with the status a process killed by SIGPIPE has.
+        Err(Stop::Output(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::from(BROKEN_PIPE),
+        Err(Stop::Output(e)) => {
+            eprintln!("error: cannot write to standard output: {e}");
             ExitCode::FAILURE
         }
     }
@@ -129,29 +175,30 @@ fn load(graph: &Path, config: Option<&Path>, checkpoint: Option<&Path>) -> Resul
     mkc::compile_str(&source, &config, Limits::default()).map_err(|e| render(&e))
 }
 
-fn run(cli: Cli) -> Result<ExitCode, String> {
+fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
     match cli.command {
         Command::Check { graph, config, checkpoint: ckpt, context } => {
             let v = load(&graph, config.as_deref(), ckpt.as_deref())?;
-            print!("{}", report::summarize(&v, context, &[1, 8]).render());
+            write!(out, "{}", report::summarize(&v, context, &[1, 8]).render())?;
             if let Some(dir) = ckpt {
                 let r = checkpoint::check(&dir, &v).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
-                println!(
+                writeln!(
+                    out,
                     "checkpoint {}: {} file(s), {} tensors, {} needed, {} unused",
                     dir.display(),
                     r.files.len(),
                     r.tensors,
                     r.required,
                     r.unused
-                );
+                )?;
                 if !r.problems.is_empty() {
                     for p in &r.problems {
-                        println!("  {p}");
+                        writeln!(out, "  {p}")?;
                     }
-                    println!("checkpoint does not match the graph: {} problem(s)", r.problems.len());
+                    writeln!(out, "checkpoint does not match the graph: {} problem(s)", r.problems.len())?;
                     return Ok(ExitCode::FAILURE);
                 }
-                println!("checkpoint matches the graph");
+                writeln!(out, "checkpoint matches the graph")?;
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -162,15 +209,16 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
             let opts = plan::Options { batch, context, expert_parallel };
             let main = plan::plan(&v, &target, opts).map_err(|e| render(&e))?;
-            print!("{}", plan::estimate::render_structure(&main));
+            write!(out, "{}", plan::estimate::render_structure(&main))?;
             if estimate {
                 if expert_parallel > 1 {
-                    println!(
+                    writeln!(
+                        out,
                         "assumptions: one GPU of {expert_parallel}: each MoE layer's routed experts sharded over them \
                          (this GPU holds 1/{expert_parallel}, with that share of the distinct experts a step selects \
                          under uniform routing); every other weight and all state replicated on each GPU; expert \
                          dispatch/combine communication not modelled"
-                    );
+                    )?;
                 }
                 for b in [1, 8] {
                     let p = if b == batch {
@@ -179,7 +227,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                         plan::plan(&v, &target, plan::Options { batch: b, context, expert_parallel })
                             .map_err(|e| render(&e))?
                     };
-                    print!("{}", plan::estimate::render(&plan::estimate::estimate(&p), target.read_bandwidth()));
+                    write!(out, "{}", plan::estimate::render(&plan::estimate::estimate(&p), target.read_bandwidth()))?;
                 }
             }
             if let Some(path) = yaml {
@@ -196,7 +244,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Codegen { graph, config, target, batch, context, out, tables_only } => {
+        Command::Codegen { graph, config, target, batch, context, out: folder, tables_only } => {
             let v = load(&graph, config.as_deref(), None)?;
             let t = Target::load(&target).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
             let source = std::fs::read_to_string(&graph).unwrap_or_default();
@@ -206,34 +254,34 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             let config_name = config.clone().unwrap_or_else(|| mkc::default_config_path(&graph));
             let from =
                 emit::Provenance { graph: graph.display().to_string(), config: config_name.display().to_string() };
-            let name = out.file_name().map_or_else(|| v.graph().model.clone(), |n| n.to_string_lossy().into_owned());
+            let name = folder.file_name().map_or_else(|| v.graph().model.clone(), |n| n.to_string_lossy().into_owned());
             let artifact = emit::emit(&v, &p, &name, &from, &source, tables_only).map_err(|e| render(&e))?;
-            std::fs::create_dir_all(&out).map_err(|e| format!("error: cannot create {}: {e}\n", out.display()))?;
             let plan_file = (emit::PLAN_FILE.to_string(), artifact.plan.clone());
-            for (file, bytes) in
-                artifact.files.iter().map(|(f, t)| (f.clone(), t.as_bytes().to_vec())).chain([plan_file])
-            {
-                let path = out.join(&file);
-                std::fs::write(&path, bytes).map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
-                println!("wrote {}", path.display());
+            let files: Vec<(String, Vec<u8>)> =
+                artifact.files.iter().map(|(f, t)| (f.clone(), t.as_bytes().to_vec())).chain([plan_file]).collect();
+            let written =
+                mkc::files::write_folder(&folder, &files).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
+            for path in written {
+                writeln!(out, "wrote {}", path.display())?;
             }
             Ok(ExitCode::SUCCESS)
         }
         Command::Graph { graph, config, dot: as_dot } => {
             let v = load(&graph, config.as_deref(), None)?;
             if as_dot {
-                print!("{}", dot::to_dot(&v));
+                write!(out, "{}", dot::to_dot(&v))?;
             } else {
                 let g = v.graph();
                 for id in v.order() {
                     let n = g.node(*id);
                     let operands: Vec<String> = g.operands(*id).iter().map(|o| g.node(o.node).name.clone()).collect();
-                    println!(
+                    writeln!(
+                        out,
                         "{:<48} {:?} <- [{}]",
                         n.name,
                         n.outputs.iter().map(|t| t.to_string()).collect::<Vec<_>>(),
                         operands.join(", ")
-                    );
+                    )?;
                 }
             }
             Ok(ExitCode::SUCCESS)

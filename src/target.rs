@@ -102,24 +102,27 @@ impl Target {
         if !matches!(self.arch.as_str(), "sm_90a" | "sm_100a" | "sm_103a") {
             return bad("arch", "must be sm_90a, sm_100a or sm_103a");
         }
-        if self.sms == 0 {
-            return bad("sms", "must be positive");
+        if self.name.is_empty() || !self.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+            return bad("name", "must be letters, digits, `_` or `-`");
         }
-        if self.smem_per_block == 0 || self.smem_per_block > self.smem_per_sm {
-            return bad("smem_per_block", "must be positive and at most smem_per_sm");
+        for (field, value, lo, hi) in INT_BOUNDS.iter().map(|(f, get, lo, hi)| (f, get(self), lo, hi)) {
+            if !(*lo..=*hi).contains(&value) {
+                return bad(field, &format!("is {value}; it must be in {lo}..={hi}"));
+            }
         }
-        if self.max_threads_per_block < 128 || self.regs_per_sm == 0 {
-            return bad("max_threads_per_block", "must be at least 128 (and regs_per_sm positive)");
+        for (field, value, lo, hi) in REAL_BOUNDS.iter().map(|(f, get, lo, hi)| (f, get(self), lo, hi)) {
+            if let Some(v) = value {
+                // NaN fails both comparisons.
+                if !(v >= *lo && v <= *hi) {
+                    return bad(
+                        field,
+                        &format!("is {}; it must be a number in {}..={}", real(v), real(*lo), real(*hi)),
+                    );
+                }
+            }
         }
-        let positive = |x: f64| x.is_finite() && x > 0.0;
-        if !positive(self.hbm_bandwidth.datasheet) || self.hbm_bandwidth.measured.is_some_and(|m| !positive(m)) {
-            return bad("hbm_bandwidth", "must be positive");
-        }
-        if !(positive(self.flops.bf16_tensor) && positive(self.flops.fp32_cuda_core) && positive(self.clock_ghz)) {
-            return bad("flops", "bf16_tensor, fp32_cuda_core and clock_ghz must be positive");
-        }
-        if !self.sync_latency_ns.is_finite() || self.sync_latency_ns < 0.0 {
-            return bad("sync_latency_ns", "must not be negative");
+        if self.smem_per_block > self.smem_per_sm {
+            return bad("smem_per_block", "must be at most smem_per_sm");
         }
         Ok(())
     }
@@ -127,6 +130,50 @@ impl Target {
     /// The read bandwidth the cost model uses: measured if known, else the datasheet.
     pub fn read_bandwidth(&self) -> f64 {
         self.hbm_bandwidth.measured.unwrap_or(self.hbm_bandwidth.datasheet)
+    }
+}
+
+/// A whole-number field of a target and its accepted range.
+type IntBound = (&'static str, fn(&Target) -> u64, u64, u64);
+
+/// The physical ranges of the whole-number fields: generous around today's
+/// parts, tight enough that nothing sized from them (per-SM tables, the
+/// schedule) can exhaust memory or overflow.
+const INT_BOUNDS: [IntBound; 8] = [
+    ("sms", |t| t.sms.into(), 1, 1024),
+    ("smem_per_sm", |t| t.smem_per_sm, 1 << 10, 4 << 20),
+    ("smem_per_block", |t| t.smem_per_block, 1 << 10, 4 << 20),
+    ("regs_per_sm", |t| t.regs_per_sm.into(), 1 << 10, 1 << 20),
+    ("max_threads_per_block", |t| t.max_threads_per_block.into(), 128, 1024),
+    ("tensor_memory_per_sm", |t| t.tensor_memory_per_sm, 0, 16 << 20),
+    ("l2_bytes", |t| t.l2_bytes, 1 << 20, 16 << 30),
+    ("hbm_bytes", |t| t.hbm_bytes, 1 << 30, 1 << 45),
+];
+
+/// A real-valued field of a target (`None`: not given) and its accepted range.
+type RealBound = (&'static str, fn(&Target) -> Option<f64>, f64, f64);
+
+/// The ranges of the real-valued fields: finite, and positive where the cost
+/// model divides by them (a zero `fp4_tensor` means no native FP4 MMA).
+const REAL_BOUNDS: [RealBound; 9] = [
+    ("clock_ghz", |t| Some(t.clock_ghz), 0.1, 10.0),
+    ("hbm_bandwidth.datasheet", |t| Some(t.hbm_bandwidth.datasheet), 1e9, 1e15),
+    ("hbm_bandwidth.measured", |t| t.hbm_bandwidth.measured, 1e9, 1e15),
+    ("nvlink_bandwidth", |t| Some(t.nvlink_bandwidth), 0.0, 1e15),
+    ("flops.bf16_tensor", |t| Some(t.flops.bf16_tensor), 1e9, 1e18),
+    ("flops.fp8_tensor", |t| Some(t.flops.fp8_tensor), 0.0, 1e18),
+    ("flops.fp4_tensor", |t| Some(t.flops.fp4_tensor), 0.0, 1e18),
+    ("flops.fp32_cuda_core", |t| Some(t.flops.fp32_cuda_core), 1e9, 1e18),
+    ("sync_latency_ns", |t| Some(t.sync_latency_ns), 0.0, 1e6),
+];
+
+/// A number as a target file would write it: whole numbers under a million
+/// as they are, others with an exponent.
+fn real(x: f64) -> String {
+    if !x.is_finite() || (x.fract() == 0.0 && x.abs() < 1e6) {
+        format!("{x}")
+    } else {
+        format!("{x:e}")
     }
 }
 

@@ -20,6 +20,11 @@
 //! | `mutated_graphs` | 15,000 | the shipped graphs with 1 to 4 mutations, compiled against their tiny configs |
 //! | `mutated_configs` | 6,000 | the tiny configs with 1 to 3 mutations, against the unmodified graphs |
 //!
+//! `deep_nesting_of_every_construct` nests each recursive construct (brackets,
+//! calls, indexing, `if` in each of its three parts, `else if`, prefix `-` and
+//! `not`, operators, members, `if` and `for` bodies) 65 to 40,000 deep in every
+//! place, on a 2 MiB stack: each is refused, none overflows.
+//!
 //! Full-chain cases (a shipped graph lowered and validated) cost about a
 //! millisecond each in release, so most cases are the cheap kinds; the whole
 //! file takes about a minute with `cargo test --release --test fuzz` on two
@@ -1073,4 +1078,68 @@ fn shipped_graphs_compile() {
     if let Err(e) = mkc::compile_str(&one, expr_config(), LIMITS) {
         panic!("{}", mkc::diag::render(&e, "expr.mkc", &one));
     }
+}
+
+/// Every recursive construct of the language nested far past the limits, in
+/// every place an expression or a statement goes: each is refused with a
+/// `mkc::limit` error (or another clean error), never a stack overflow, on a
+/// thread with a 2 MiB stack (the test harness's default; `mkc` itself runs
+/// on an 8 MiB main thread).
+#[test]
+fn deep_nesting_of_every_construct() {
+    // (opening, closing, innermost) of one construct.
+    const EXPRS: [(&str, &str, &str); 13] = [
+        ("(", ")", "1"),
+        ("[", "]", "1"),
+        ("max(", ", 1)", "1"),
+        ("[1, 2][", "]", "0"),
+        ("-", "", "1"),
+        ("not ", "", "true"),
+        ("if true then ", " else 0", "1"),
+        ("if ", " then true else false", "true"),
+        ("if false then 0 else ", "", "1"),
+        ("1 + ", "", "1"),
+        ("", ".x", "config"),
+        ("(1 + 2 * ", ")", "3"),
+        ("if true then 1 else if false then 2 else ", "", "3"),
+    ];
+    const STMTS: [(&str, &str); 3] =
+        [("if true {\n", "\n}"), ("for i in 0..1 {\n", "\n}"), ("if false {\n} else if true {\n", "\n}")];
+    let places = |e: &str| {
+        [
+            format!("model m\nparams {{\n  x = {e}\n}}\ngraph {{\n  input t: i32[]\n  output t\n}}\n"),
+            format!("model m\ngraph {{\n  require {e}, \"m\"\n  input t: i32[]\n  output t\n}}\n"),
+            format!("model m\ngraph {{\n  let x = {e}\n  input t: i32[]\n  output t\n}}\n"),
+            format!("model m\ngraph {{\n  input t: i32[{e}]\n  output t\n}}\n"),
+            format!("model m\ngraph {{\n  for i in 0..{e} {{\n  }}\n  input t: i32[]\n  output t\n}}\n"),
+        ]
+    };
+    let mut cases = vec![];
+    for n in [65, 300, 5_000, 40_000] {
+        for (open, close, inner) in EXPRS {
+            let e = format!("{}{inner}{}", open.repeat(n), close.repeat(n));
+            cases.extend(places(&e).map(|src| (n, src)));
+        }
+        for (open, close) in STMTS {
+            let body = format!("{}let x = 1{}", open.repeat(n), close.repeat(n));
+            cases.push((n, format!("model m\ngraph {{\n{body}\n  input t: i32[]\n  output t\n}}\n")));
+        }
+    }
+    let run = std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(move || {
+            for (n, src) in &cases {
+                let head = &src[..src.len().min(200)];
+                match mkc::compile_str(src, empty_config(), LIMITS) {
+                    // Past the limits, every construct is refused as too deep or too long.
+                    Ok(_) => assert!(*n < 300, "a nesting of {n} compiled:\n{head}"),
+                    Err(e) => {
+                        assert!(!mkc::diag::render(&e, "deep.mkc", src).is_empty());
+                        assert!(e.kind == mkc::ErrorKind::Limit || *n < 300, "{e:?}\n{head}");
+                    }
+                }
+            }
+        })
+        .expect("thread starts");
+    run.join().expect("no deep nesting crashes the compiler");
 }

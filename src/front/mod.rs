@@ -3,4 +3,4 @@
 pub mod ast;
 mod parser;
 
-pub use parser::{parse_str, MAX_ELSE_IF, MAX_EXPR_TERMS, MAX_NESTING};
+pub use parser::{parse_str, MAX_ELSE_IF, MAX_EXPR_DEPTH, MAX_EXPR_TERMS, MAX_NESTING};

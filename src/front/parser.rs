@@ -2,8 +2,10 @@
 //!
 //! pest does the recognising (grammar/mkc.pest); this file builds the tree
 //! and turns pest's errors into diagnostics that name what was expected in
-//! words a graph author knows. Nesting deeper than [`MAX_NESTING`] is refused
-//! before pest runs, so hostile input cannot exhaust the stack.
+//! words a graph author knows. Nesting of every recursive construct deeper
+//! than [`MAX_NESTING`] is refused before pest runs, and expression trees
+//! deeper than [`MAX_EXPR_DEPTH`] as they are built, so no input can exhaust
+//! the stack of the parser or of the stages that walk its tree.
 
 use pest::iterators::{Pair, Pairs};
 use pest::pratt_parser::{Assoc, Op, PrattParser};
@@ -16,8 +18,12 @@ use crate::diag::{Error, ErrorKind, Result, Span};
 #[grammar = "../grammar/mkc.pest"]
 struct GraphParser;
 
-/// Deepest bracket nesting accepted.
+/// Deepest nesting of brackets, `if`, prefix `-` and `not` accepted
+/// (counted by [`check_nesting`] before pest runs).
 pub const MAX_NESTING: usize = 64;
+/// Deepest expression tree accepted (operators, calls, lists, `if`, indexing
+/// and members each add a level).
+pub const MAX_EXPR_DEPTH: usize = 256;
 /// Most operators and operands in one expression, and most `else if` in a
 /// file: both recurse in the parser and the evaluator, so they are bounded
 /// to keep hostile input from exhausting the stack.
@@ -37,36 +43,184 @@ pub fn parse_str(src: &str) -> Result<File> {
     build_file(file)
 }
 
+/// An open construct of the nesting scan ([`check_nesting`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Open {
+    /// `(`, `[` or `{`, until its closing bracket.
+    Bracket,
+    /// `if`, until its `then` (an `if` expression) or `{` (an `if` statement).
+    IfCond,
+    /// `if ... then`, until its `else`.
+    IfThen,
+    /// An `else` branch or a prefix `-` / `not`: until the expression ends.
+    Operand,
+}
+
+/// Words that begin a statement or a section: no expression continues past them.
+fn starts_statement(word: &str) -> bool {
+    matches!(
+        word,
+        "model"
+            | "params"
+            | "block"
+            | "graph"
+            | "weight"
+            | "state"
+            | "input"
+            | "output"
+            | "for"
+            | "require"
+            | "let"
+            | "return"
+    )
+}
+
+/// Refuses sources whose constructs nest deeper than [`MAX_NESTING`], before
+/// pest (whose descent recurses once per level) sees them. A lexical scan
+/// keeps a stack of what is open: brackets, `if ... then ... else` (open from
+/// `if` to the end of its `else` branch's expression) and prefix `-` / `not`
+/// (open to the end of their expression). An expression ends at a closing
+/// bracket, `,`, `then`, `else`, `{`, `..`, `=` or a statement's keyword, so
+/// the stack never holds less than what the parser has open.
 fn check_nesting(src: &str) -> Result<()> {
-    let mut depth = 0usize;
-    let mut in_comment = false;
-    let mut in_string = false;
-    let mut escaped = false;
-    for (i, c) in src.char_indices() {
+    let bytes = src.as_bytes();
+    let mut stack: Vec<Open> = vec![];
+    // Whether the last token ends an operand (a name, a literal, a closing
+    // bracket): a `-` after one is infix, else prefix.
+    let mut after_operand = false;
+    let mut after_dot = false;
+    let mut i = 0;
+    let pop_operands = |stack: &mut Vec<Open>| {
+        while stack.last() == Some(&Open::Operand) {
+            stack.pop();
+        }
+    };
+    while i < bytes.len() {
+        let c = bytes[i];
+        let start = i;
+        let mut push = None;
+        let (mut operand, mut dot) = (false, false);
         match c {
-            '\n' => {
-                in_comment = false;
-                in_string = false;
+            b' ' | b'\t' | b'\r' | b'\n' => {
+                i += 1;
+                continue;
             }
-            _ if in_comment => {}
-            _ if in_string && escaped => escaped = false,
-            '\\' if in_string => escaped = true,
-            '"' => in_string = !in_string,
-            _ if in_string => {}
-            '#' => in_comment = true,
-            '(' | '[' | '{' => {
-                depth += 1;
-                if depth > MAX_NESTING {
-                    return Err(Error::new(
-                        ErrorKind::Limit,
-                        format!("brackets nest deeper than {MAX_NESTING} levels"),
-                    )
-                    .at(Span::new(i, i + 1))
-                    .label("too deep"));
+            b'#' => {
+                i = src[i..].find('\n').map_or(bytes.len(), |n| i + n);
+                continue;
+            }
+            b'"' => {
+                i += 1;
+                while i < bytes.len() && bytes[i] != b'"' && bytes[i] != b'\n' {
+                    i += if bytes[i] == b'\\' { 2 } else { 1 };
+                }
+                i += 1;
+                operand = true;
+            }
+            b'(' | b'[' | b'{' => {
+                if c == b'{' {
+                    pop_operands(&mut stack);
+                    if stack.last() == Some(&Open::IfCond) {
+                        stack.pop();
+                    }
+                }
+                push = Some(Open::Bracket);
+                i += 1;
+            }
+            b')' | b']' | b'}' => {
+                while let Some(o) = stack.pop() {
+                    if o == Open::Bracket {
+                        break;
+                    }
+                }
+                operand = true;
+                i += 1;
+            }
+            b',' | b'=' | b'.' => {
+                let two = bytes.get(i + 1).copied();
+                if c == b'=' && two == Some(b'=') {
+                    i += 2;
+                } else if c == b'.' && two != Some(b'.') {
+                    dot = true;
+                    i += 1;
+                } else {
+                    pop_operands(&mut stack);
+                    i += if c == b'.' { 2 } else { 1 };
                 }
             }
-            ')' | ']' | '}' => depth = depth.saturating_sub(1),
-            _ => {}
+            b'-' if bytes.get(i + 1) == Some(&b'>') => i += 2,
+            b'-' => {
+                if !after_operand {
+                    push = Some(Open::Operand);
+                }
+                i += 1;
+            }
+            b'0'..=b'9' => {
+                while i < bytes.len() && bytes[i].is_ascii_digit() {
+                    i += 1;
+                }
+                if bytes.get(i) == Some(&b'.') && bytes.get(i + 1).is_some_and(u8::is_ascii_digit) {
+                    i += 1;
+                    while i < bytes.len() && bytes[i].is_ascii_digit() {
+                        i += 1;
+                    }
+                }
+                if matches!(bytes.get(i), Some(b'e' | b'E')) {
+                    i += 1;
+                    if matches!(bytes.get(i), Some(b'+' | b'-')) {
+                        i += 1;
+                    }
+                }
+                while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_') {
+                    i += 1;
+                }
+                operand = true;
+            }
+            _ if c.is_ascii_alphabetic() || c == b'_' => {
+                while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_') {
+                    i += 1;
+                }
+                match &src[start..i] {
+                    _ if after_dot => operand = true,
+                    "if" => push = Some(Open::IfCond),
+                    "not" => push = Some(Open::Operand),
+                    "then" => {
+                        pop_operands(&mut stack);
+                        if stack.last() == Some(&Open::IfCond) {
+                            *stack.last_mut().expect("an if") = Open::IfThen;
+                        }
+                    }
+                    "else" => {
+                        pop_operands(&mut stack);
+                        if stack.last() == Some(&Open::IfThen) {
+                            // The `if` stays open over its `else` branch.
+                            *stack.last_mut().expect("an if") = Open::Operand;
+                        }
+                    }
+                    "and" | "or" | "in" => {}
+                    w if starts_statement(w) => pop_operands(&mut stack),
+                    _ => operand = true,
+                }
+            }
+            _ => {
+                // Any other operator or byte (pest judges it); step over one
+                // whole character.
+                i += src[i..].chars().next().map_or(1, char::len_utf8);
+            }
+        }
+        after_operand = operand;
+        after_dot = dot;
+        if let Some(o) = push {
+            stack.push(o);
+            if stack.len() > MAX_NESTING {
+                return Err(Error::new(
+                    ErrorKind::Limit,
+                    format!("constructs nest deeper than {MAX_NESTING} levels (brackets, `if`, prefix `-` and `not`)"),
+                )
+                .at(Span::new(start, i.min(src.len())))
+                .label("too deep")
+                .help("name the inner parts with `let`"));
+            }
         }
     }
     Ok(())
@@ -517,6 +671,15 @@ thread_local! {
 }
 
 fn build_expr(p: Pair<Rule>) -> Result<Expr> {
+    Ok(build_deep(p)?.0)
+}
+
+/// An expression and the depth of its tree (a leaf is 1).
+type Deep = (Expr, usize);
+
+/// Builds an expression, refusing trees deeper than [`MAX_EXPR_DEPTH`]: the
+/// evaluator, `Clone` and `Drop` walk them recursively.
+fn build_deep(p: Pair<Rule>) -> Result<Deep> {
     let terms = p.clone().into_inner().count();
     if terms > MAX_EXPR_TERMS {
         return Err(Error::new(
@@ -527,34 +690,44 @@ fn build_expr(p: Pair<Rule>) -> Result<Expr> {
         .label("too long")
         .help("split it with `let` bindings"));
     }
-    PRATT.with(|pratt| build_expr_with(pratt, p.into_inner()))
+    let (e, depth) = PRATT.with(|pratt| build_expr_with(pratt, p.into_inner()))?;
+    if depth > MAX_EXPR_DEPTH {
+        return Err(Error::new(
+            ErrorKind::Limit,
+            format!("an expression nests {depth} operations deep; at most {MAX_EXPR_DEPTH} are allowed"),
+        )
+        .at(e.span)
+        .label("too deep")
+        .help("split it with `let` bindings"));
+    }
+    Ok((e, depth))
 }
 
-fn build_expr_with(pratt: &PrattParser<Rule>, pairs: Pairs<Rule>) -> Result<Expr> {
+fn build_expr_with(pratt: &PrattParser<Rule>, pairs: Pairs<Rule>) -> Result<Deep> {
     pratt
         .map_primary(build_primary)
         .map_prefix(|op, rhs| {
-            let rhs = rhs?;
+            let (rhs, d) = rhs?;
             let span = span_of(&op).join(rhs.span);
             let u = if op.as_rule() == Rule::neg { UnaryOp::Neg } else { UnaryOp::Not };
-            Ok(Spanned::new(ExprKind::Unary(u, Box::new(rhs)), span))
+            Ok((Spanned::new(ExprKind::Unary(u, Box::new(rhs)), span), d + 1))
         })
         .map_postfix(|lhs, op| {
-            let lhs = lhs?;
+            let (lhs, d) = lhs?;
             let span = lhs.span.join(span_of(&op));
             match op.as_rule() {
                 Rule::member => {
                     let name = ident(op.into_inner().next().expect("member name"));
-                    Ok(Spanned::new(ExprKind::Member(Box::new(lhs), name), span))
+                    Ok((Spanned::new(ExprKind::Member(Box::new(lhs), name), span), d + 1))
                 }
                 _ => {
-                    let idx = build_expr(op.into_inner().next().expect("index expr"))?;
-                    Ok(Spanned::new(ExprKind::Index(Box::new(lhs), Box::new(idx)), span))
+                    let (idx, di) = build_deep(op.into_inner().next().expect("index expr"))?;
+                    Ok((Spanned::new(ExprKind::Index(Box::new(lhs), Box::new(idx)), span), d.max(di) + 1))
                 }
             }
         })
         .map_infix(|lhs, op, rhs| {
-            let (lhs, rhs) = (lhs?, rhs?);
+            let ((lhs, dl), (rhs, dr)) = (lhs?, rhs?);
             let span = lhs.span.join(rhs.span);
             let b = match op.as_rule() {
                 Rule::coalesce => BinOp::Coalesce,
@@ -575,13 +748,20 @@ fn build_expr_with(pratt: &PrattParser<Rule>, pairs: Pairs<Rule>) -> Result<Expr
                 Rule::rem => BinOp::Rem,
                 r => unreachable!("infix {r:?}"),
             };
-            Ok(Spanned::new(ExprKind::Binary(b, Box::new(lhs), Box::new(rhs)), span))
+            Ok((Spanned::new(ExprKind::Binary(b, Box::new(lhs), Box::new(rhs)), span), dl.max(dr) + 1))
         })
         .parse(pairs)
 }
 
-fn build_primary(p: Pair<Rule>) -> Result<Expr> {
+/// The deepest of `parts`, and the parts.
+fn deepest(parts: Vec<Deep>) -> (Vec<Expr>, usize) {
+    let depth = parts.iter().map(|(_, d)| *d).max().unwrap_or(0);
+    (parts.into_iter().map(|(e, _)| e).collect(), depth)
+}
+
+fn build_primary(p: Pair<Rule>) -> Result<Deep> {
     let span = span_of(&p);
+    let mut depth = 0;
     let kind = match p.as_rule() {
         Rule::int => {
             let v = p.as_str().parse::<i64>().map_err(|_| {
@@ -598,21 +778,28 @@ fn build_primary(p: Pair<Rule>) -> Result<Expr> {
         Rule::boolean => ExprKind::Bool(p.as_str() == "true"),
         Rule::null => ExprKind::Null,
         Rule::ident => ExprKind::Name(p.as_str().to_string()),
-        Rule::paren => return build_expr(p.into_inner().next().expect("paren expr")),
-        Rule::list => ExprKind::List(p.into_inner().map(build_expr).collect::<Result<_>>()?),
+        Rule::paren => return build_deep(p.into_inner().next().expect("paren expr")),
+        Rule::list => {
+            let (items, d) = deepest(p.into_inner().map(build_deep).collect::<Result<_>>()?);
+            depth = d;
+            ExprKind::List(items)
+        }
         Rule::if_expr => {
             let mut parts = p.into_inner().filter(|q| q.as_rule() == Rule::expr);
-            let c = build_expr(parts.next().expect("if cond"))?;
-            let a = build_expr(parts.next().expect("then"))?;
-            let b = build_expr(parts.next().expect("else"))?;
+            let (c, dc) = build_deep(parts.next().expect("if cond"))?;
+            let (a, da) = build_deep(parts.next().expect("then"))?;
+            let (b, db) = build_deep(parts.next().expect("else"))?;
+            depth = dc.max(da).max(db);
             ExprKind::If(Box::new(c), Box::new(a), Box::new(b))
         }
         Rule::func_call => {
             let mut inner = p.into_inner();
             let name = ident(inner.next().expect("function name"));
-            ExprKind::Func(name, inner.map(build_expr).collect::<Result<_>>()?)
+            let (args, d) = deepest(inner.map(build_deep).collect::<Result<_>>()?);
+            depth = d;
+            ExprKind::Func(name, args)
         }
         r => unreachable!("primary {r:?}"),
     };
-    Ok(Spanned::new(kind, span))
+    Ok((Spanned::new(kind, span), depth + 1))
 }

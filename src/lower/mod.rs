@@ -283,6 +283,14 @@ impl<'a> Lowerer<'a> {
                     let sc = self.scope(frame);
                     (eval_int(lo, &sc)?, eval_int(hi, &sc)?)
                 };
+                if h < l {
+                    // A negative count from a config (`num_hidden_layers: -3`)
+                    // must not build a model without those layers.
+                    return Err(Error::new(ErrorKind::Value, format!("loop range {l}..{h} runs backwards"))
+                        .at(hi.span)
+                        .label(format!("{h} is below the start {l}"))
+                        .help("a count from the config must not be negative"));
+                }
                 let n = h.saturating_sub(l).max(0) as u64;
                 if self.iterations + n > self.limits.max_iterations {
                     return Err(Error::new(

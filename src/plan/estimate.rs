@@ -50,8 +50,12 @@ pub fn estimate(plan: &Plan) -> Estimate {
         step_us: s.step_ns / 1e3,
         floor_us: s.floor_ns / 1e3,
         critical_path_us: s.critical_path_ns / 1e3,
-        tokens_per_s: if s.step_ns > 0.0 { 1e9 / s.step_ns } else { 0.0 },
-        fraction_of_floor: if s.step_ns > 0.0 { s.floor_ns / s.step_ns } else { 0.0 },
+        tokens_per_s: if s.step_ns.is_finite() && s.step_ns > 0.0 { 1e9 / s.step_ns } else { 0.0 },
+        fraction_of_floor: if s.step_ns.is_finite() && s.step_ns > 0.0 && s.floor_ns.is_finite() {
+            s.floor_ns / s.step_ns
+        } else {
+            0.0
+        },
     }
 }
 
