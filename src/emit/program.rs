@@ -29,11 +29,8 @@ use crate::diag::{Error, ErrorKind, Result};
 use crate::ir::{DType, Graph, NodeId, NodeKind, TensorType, ValueRef};
 use crate::ops::Attrs;
 use crate::ops::OpKind;
+use crate::plan::arena::{kept, Block};
 use crate::plan::fuse::{FusedKind, FusedOp};
-// The shared memory a projection stages its input in (device/mkc/contract.h);
-// every other device limit is the planner's (plan::limits).
-use crate::contract::ACTIVATION_BYTES;
-use crate::plan::tile::TaskArgs;
 use crate::plan::Plan;
 use crate::valid::Validated;
 
@@ -57,27 +54,7 @@ mod attention;
 mod moe;
 mod projection;
 
-/// The type bf16 values take in the arena: fp32. Activations are a few KB
-/// per token, so keeping them exact costs nothing measurable and lets the
-/// kernel follow an fp32 reference through discontinuous decisions (top-k
-/// routing); weights and the KV cache keep their checkpoint/graph dtypes.
-const ACTIVATIONS: DType = DType::F32;
-
-/// A block of the arena the program reads or writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ArenaSlot {
-    /// The plan's region it belongs to.
-    pub region: usize,
-    /// The region's buffer.
-    pub buffer: usize,
-    /// Offset: within the region while generating, in the arena in
-    /// [`Program::layout`].
-    pub offset: u64,
-    /// Size in bytes at the planned batch.
-    pub bytes: u64,
-    /// The stage that writes it.
-    pub writer: usize,
-}
+pub use crate::plan::arena::ArenaSlot;
 
 /// The generated program of one step.
 #[derive(Debug, Clone)]
@@ -170,9 +147,9 @@ enum Param {
     Weight(usize),
     /// A per-sequence state's index.
     State(usize),
-    /// An arena address: a buffer and an offset in it (buffers are laid out last).
-    Arena { buffer: usize, offset: u64 },
-    /// An offset in the routing log (laid out after the buffers).
+    /// An arena offset.
+    Arena(u64),
+    /// An arena offset in the routing log.
     RouteLog(u64),
     /// A count that differs per layer (attention-residual bank rows).
     Int(u64),
@@ -183,7 +160,7 @@ impl Param {
         match self {
             Param::Weight(_) => "weight index",
             Param::State(_) => "state index",
-            Param::Arena { .. } => "arena offset",
+            Param::Arena(_) => "arena offset",
             Param::RouteLog(_) => "arena offset (routing log)",
             Param::Int(_) => "count",
         }
@@ -195,8 +172,8 @@ impl Param {
 enum Loc {
     /// A graph output buffer.
     Output(usize),
-    /// The arena.
-    Arena { buffer: usize, offset: u64 },
+    /// The arena, at this offset.
+    Arena(u64),
 }
 
 /// Per plan task: its stage, its index in the stage and its four device words.
@@ -299,10 +276,6 @@ fn family_name(k: FusedKind) -> &'static str {
     }
 }
 
-fn align(x: u64, a: u64) -> u64 {
-    x.div_ceil(a) * a
-}
-
 fn float(x: f64) -> String {
     let s = format!("{:e}", x as f32);
     format!("{s}f")
@@ -332,11 +305,6 @@ struct Gen<'a> {
     weight_index: HashMap<String, usize>,
     state_index: HashMap<NodeId, usize>,
     slots: HashMap<ValueRef, Slot>,
-    writer: HashMap<ValueRef, usize>,
-    layout: Vec<ArenaSlot>,
-    region_bytes: Vec<u64>,
-    buffer_offset: Vec<u64>,
-    staging: u64,
     /// The operation being emitted: its code (`@K@` for the kind's name),
     /// its parameter fields, its comment and its stages' roles.
     code: String,
@@ -347,38 +315,29 @@ struct Gen<'a> {
     kind_of: HashMap<String, usize>,
     /// Per stage: (kind, role in the kind, parameter values).
     stage_kind: Vec<Option<(usize, usize, Vec<Param>)>>,
-    routers: Vec<(String, u64)>,
-    /// Bytes of the routing log so far (the next router's offset in it).
-    route_log_bytes: u64,
 }
 
 impl Gen<'_> {
-    /// The spill argument of an operation that stages its input [batch, k]
-    /// whole as fp32 (device `input_area`): `nullptr` when it fits the
-    /// shared-memory staging, otherwise this SM's global staging past the
-    /// output tile of `tile` floats (128-byte aligned for the float4 stores
-    /// that stage it), the staging grown to hold both.
-    fn spill(&mut self, tile: u64, k: u64) -> String {
-        if self.batch * k * 4 <= ACTIVATION_BYTES {
-            return "nullptr".into();
+    /// The spill argument of a stage that stages its input whole as fp32
+    /// (device `input_area`): `nullptr` when it fits the shared-memory
+    /// staging, otherwise where the arena pass put it in this SM's global
+    /// staging (past the output tile).
+    fn spill(&self, stage: usize) -> String {
+        match self.plan.arena.spills[stage] {
+            Some(at) => format!("st + {at}"),
+            None => "nullptr".into(),
         }
-        let at = align(tile, 32);
-        self.staging = self.staging.max(at + self.batch * k);
-        format!("st + {at}")
     }
 }
 
 fn nid(i: usize) -> NodeId {
-    NodeId(petgraph::stable_graph::NodeIndex::new(i))
+    NodeId::at(i)
 }
 
 impl<'a> Gen<'a> {
     fn op_of(&self, n: NodeId) -> Option<(OpKind, &'a Attrs)> {
         let g: &'a Graph = self.g;
-        match &g.node(n).kind {
-            NodeKind::Op { op, attrs } => Some((*op, attrs)),
-            _ => None,
-        }
+        g.op(n)
     }
 
     /// A node's last name part and source position (the same in every layer).
@@ -449,8 +408,8 @@ impl<'a> Gen<'a> {
     fn arena(&mut self, hint: &str, loc: Loc) -> String {
         match loc {
             Loc::Output(k) => format!("m.out[{k}]"),
-            Loc::Arena { buffer, offset } => {
-                let field = self.param(hint, Param::Arena { buffer, offset });
+            Loc::Arena(offset) => {
+                let field = self.param(hint, Param::Arena(offset));
                 format!("m.arena + {field}")
             }
         }
@@ -476,6 +435,10 @@ impl<'a> Gen<'a> {
                 // this one's inputs (`in`, `in_2`, ...): its producer's name
                 // differs from layer to layer, this operation's code does not.
                 Some(slot) if !op.nodes.contains(&v.node.index()) => {
+                    // The verifier proved the reads the arena pass listed.
+                    if !self.stages_of(op).iter().any(|s| self.plan.arena.reads[*s].contains(&v)) {
+                        return Err(internal(op, &format!("a read of {} the arena pass did not list", node.name)));
+                    }
                     Ok(self.slot_ptr(&Slot { name: "in".into(), ..slot }))
                 }
                 Some(slot) => Ok(self.slot_ptr(&slot)),
@@ -484,68 +447,31 @@ impl<'a> Gen<'a> {
         }
     }
 
-    /// Reserves `bytes` in the region `stage` writes.
-    fn reserve(&mut self, stage: usize, bytes: u64) -> Result<Loc> {
-        let Some(r) = self.plan.tiling.regions.iter().find(|r| r.writer == stage) else {
-            return Err(Error::new(
-                ErrorKind::Invalid,
-                format!("codegen: stage {stage} writes values but has no region"),
-            ));
-        };
-        let at = self.region_bytes[r.id];
-        self.region_bytes[r.id] = align(at + bytes, 16);
-        self.layout.push(ArenaSlot { region: r.id, buffer: r.buffer, offset: at, bytes, writer: stage });
-        Ok(Loc::Arena { buffer: r.buffer, offset: at })
+    /// Where the arena pass put stage `stage`'s scratch block `what`.
+    fn block(&self, op: &FusedOp, stage: usize, what: Block) -> Result<Loc> {
+        match self.plan.arena.block(stage, what) {
+            Some(slot) => Ok(Loc::Arena(slot.offset)),
+            None => Err(internal(op, &format!("no arena block {what:?} for stage {stage}"))),
+        }
     }
 
-    /// Gives every value of `op` read elsewhere a slot in `stage`'s region
-    /// (or an output buffer).
-    fn place_outputs(&mut self, op: &FusedOp, stage: usize) -> Result<()> {
-        let inside = |n: NodeId| op.nodes.contains(&n.index());
+    /// Names where each value of `op` lives: its graph output buffer, or
+    /// its arena block when it is read outside the operation.
+    fn place_outputs(&mut self, op: &FusedOp) {
         for &n in &op.nodes {
             let id = nid(n);
             let node = self.g.node(id);
             for (o, ty) in node.outputs.iter().enumerate() {
                 let v = ValueRef { node: id, output: o as u16 };
-                let outside =
-                    self.g.g.edges_directed(id.0, petgraph::Direction::Outgoing).any(|e| {
-                        e.weight().output == o as u16 && !inside(NodeId(petgraph::visit::EdgeRef::target(&e)))
-                    });
-                self.writer.insert(v, stage);
                 let name = short_name(&node.name);
                 if let Some(k) = self.g.outputs.iter().position(|(_, ov)| *ov == v) {
                     self.slots.insert(v, Slot { loc: Loc::Output(k), ty: ty.clone(), name });
-                } else if outside {
-                    // Activations cross operations in fp32 (see ACTIVATIONS).
-                    let dtype = if ty.dtype == DType::Bf16 { ACTIVATIONS } else { ty.dtype };
-                    let kept = TensorType::new(dtype, ty.shape.clone());
-                    let loc = self.reserve(stage, kept.bytes() * self.batch)?;
+                } else if let Some(slot) = self.plan.arena.value(v) {
                     let name = if o == 0 { name } else { format!("{name}_{o}") };
-                    self.slots.insert(v, Slot { loc, ty: kept, name });
+                    self.slots.insert(v, Slot { loc: Loc::Arena(slot.offset), ty: kept(ty), name });
                 }
             }
         }
-        Ok(())
-    }
-
-    /// Checks that `stage` waits for the writers of the arena values it
-    /// reads: the plan's orderings and buffer reuse are proved for the
-    /// stages' declared reads, so a read outside them would be a race.
-    fn check_reads(&self, stage: usize, values: &[ValueRef]) -> Result<()> {
-        for v in values {
-            if let Some(w) = self.writer.get(v) {
-                if !self.plan.tiling.stages[stage].reads.contains(w) {
-                    return Err(Error::new(
-                        ErrorKind::Invalid,
-                        format!(
-                            "internal error: stage {stage} reads {} (written by stage {w}) without depending on it",
-                            self.g.node(v.node).name
-                        ),
-                    ));
-                }
-            }
-        }
-        Ok(())
     }
 
     /// An operation's input `v` with its optional RMSNorm prologue: the
@@ -672,7 +598,7 @@ impl<'a> Gen<'a> {
 
     fn embedding(&mut self, op: &FusedOp) -> Result<()> {
         let stage = self.last_stage(op);
-        self.place_outputs(op, stage)?;
+        self.place_outputs(op);
         let n = nid(op.nodes[0]);
         let ops = self.g.operands(n);
         let table = self.weight(ops[1].node, 0)?;
@@ -803,38 +729,20 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         weight_index,
         state_index,
         slots: HashMap::new(),
-        writer: HashMap::new(),
-        layout: vec![],
-        region_bytes: vec![0; plan.tiling.regions.len()],
-        buffer_offset: vec![],
-        staging: 0,
         code: String::new(),
         params: vec![],
         roles: vec![],
         kinds: vec![],
         kind_of: HashMap::new(),
         stage_kind: vec![None; plan.tiling.stages.len()],
-        routers: vec![],
-        route_log_bytes: 0,
     };
     for op in &plan.fusion.ops {
         gen.fused(op)?;
     }
-    // Buffers: each as large as the largest region placed in it.
-    let mut sizes = vec![0u64; plan.tiling.buffers.len()];
-    for r in &plan.tiling.regions {
-        sizes[r.buffer] = sizes[r.buffer].max(gen.region_bytes[r.id]);
-    }
-    let mut at = 0;
-    for s in &sizes {
-        gen.buffer_offset.push(at);
-        at = align(at + s, 256);
-    }
-    // The routing log, after the buffers: no stage reuses it.
-    let route_log = at;
-    at = align(at + gen.route_log_bytes, 256);
-    let top_k = gen.routers.first().map_or(0, |(_, k)| *k);
-    let router_top_k = if gen.routers.iter().all(|(_, k)| *k == top_k) { top_k } else { 0 };
+    let arena = &plan.arena;
+    let routers: Vec<(String, u64)> = arena.routers.iter().map(|r| (r.node.clone(), r.top_k)).collect();
+    let top_k = routers.first().map_or(0, |(_, k)| *k);
+    let router_top_k = if routers.iter().all(|(_, k)| *k == top_k) { top_k } else { 0 };
     let tasks = task_rows(plan);
     // Each stage's record: its kind's role and its parameters, now that the
     // buffers are laid out.
@@ -853,26 +761,22 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
             .iter()
             .map(|p| match *p {
                 Param::Weight(i) | Param::State(i) => i as u64,
-                Param::Arena { buffer, offset } => gen.buffer_offset[buffer] + offset,
-                Param::RouteLog(o) => route_log + o,
+                Param::Arena(offset) | Param::RouteLog(offset) => offset,
                 Param::Int(v) => v,
             })
             .collect();
         let load_wait = plan.schedule.load_waits[s].map_or((0, 0), |(c, n)| (c as u32, n));
         stages.push(StageRecord { role: role_base[*kind] + *role as u32, params, load_wait });
     }
-    let layout =
-        gen.layout.iter().map(|s| ArenaSlot { offset: gen.buffer_offset[s.buffer] + s.offset, ..*s }).collect();
-    let buffers = gen.buffer_offset.iter().copied().zip(sizes.iter().copied()).collect();
     Ok(Program {
-        layout,
-        buffers,
-        arena_bytes: at.max(256),
-        route_log,
-        routers: gen.routers,
-        route_log_ints: gen.route_log_bytes / 4,
+        layout: arena.slots.clone(),
+        buffers: arena.buffers.clone(),
+        arena_bytes: arena.bytes,
+        route_log: arena.route_log,
+        routers,
+        route_log_ints: arena.route_log_bytes / 4,
         router_top_k,
-        staging_floats: align(gen.staging.max(1), 32),
+        staging_floats: arena.staging_floats,
         pages: plan.warps.layout.pages,
         states,
         outputs,

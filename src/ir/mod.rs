@@ -26,6 +26,11 @@ impl NodeId {
     pub fn index(self) -> usize {
         self.0.index()
     }
+
+    /// The node of index `i` (the plan names nodes by index).
+    pub fn at(i: usize) -> NodeId {
+        NodeId(petgraph::stable_graph::NodeIndex::new(i))
+    }
 }
 
 /// One output of one node.
@@ -181,6 +186,14 @@ impl Graph {
         self.g.node_indices().map(NodeId)
     }
 
+    /// The op of node `id` and its attributes, if it is an op.
+    pub fn op(&self, id: NodeId) -> Option<(OpKind, &Attrs)> {
+        match &self.node(id).kind {
+            NodeKind::Op { op, attrs } => Some((*op, attrs)),
+            _ => None,
+        }
+    }
+
     /// The type of a value.
     pub fn value_type(&self, v: ValueRef) -> &TensorType {
         &self.node(v.node).outputs[v.output as usize]
@@ -195,6 +208,14 @@ impl Graph {
             .collect();
         edges.sort_by_key(|(slot, _)| *slot);
         edges.into_iter().map(|(_, v)| v).collect()
+    }
+
+    /// The nodes that read value `v` (once per operand slot).
+    pub fn readers(&self, v: ValueRef) -> impl Iterator<Item = NodeId> + '_ {
+        self.g
+            .edges_directed(v.node.0, petgraph::Direction::Outgoing)
+            .filter(move |e| e.weight().output == v.output)
+            .map(|e| NodeId(e.target()))
     }
 
     /// The nodes that read any output of `id`.

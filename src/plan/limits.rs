@@ -23,8 +23,8 @@ use crate::contract::{
     MOE_MAX_CHOICES, MX_BLOCK, MX_TILE_ROWS, ROUTER_MAX_GROUPS, SCRATCH_BYTES,
 };
 use crate::diag::{Error, ErrorKind, Result};
-use crate::ir::{DType, Graph, NodeId, NodeKind};
-use crate::ops::{Attrs, OpKind};
+use crate::ir::{DType, Graph, NodeId};
+use crate::ops::Attrs;
 
 use super::fuse::{FusedKind, FusedOp, Fusion};
 use super::tile::{TaskArgs, Tiling};
@@ -73,7 +73,7 @@ fn each(
     for op in &fusion.ops {
         let c = Check { g, tiling, batch: u64::from(opts.batch), stages: &stages[op.id] };
         let anchor = op.anchor(g);
-        let Some((kind, attrs)) = op_of(g, anchor) else { continue };
+        let Some((kind, attrs)) = g.op(anchor) else { continue };
         if FusedKind::of_anchor(kind) != Some(op.kind) {
             continue;
         }
@@ -90,13 +90,6 @@ fn each(
         })?;
     }
     Ok(())
-}
-
-fn op_of(g: &Graph, n: NodeId) -> Option<(OpKind, &Attrs)> {
-    match &g.node(n).kind {
-        NodeKind::Op { op, attrs } => Some((*op, attrs)),
-        _ => None,
-    }
 }
 
 /// One fused operation's checks; each returns what the device lacks.
@@ -260,9 +253,9 @@ impl FusedOp {
     /// op gives it its kind; an element-wise one's first node): where its
     /// errors point.
     pub fn anchor(&self, g: &Graph) -> NodeId {
-        let ids = || self.nodes.iter().map(|n| NodeId(petgraph::stable_graph::NodeIndex::new(*n)));
+        let ids = || self.nodes.iter().map(|n| NodeId::at(*n));
         ids()
-            .find(|n| op_of(g, *n).and_then(|(k, _)| FusedKind::of_anchor(k)) == Some(self.kind))
+            .find(|n| g.op(*n).and_then(|(k, _)| FusedKind::of_anchor(k)) == Some(self.kind))
             .unwrap_or_else(|| ids().next().expect("a fused operation has nodes"))
     }
 }

@@ -3,8 +3,8 @@
 //! One explicit pipeline of passes with plain data between them:
 //!
 //! ```text
-//! Validated --recompute--> Validated --fuse--> Fusion --tile--> Tiling --limits--> Tiling --specialize--> WarpPlan
-//!           --schedule--> Schedule --verify--> Plan
+//! Validated --recompute--> Validated --fuse--> Fusion --tile--> Tiling --limits--> Tiling --arena--> Arena
+//!           --specialize--> WarpPlan --schedule--> Schedule --verify--> Plan
 //! ```
 //!
 //! - [`recompute`] copies norms read by several operations so each
@@ -15,15 +15,19 @@
 //!   target, with the bytes and FLOPs of each task;
 //! - [`limits`] refuses, at the operation's graph span, what the device
 //!   library cannot run (its sizes and attribute choices, contract.h);
+//! - [`arena`] lays out the scratch arena: each value crossing operations,
+//!   each stage's scratch, the routing log and the SMs' staging;
 //! - [`specialize`] gives each task kind its warp roles, page ring and
 //!   register budget and checks them against the target;
 //! - [`schedule`] places tasks on SMs in static instruction lists from a cost
 //!   model and computes the dependency counters and their exact counts;
 //! - [`verify`] proves from the schedule alone that every read follows its
-//!   write and no buffer is overwritten while it may still be read.
+//!   write and no buffer is overwritten while it may still be read, and
+//!   checks the arena layout against the tiling.
 //!
 //! Only [`plan`] builds a [`Plan`], and it never returns an unverified one.
 
+pub mod arena;
 pub mod dot;
 pub mod estimate;
 pub mod fuse;
@@ -82,6 +86,9 @@ pub struct Plan {
     pub fusion: fuse::Fusion,
     /// Their tasks.
     pub tiling: tile::Tiling,
+    /// Where every arena value, scratch block and staging area lives.
+    #[serde(skip)]
+    pub arena: arena::Arena,
     /// Warp roles per task kind.
     pub warps: specialize::WarpPlan,
     /// The per-SM instruction lists and counters.
@@ -101,9 +108,11 @@ pub fn plan(graph: &Validated, target: &Target, options: Options) -> Result<Plan
     let fusion = fuse::fuse(graph)?;
     let tiling = tile::tile(graph, &fusion, target, options)?;
     limits::check(graph.graph(), &fusion, &tiling, options)?;
+    let arena = arena::layout(graph.graph(), &fusion, &tiling, options)?;
     let warps = specialize::specialize(&tiling, target, options)?;
     let schedule = schedule::schedule(&tiling, target, options)?;
     let verified = verify::verify(&fusion, &tiling, &schedule)?;
+    verify::arena(graph.graph(), &tiling, &arena)?;
     Ok(Plan {
         model: graph.graph().model.clone(),
         target: target.name.clone(),
@@ -111,6 +120,7 @@ pub fn plan(graph: &Validated, target: &Target, options: Options) -> Result<Plan
         options,
         fusion,
         tiling,
+        arena,
         warps,
         schedule,
         verified,

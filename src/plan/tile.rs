@@ -242,14 +242,11 @@ struct Builder<'a> {
 }
 
 fn node(_: &Graph, i: usize) -> NodeId {
-    NodeId(petgraph::stable_graph::NodeIndex::new(i))
+    NodeId::at(i)
 }
 
 fn op_of(g: &Graph, i: usize) -> Option<OpKind> {
-    match &g.node(node(g, i)).kind {
-        NodeKind::Op { op, .. } => Some(*op),
-        _ => None,
-    }
+    g.op(NodeId::at(i)).map(|(k, _)| k)
 }
 
 fn gcd(a: u64, b: u64) -> u64 {

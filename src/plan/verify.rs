@@ -21,15 +21,19 @@
 //! - every routed expert stage's loader waits for its router's whole stage
 //!   before reading the ids, and no other stage's loader waits.
 //!
-//! Not checked here: the layout of a region inside its buffer (one region per
-//! buffer at a time), state buffers (each has one owning op per step).
+//! [`arena`] checks the arena layout: each block inside its region's buffer,
+//! blocks of a region disjoint, and every value a stage reads written by a
+//! stage it depends on. Not checked: state buffers (each has one owning op
+//! per step).
 
 use serde::Serialize;
 
+use super::arena::{Arena, ArenaSlot};
 use super::fuse::Fusion;
 use super::schedule::Schedule;
 use super::tile::{TaskKind, Tiling};
 use crate::diag::{Error, ErrorKind, Result};
+use crate::ir::Graph;
 
 /// What the verifier established.
 #[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
@@ -191,4 +195,73 @@ pub fn verify(fusion: &Fusion, tiling: &Tiling, schedule: &Schedule) -> Result<P
         sm_clock[m] = clock;
     }
     Ok(Proof { instructions: tiling.tasks.len(), waits, reads, reuses })
+}
+
+/// Verifies the arena layout against the tiling: every block lies in its
+/// region's buffer and is written by the region's stage, no two blocks of a
+/// region overlap, the buffers and the routing log are disjoint and inside
+/// the arena, and every stage reading a value another stage writes depends
+/// on that stage (so the region lists it as a reader, and the orderings and
+/// buffer reuses proved above cover the read). Returns the reads checked.
+pub fn arena(g: &Graph, tiling: &Tiling, arena: &Arena) -> Result<usize> {
+    let mut end = 0;
+    for (b, &(at, bytes)) in arena.buffers.iter().enumerate() {
+        if at < end {
+            return Err(bug(format!("arena buffer {b} at {at} overlaps the one before (ending at {end})")));
+        }
+        end = at + bytes;
+    }
+    if arena.route_log < end || arena.route_log + arena.route_log_bytes > arena.bytes {
+        return Err(bug(format!(
+            "the routing log at {} ({} bytes) is not between the buffers' end {end} and the arena's end {}",
+            arena.route_log, arena.route_log_bytes, arena.bytes
+        )));
+    }
+    let mut by_region: Vec<Vec<&ArenaSlot>> = vec![vec![]; tiling.regions.len()];
+    for s in &arena.slots {
+        let r = &tiling.regions[s.region];
+        let (at, bytes) = arena.buffers[s.buffer];
+        if s.buffer != r.buffer || s.writer != r.writer {
+            return Err(bug(format!(
+                "{:?} of stage {} is not in stage {}'s region {}",
+                s.what, s.writer, r.writer, r.id
+            )));
+        }
+        if s.offset < at || s.offset + s.bytes > at + bytes {
+            return Err(bug(format!(
+                "{:?} of stage {} ({} bytes at {}) is outside its buffer {} ({bytes} bytes at {at})",
+                s.what, s.writer, s.bytes, s.offset, s.buffer
+            )));
+        }
+        by_region[s.region].push(s);
+    }
+    for slots in &mut by_region {
+        slots.sort_by_key(|s| s.offset);
+        for w in slots.windows(2) {
+            if w[0].offset + w[0].bytes > w[1].offset {
+                return Err(bug(format!("{:?} and {:?} of stage {} overlap", w[0].what, w[1].what, w[0].writer)));
+            }
+        }
+    }
+    for (s, spill) in arena.spills.iter().enumerate() {
+        if spill.is_some_and(|at| at >= arena.staging_floats) {
+            return Err(bug(format!("stage {s}'s input spills past the SM's staging")));
+        }
+    }
+    let mut checked = 0;
+    for (s, reads) in arena.reads.iter().enumerate() {
+        for v in reads {
+            let Some(&w) = arena.writes.get(v) else {
+                return Err(bug(format!("stage {s} reads {}, which no stage writes", g.node(v.node).name)));
+            };
+            if w != s && !tiling.stages[s].reads.contains(&w) {
+                return Err(bug(format!(
+                    "stage {s} reads {} (written by stage {w}) without depending on it",
+                    g.node(v.node).name
+                )));
+            }
+            checked += 1;
+        }
+    }
+    Ok(checked)
 }

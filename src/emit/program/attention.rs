@@ -8,7 +8,7 @@ impl Gen<'_> {
         let g = self.g;
         let stages = self.stages_of(op);
         let (split, combine) = (stages[0], stages[1]);
-        self.place_outputs(op, combine)?;
+        self.place_outputs(op);
         let n = op
             .nodes
             .iter()
@@ -21,7 +21,7 @@ impl Gen<'_> {
         let (nope, rope, v_dim) = (attrs.int("nope"), attrs.int("rope"), attrs.int("v_dim"));
         let c = g.value_type(ops[1]).elements();
         let q = self.value(ops[0], op)?;
-        let (raw, ckv, norm, eps) = self.with_norm_prologue(op, ops[1])?;
+        let (_, ckv, norm, eps) = self.with_norm_prologue(op, ops[1])?;
         let kpe = self.value(ops[2], op)?;
         let wkvb = self.weight(ops[3].node, 0)?;
         let NodeKind::State(_) = &g.node(ops[4].node).kind else {
@@ -33,9 +33,7 @@ impl Gen<'_> {
         let Some((groups, hpt, splits)) = self.plan.tiling.stages[split].mla_split else {
             return Err(internal(op, "an MLA split the tiling did not shape"));
         };
-        self.check_reads(split, &[ops[0], raw, ops[2]])?;
-        let partial_bytes = self.batch * heads * splits * (c + 2) * 4;
-        let at = self.reserve(split, partial_bytes)?;
+        let at = self.block(op, split, Block::MlaPartials)?;
         let partials = format!("reinterpret_cast<float*>({})", self.arena("partials", at));
         let shape = init!("MlaShape";
             heads = heads,
@@ -109,7 +107,7 @@ impl Gen<'_> {
     pub(super) fn kda(&mut self, op: &FusedOp) -> Result<()> {
         let g = self.g;
         let stage = self.last_stage(op);
-        self.place_outputs(op, stage)?;
+        self.place_outputs(op);
         let n = op
             .nodes
             .iter()
@@ -147,7 +145,6 @@ impl Gen<'_> {
             other => return Err(internal(op, &format!("KDA gate \"{other}\""))),
         };
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
-        self.check_reads(stage, &[ops[0], ops[1], ops[2], ops[3], beta])?;
         self.header(stage, op, "state update of a range of heads");
         let f = self.fname(op, stage);
         let shape = init!("KdaShape"; heads = heads, d = d, safe_gate = safe, lower_bound = float(lower));
@@ -178,7 +175,7 @@ impl Gen<'_> {
     pub(super) fn attn_res(&mut self, op: &FusedOp) -> Result<()> {
         let g = self.g;
         let stage = self.last_stage(op);
-        self.place_outputs(op, stage)?;
+        self.place_outputs(op);
         if op.nodes.len() != 1 {
             return Err(unsupported(op, "an attention-residual mix fused with other operations"));
         }
@@ -194,7 +191,6 @@ impl Gen<'_> {
         let bank = self.value(ops[1], op)?;
         let (w, gamma) = (self.weight(ops[2].node, 0)?, self.weight(ops[3].node, 0)?);
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
-        self.check_reads(stage, &[ops[0], ops[1]])?;
         let rows = self.param("bank_rows", Param::Int(rows));
         self.header(stage, op, "the mix of the bank and the current row");
         let f = self.fname(op, stage);

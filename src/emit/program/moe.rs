@@ -7,7 +7,7 @@ impl Gen<'_> {
     pub(super) fn router(&mut self, op: &FusedOp) -> Result<()> {
         let g = self.g;
         let stage = self.last_stage(op);
-        self.place_outputs(op, stage)?;
+        self.place_outputs(op);
         let n = nid(op.nodes[0]);
         let (_, attrs) = self.op_of(n).expect("an op");
         let ops = g.operands(n);
@@ -18,11 +18,10 @@ impl Gen<'_> {
         let wts = self.value(ValueRef { node: n, output: 1 }, op)?;
         // This router's rows of the routing log (Program::route_log).
         let top_k = attrs.int("top_k") as u64;
-        let log_at = self.route_log_bytes;
-        self.route_log_bytes += self.batch * top_k * 4;
-        self.routers.push((g.node(n).name.clone(), top_k));
-        self.check_reads(stage, &[ops[0]])?;
-        let log = self.param("route_log", Param::RouteLog(log_at));
+        let Some(rows) = self.plan.arena.routers.iter().find(|r| r.node == g.node(n).name) else {
+            return Err(internal(op, "a router without rows in the routing log"));
+        };
+        let log = self.param("route_log", Param::RouteLog(rows.offset));
         self.header(stage, op, "scores and top-k");
         let f = self.fname(op, stage);
         let shape = init!("RouterShape";
@@ -53,7 +52,7 @@ impl Gen<'_> {
         let g = self.g;
         let stages = self.stages_of(op);
         let (up, down, combine) = (stages[0], stages[1], stages[2]);
-        self.place_outputs(op, combine)?;
+        self.place_outputs(op);
         let n = op
             .nodes
             .iter()
@@ -73,7 +72,7 @@ impl Gen<'_> {
         let k = g.value_type(ops[1]).elements();
         let slots = (self.batch * k).min(e);
         // The input, or the input of its RMSNorm prologue.
-        let (x_in, x, norm, eps) = self.with_norm_prologue(op, ops[0])?;
+        let (_, x, norm, eps) = self.with_norm_prologue(op, ops[0])?;
         let ids = self.value(ops[1], op)?;
         let wts = self.value(ops[2], op)?;
         let (bg, bu, bd) =
@@ -94,11 +93,8 @@ impl Gen<'_> {
             }
         }
         let out = self.value(ValueRef { node: n, output: 0 }, op)?;
-        self.check_reads(up, &[x_in, ops[1]])?;
-        self.check_reads(down, &[ops[1]])?;
-        self.check_reads(combine, &[ops[1], ops[2]])?;
-        let act_at = self.reserve(up, self.batch * slots * i * 4)?;
-        let down_at = self.reserve(down, self.batch * slots * d * 4)?;
+        let act_at = self.block(op, up, Block::ExpertAct)?;
+        let down_at = self.block(op, down, Block::ExpertDown)?;
         let shape = init!("MoeShape";
             experts = e,
             top_k = k,
@@ -127,20 +123,7 @@ impl Gen<'_> {
         // An MXFP4 stage's input is staged whole as fp32; one that does not
         // fit the shared-memory staging goes to the SM's global staging past
         // the output tile (bf16 rows read their input in place instead).
-        let mut spill = ["nullptr".to_string(), "nullptr".to_string()];
-        for (stage, is_down) in [(up, false), (down, true)] {
-            let mut tile = 0;
-            for t in &self.plan.tiling.stages[stage].tasks {
-                let TaskArgs::ExpertRows { r0, r1, .. } = self.plan.tiling.tasks[*t].args else {
-                    return Err(unsupported(op, "expert tasks without expert rows"));
-                };
-                tile = tile.max(u64::from(r1 - r0) * if is_down { 1 } else { 2 } * self.batch);
-            }
-            self.staging = self.staging.max(tile);
-            if mx {
-                spill[usize::from(is_down)] = self.spill(tile, if is_down { i } else { d });
-            }
-        }
+        let spill = [self.spill(up), self.spill(down)];
         // The consumer's arguments: the rows, the input and its prologue (and
         // where an MXFP4 stage's input spills).
         let compute = |x: &str, norm: &str, eps: f64, spill: &str| {
@@ -193,7 +176,7 @@ impl Gen<'_> {
         );
         // The loader waits for the router's whole stage before reading the
         // ids (the schedule's load waits, checked by the verifier).
-        if !self.writer.contains_key(&ops[1]) {
+        if !self.plan.arena.writes.contains_key(&ops[1]) {
             return Err(unsupported(op, "ids from a router stage"));
         }
         self.role(down, format!("{f}(t, m, p, it, warp);"), Some(format!("{load_fn}({f}_rows(t, m, p), it);")));

@@ -11,8 +11,7 @@ impl Gen<'_> {
         let g = self.g;
         let stages = self.stages_of(op);
         let rows_stage = stages[0];
-        let last = *stages.last().expect("a stage");
-        self.place_outputs(op, last)?;
+        self.place_outputs(op);
         let inside = |n: NodeId| op.nodes.contains(&n.index());
         let linears: Vec<NodeId> = op
             .nodes
@@ -32,7 +31,6 @@ impl Gen<'_> {
         let gated = op.nodes.contains(&x.node.index()) && matches!(self.op_of(x.node), Some((OpKind::GatedRmsNorm, _)));
         let mul = op.nodes.contains(&x.node.index()) && matches!(self.op_of(x.node), Some((OpKind::Mul, _)));
         let mut mul_gate: Option<(String, u32)> = None;
-        let mut extra_reads = vec![];
         let (x_in, x_ptr, norm, eps, gate) = if mul {
             let mops = g.operands(x.node);
             let inside = |v: &ValueRef| op.nodes.contains(&v.node.index());
@@ -49,7 +47,6 @@ impl Gen<'_> {
             } else {
                 (gv, 0)
             };
-            extra_reads.push(graw);
             mul_gate = Some((self.value(graw, op)?, sig));
             (val, self.value(val, op)?, "nullptr".to_string(), 1e-6, None)
         } else if gated {
@@ -71,10 +68,7 @@ impl Gen<'_> {
             (x_in, x_ptr, norm, eps, None)
         };
         let k = g.value_type(x_in).elements();
-        let mut reads = vec![x_in];
-        reads.extend(extra_reads);
-        if let Some((gv, _, d, _)) = &gate {
-            reads.push(*gv);
+        if let Some((_, _, d, _)) = &gate {
             if d == &0 || !k.is_multiple_of(*d) {
                 return Err(unsupported(op, &format!("a gated-norm prologue over {k} channels in groups of {d}")));
             }
@@ -107,19 +101,9 @@ impl Gen<'_> {
         }
         let _ = writeln!(rows, "    default: __trap();\n  }}");
         let tasks: Vec<usize> = self.plan.tiling.stages[rows_stage].tasks.clone();
-        let max_cols = tasks
-            .iter()
-            .map(|t| match self.plan.tiling.tasks[*t].args {
-                TaskArgs::Rows { up, r0, r1, .. } => u64::from(r1 - r0) * if up.is_some() { 2 } else { 1 },
-                _ => 0,
-            })
-            .max()
-            .unwrap_or(0);
-        self.staging = self.staging.max(max_cols * self.batch);
         // A gated input is staged whole (the gated-norm and the multiply-gate
         // prologues); the plain one is read in place when it does not fit.
-        let spill =
-            if gate.is_some() || mul_gate.is_some() { self.spill(max_cols * self.batch, k) } else { "nullptr".into() };
+        let spill = self.spill(rows_stage);
 
         // The epilogue, in graph order: each value's span in the tile.
         let mut body = String::new();
@@ -215,7 +199,6 @@ impl Gen<'_> {
                         _ => return Err(unsupported(op, "an add of two values it computes")),
                     };
                     let ptr = self.value(other, op)?;
-                    reads.push(other);
                     let len = g.value_type(other).elements();
                     let _ = writeln!(body, "  ep_add<kBatch>(st, n, {mine}, {ptr}, {len});\n  consumer_sync();");
                     span.insert(out, mine);
@@ -249,7 +232,6 @@ impl Gen<'_> {
                     let hidden = g.value_type(ops[1]).elements();
                     let rows = g.value_type(ops[0]).elements() / hidden.max(1);
                     let bank = self.value(ops[0], op)?;
-                    reads.push(ops[0]);
                     let dst = self.value(out, op)?;
                     let rows = self.param("bank_rows", Param::Int(rows));
                     let args = init!("EpStack";
@@ -318,7 +300,7 @@ impl Gen<'_> {
                         .cloned()
                         .ok_or_else(|| unsupported(op, "argmax of a value it does not compute"))?;
                     let tiles = tasks.len();
-                    let at = self.reserve(rows_stage, self.batch * tiles as u64 * 8)?;
+                    let at = self.block(op, rows_stage, Block::TileMax)?;
                     let ptr = format!("reinterpret_cast<float2*>({})", self.arena("tile_max", at));
                     let args = init!("EpTileMax"; out = ptr, tile = "t.index", tiles = tiles);
                     let _ = writeln!(body, "  ep_tile_max<kBatch>(st, n, {src}, {args});");
@@ -340,7 +322,6 @@ impl Gen<'_> {
                 return Err(unsupported(op, &format!("{} read twice inside the operation", g.node(n).name)));
             }
         }
-        self.check_reads(rows_stage, &reads)?;
         self.header(rows_stage, op, "output rows");
         let f = self.fname(op, rows_stage);
         let _ = writeln!(
