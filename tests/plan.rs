@@ -473,6 +473,42 @@ fn the_verifier_checks_the_loaders_waits() {
     assert!(plan::verify::verify(&p.fusion, &p.tiling, &p.schedule).is_ok());
 }
 
+/// The verifier checks the arena's layout: two blocks of a region that
+/// overlap, a block outside its buffer, a spill past the SM's staging and a
+/// read of a value whose writer the reader does not wait for are each refused.
+#[test]
+fn the_verifier_checks_the_arena() {
+    let v = compile("kimi_k3", "tiny.json");
+    let t = Target::load("h200").unwrap();
+    let p = plan::plan(&v, &t, Options::default()).unwrap();
+    let g = p.graph.graph();
+    assert!(plan::verify::arena(g, &p.tiling, &p.arena).unwrap() > 0);
+    let check = |a: &plan::arena::Arena| plan::verify::arena(g, &p.tiling, a).map_err(|e| e.to_string());
+    // Two blocks of one region, the second moved onto the first.
+    let (i, j) = (0..p.arena.slots.len())
+        .flat_map(|i| (i + 1..p.arena.slots.len()).map(move |j| (i, j)))
+        .find(|&(i, j)| p.arena.slots[i].region == p.arena.slots[j].region)
+        .expect("a region of two blocks");
+    let mut a = p.arena.clone();
+    a.slots[j].offset = a.slots[i].offset;
+    assert!(check(&a).unwrap_err().contains("overlap"));
+    // A block past its buffer's end.
+    let mut a = p.arena.clone();
+    let (at, bytes) = a.buffers[a.slots[0].buffer];
+    a.slots[0].offset = at + bytes;
+    assert!(check(&a).unwrap_err().contains("outside its buffer"));
+    // A spill past the staging.
+    let mut a = p.arena.clone();
+    a.spills[0] = Some(a.staging_floats);
+    assert!(check(&a).unwrap_err().contains("staging"));
+    // The first stage reads the last stage's value: it cannot wait for it.
+    let last = p.tiling.stages.len() - 1;
+    let (&v, _) = p.arena.writes.iter().find(|(_, &w)| w == last).expect("the last stage writes");
+    let mut a = p.arena.clone();
+    a.reads[0].push(v);
+    assert!(check(&a).unwrap_err().contains("without depending on it"));
+}
+
 /// The full 93-layer K3 is a program of its kinds: every layer of a kind
 /// shares its code, so the generated sources stay far below the budget of
 /// 12,000 lines (the layers, experts and tasks are data in the plan file).
