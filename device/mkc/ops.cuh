@@ -22,6 +22,7 @@
 
 #include "ops/common.cuh"
 #include "ops/rows.cuh"
+#include "ops/fp8_rows.cuh"
 #include "ops/epilogue.cuh"
 #include "ops/mla.cuh"
 #include "ops/kda.cuh"

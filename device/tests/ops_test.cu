@@ -6,7 +6,8 @@
 // epilogue, MLA split + combine over several KV splits with the current
 // position inside one of them, and KDA's short-conv and L2-norm epilogues,
 // decode step (both gate forms) and gated output norm; K3's SiTU-GLU epilogue
-// and attention-residual mix; MXFP4 rows through the page ring. Each kernel runs the 256 consumer threads of
+// and attention-residual mix; MXFP4 rows and FP8 (e4m3, 128 x 128 block scales) rows
+// through the page ring. Each kernel runs the 256 consumer threads of
 // one CTA with the megakernel's shared memory. Every output element is
 // compared; every CUDA call is checked. Prints one line per test and exits 1
 // on any failure.
@@ -296,6 +297,112 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
                 spill ? ", input staged in global memory" : "", worst);
   report("MXFP4 rows through the page ring", finite && worst < 1e-5, detail);
   for (const void* p : {(const void*)c.rows.c0, (const void*)c.rows.s0, (const void*)c.rows.c1,
+                        (const void*)c.rows.s1, (const void*)c.x, (const void*)c.norm, (const void*)c.out,
+                        (const void*)c.spill})
+    if (p != nullptr) CHECK(cudaFree(const_cast<void*>(p)));
+}
+
+// ---------------------------------------------------------------------------
+// FP8 rows (e4m3 codes, fp32 scales per 128 x 128 block) through the page ring.
+struct Fp8Case {
+  mkc::Fp8Rows rows;
+  const float* x;
+  const __nv_bfloat16* norm;
+  float* out;
+  float* spill;
+};
+__device__ Fp8Case g_fp8;
+
+template <int B>
+__global__ void __launch_bounds__(mkc::kConsumerThreads + 32, 1) fp8_kernel() {
+  mkc::Ring& ring = *mkc::ring_ptr();
+  if (threadIdx.x == 0) mkc::ring_init(ring);
+  __syncthreads();
+  uint32_t it = 0;
+  const Fp8Case c = g_fp8;
+  for (int rep = 0; rep < 2; ++rep) {  // twice: the ring's positions carry over
+    if (threadIdx.x / 32 == mkc::kConsumerWarps) {
+      mkc::fp8_rows_load(c.rows, it);
+    } else {
+      mkc::fp8_rows_compute<B>(
+          mkc::Fp8RowsCompute{.rows = c.rows, .x = c.x, .norm = c.norm, .eps = 1e-6f, .spill = c.spill}, it,
+          threadIdx.x / 32, c.out);
+      mkc::consumer_sync();
+    }
+  }
+}
+
+// e4m3 (OCP FP8: bias 7, no infinities, S.1111.111 NaN) decoded from its
+// definition, for the reference.
+static double e4m3_ref(uint8_t c) {
+  const int sign = c >> 7, exp = (c >> 3) & 15, man = c & 7;
+  const double mag = exp == 0 ? std::ldexp(man / 8.0, -6) : std::ldexp(1.0 + man / 8.0, exp - 7);
+  return sign ? -mag : mag;
+}
+
+template <int B>
+static void test_fp8(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1, uint32_t k, bool pair, bool norm) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_int_distribution<int> byte(0, 255);
+  const uint32_t bn = (n_rows + 127) / 128, bk = (k + 127) / 128;
+  auto codes = [&] {
+    std::vector<uint8_t> v(size_t(n_rows) * k);
+    for (auto& x : v) {
+      do x = uint8_t(byte(rng));
+      while ((x & 0x7f) == 0x7f);  // e4m3's NaN codes are not weights
+    }
+    return v;
+  };
+  auto scales = [&] {
+    std::vector<float> v(size_t(bn) * bk);
+    for (auto& x : v) x = std::ldexp(1.f + 0.5f * std::abs(nd(rng)), -8 + int(byte(rng) % 6));
+    return v;
+  };
+  const auto c0 = codes(), c1 = codes();
+  const auto s0 = scales(), s1 = scales();
+  std::vector<float> x(size_t(B) * k);
+  for (auto& v : x) v = nd(rng);
+  std::vector<__nv_bfloat16> g(k);
+  for (auto& v : g) v = __float2bfloat16(1.f + 0.1f * nd(rng));
+  const uint32_t n = r1 - r0, cols = n * (pair ? 2 : 1);
+  Fp8Case c{mkc::Fp8Rows{upload(c0), upload(s0), pair ? upload(c1) : nullptr, pair ? upload(s1) : nullptr, r0, r1, k},
+            upload(x), norm ? upload(g) : nullptr, upload(std::vector<float>(size_t(B) * cols, NAN)), nullptr};
+  const bool spill = size_t(B) * k * sizeof(float) > size_t(mkc::kActivationBytes);
+  if (spill) c.spill = upload(std::vector<float>(size_t(B) * k, NAN));
+  CHECK(cudaMemcpyToSymbol(g_fp8, &c, sizeof c));
+  launch_with_loader(fp8_kernel<B>);
+  const auto out = download(c.out, size_t(B) * cols);
+  double worst = 0;
+  bool finite = true;
+  for (int b = 0; b < B; ++b) {
+    double sc = 1;
+    if (norm) {
+      double ss = 0;
+      for (uint32_t e = 0; e < k; ++e) ss += double(x[b * k + e]) * x[b * k + e];
+      sc = 1 / std::sqrt(ss / k + 1e-6);
+    }
+    for (uint32_t j = 0; j < cols; ++j) {
+      const auto& cv = j < n ? c0 : c1;
+      const auto& sv = j < n ? s0 : s1;
+      const size_t row = r0 + (j < n ? j : j - n);
+      double ref = 0, mag = 0;
+      for (uint32_t e = 0; e < k; ++e) {
+        const double w = e4m3_ref(cv[row * k + e]) * sv[row / 128 * bk + e / 128];
+        const double xe = double(x[b * k + e]) * (norm ? sc * double(__bfloat162float(g[e])) : 1.0);
+        ref += w * xe;
+        mag += std::abs(w * xe);
+      }
+      const float got = out[size_t(b) * cols + j];
+      finite &= std::isfinite(got);
+      worst = std::max(worst, std::abs(got - ref) / (mag + 1e-30));
+    }
+  }
+  char detail[160];
+  std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s%s: max error / sum|terms| %.2e", B, r0,
+                r1, n_rows, k, pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "",
+                spill ? ", input staged in global memory" : "", worst);
+  report("FP8 rows through the page ring", finite && worst < 1e-5, detail);
+  for (const void* p : {(const void*)c.rows.w0, (const void*)c.rows.s0, (const void*)c.rows.w1,
                         (const void*)c.rows.s1, (const void*)c.x, (const void*)c.norm, (const void*)c.out,
                         (const void*)c.spill})
     if (p != nullptr) CHECK(cudaFree(const_cast<void*>(p)));
@@ -1012,6 +1119,11 @@ int main() {
   test_mx<2>(rng, 8, 0, 8, 96, true, true);         // three blocks: an odd pair
   test_mx<8>(rng, 24, 8, 24, 96, true, false);      // the CUDA-core consumer at an odd number of blocks
   test_mx<1>(rng, 12, 0, 12, 10240, false, true);   // batch 1 past the fragments' room: the CUDA-core consumer
+  test_fp8<1>(rng, 300, 3, 261, 7168, false, true);   // K2's hidden width: 4 pages a row, rows across 128-row blocks
+  test_fp8<1>(rng, 256, 128, 192, 2048, true, false); // a gate/up pair, one full page
+  test_fp8<4>(rng, 40, 0, 40, 1040, false, true);     // a partial column block (1040 = 8 x 128 + 16) and page
+  test_fp8<8>(rng, 24, 8, 24, 7168, true, true);      // batch 8: the input staged in global memory
+  test_fp8<3>(rng, 130, 120, 130, 4112, false, false); // the last, partial row block; three pages, the last of 16 columns
   test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone
   test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");

@@ -1,0 +1,163 @@
+// mkc device library: FP8 weight rows through the page ring (Kimi K2 and
+// DeepSeek-V3 as released): e4m3 codes as the checkpoint stores them, [n, k]
+// row-major, and one fp32 scale per 128 x 128 block, [ceil(n / 128)][ceil(k /
+// 128)] (`weight_scale_inv`, the factor that dequantises):
+//
+//   W[i, e] = e4m3(code[i, e]) * scale[i / 128][e / 128]
+//
+// Blocks at the edges (n or k not a multiple of 128) are partial; their scale
+// covers what is there. The codes stream through the ring as the bf16 rows do,
+// twice the columns a page (a page's bytes are the same); each row's scale for
+// a lane's eight columns is one fp32 read through L1 (a 128-row block's scales
+// are ceil(k / 128) floats, 224 bytes at K2's 7168), not a ring copy.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include "rows.cuh"
+
+namespace mkc {
+
+constexpr uint32_t kFp8Block = 128;                             // a scale's rows and columns
+constexpr uint32_t kFp8PageK = uint32_t(kPageBytes) / kPageRows;  // a page row's e4m3 codes: 2048
+static_assert(kFp8PageK == 2 * kPageK, "a page holds twice the fp8 columns of bf16 ones");
+static_assert(kFp8PageK == kConsumerWarps * 256, "a warp covers 256 columns of a page, eight a lane");
+
+// A task's FP8 rows: rows [r0, r1) of (w0, s0) and, for a gate/up pair, the
+// same rows of (w1, s1) after them (tile columns [n, 2n)). k a multiple of 16
+// (each row's codes start on a 16-byte boundary, the bulk copies' alignment).
+struct Fp8Rows {
+  const uint8_t* w0;  // codes [n, k]
+  const float* s0;    // scales [ceil(n / 128)][ceil(k / 128)]
+  const uint8_t* w1;  // the paired (up) matrix's, or null
+  const float* s1;
+  uint32_t r0, r1, k;
+  __device__ uint32_t cols() const { return (r1 - r0) * (w1 != nullptr ? 2 : 1); }
+  __device__ uint32_t blocks_k() const { return (k + kFp8Block - 1) / kFp8Block; }
+  // Tile column j's codes, and its 128-row block's scales.
+  __device__ const uint8_t* row(uint32_t j) const {
+    const uint32_t n = r1 - r0;
+    return j < n ? w0 + size_t(r0 + j) * k : w1 + size_t(r0 + j - n) * k;
+  }
+  __device__ const float* scales(uint32_t j) const {
+    const uint32_t n = r1 - r0;
+    return j < n ? s0 + size_t((r0 + j) / kFp8Block) * blocks_k() : s1 + size_t((r0 + j - n) / kFp8Block) * blocks_k();
+  }
+};
+
+// Loader: the task's rows into the page ring, kPageRows rows of up to
+// kFp8PageK codes a page, a row block's chunks in turn; lane j copies the
+// page's row j (as rows_load_grouped does for bf16 rows).
+__device__ inline void fp8_rows_load(const Fp8Rows& r, uint32_t& it) {
+  const uint32_t lane = threadIdx.x % 32, cols = r.cols();
+  if (r.k % 16 != 0) __trap();  // the planner's limit (a row's codes 16-byte aligned)
+  for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
+    const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
+    for (uint32_t k0 = 0; k0 < r.k; k0 += kFp8PageK, ++it) {
+      const uint32_t nk = min(kFp8PageK, r.k - k0);
+      const int slot = it % kPages;
+      if (lane == 0) {
+        Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+        Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * nk);
+      }
+      __syncwarp();
+      if (lane < nr) {
+        auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
+        cute::SM90_BULK_COPY_G2S::copy(r.row(j0 + lane) + k0, &ring_ptr()->full[slot], page + lane * kFp8PageK,
+                                       int32_t(nk));
+      }
+    }
+  }
+  __syncwarp();
+}
+
+// Eight e4m3 codes (8 bytes, the first in the low byte) as fp32: e4m3 is
+// exact in fp16, converted two at a time (cvt.rn.f16x2.e4m3x2 on sm_89 and
+// later).
+__device__ __forceinline__ void e4m3x8(uint2 c, float (&w)[8]) {
+  const uint32_t words[2] = {c.x, c.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw raw =
+          __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(words[i] >> (16 * h) & 0xffffu), __NV_E4M3);
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
+      w[4 * i + 2 * h] = f.x;
+      w[4 * i + 2 * h + 1] = f.y;
+    }
+  }
+}
+
+// Consumers: rows of y = x W^T into st [B, cols] (x fp32 [B, k], in shared
+// memory or global), on the CUDA cores at every batch. Warp w takes columns
+// [256 w, 256 w + 256) of each page, eight a lane (one 8-byte load a row), so
+// a lane's columns lie in one 128-column block: their eight products are
+// summed before the row's block scale multiplies them once. After a row
+// block's last page the sums are reduced over the warp and the warps, in a
+// fixed order (reduce_row_block).
+template <int B>
+__device__ void fp8_rows_pages(const Fp8Rows& r, const float* x, uint32_t& it, int warp, float* st) {
+  const int lane = threadIdx.x % 32;
+  __shared__ float part[2][kConsumerWarps][kPageRows * B];
+  const uint32_t cols = r.cols();
+  const uint32_t e = uint32_t(warp) * 256 + uint32_t(lane) * 8;  // this lane's columns within a page
+  for (uint32_t j0 = 0, block = 0; j0 < cols; j0 += kPageRows, ++block) {
+    const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
+    float acc[kPageRows][B] = {};
+    for (uint32_t k0 = 0; k0 < r.k; k0 += kFp8PageK, ++it) {
+      const uint32_t nk = min(kFp8PageK, r.k - k0);
+      const int slot = it % kPages;
+      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      if (e < nk) {
+        float xv[B][8];
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+          const float4 a = load_four(x + size_t(b) * r.k + k0 + e), c = load_four(x + size_t(b) * r.k + k0 + e + 4);
+          xv[b][0] = a.x, xv[b][1] = a.y, xv[b][2] = a.z, xv[b][3] = a.w;
+          xv[b][4] = c.x, xv[b][5] = c.y, xv[b][6] = c.z, xv[b][7] = c.w;
+        }
+        const auto* page = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]);
+        const uint32_t kb = (k0 + e) / kFp8Block;
+#pragma unroll
+        for (int j = 0; j < kPageRows; ++j) {
+          if (uint32_t(j) >= nr) break;
+          const float s = __ldg(r.scales(j0 + j) + kb);
+          float wv[8];
+          e4m3x8(*reinterpret_cast<const uint2*>(page + j * kFp8PageK + e), wv);
+#pragma unroll
+          for (int b = 0; b < B; ++b) {
+            float p0 = 0.f, p1 = 0.f;  // two chains of four
+#pragma unroll
+            for (int u = 0; u < 8; u += 2) {
+              p0 = fmaf(wv[u], xv[b][u], p0);
+              p1 = fmaf(wv[u + 1], xv[b][u + 1], p1);
+            }
+            acc[j][b] = fmaf(s, p0 + p1, acc[j][b]);
+          }
+        }
+      }
+      release_page(&ring_ptr()->empty[slot]);
+    }
+    reduce_row_block<B>(acc, part[block & 1], nr, cols, j0, warp, st);
+  }
+}
+
+// FP8 rows of y = x' W^T, x' = x or RMSNorm(x) * norm, the input staged as
+// fp32 in shared memory, or in `spill` when it does not fit (input_area). The
+// task's loader is fp8_rows_load.
+template <class T>
+struct Fp8RowsCompute {
+  Fp8Rows rows;               // the task's weight rows (fp8_rows_load streams them)
+  const T* x;                 // [B, rows.k] the input
+  const __nv_bfloat16* norm;  // [rows.k] the RMSNorm prologue's weight, or null: no prologue
+  float eps;                  // the prologue's epsilon
+  float* spill;               // where the input is staged when it does not fit shared memory (or null)
+};
+template <int B, class T>
+__device__ void fp8_rows_compute(Fp8RowsCompute<T> a, uint32_t& it, int warp, float* st) {
+  const Fp8Rows& r = a.rows;
+  fp8_rows_pages<B>(r, stage_input<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill)), it, warp, st);
+}
+
+}  // namespace mkc
