@@ -750,3 +750,39 @@ fn mxfp4_experts_are_costed_by_their_decode() {
     let p = plan::plan(&v, &t, Options::default()).unwrap();
     assert!(p.tiling.tasks.iter().all(|task| task.decoded == 0));
 }
+
+/// Kimi K2 as released, in FP8 (e4m3 with 128 x 128 block scales): linears
+/// on one input merge only with weights of their type (the router's bf16
+/// gate is not merged with the FP8 shared experts), an FP8 width that is not
+/// a multiple of 16 is refused by the planner, and the MLA's FP8 up-projection
+/// is refused before code generation, by name, at the MLA call.
+#[test]
+fn fp8_k2_plans_by_weight_type() {
+    let fp8 = |c: &mut serde_json::Value| {
+        c["quantization_config"] =
+            serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"});
+    };
+    let t = Target::load("h200").unwrap();
+    let (v, _) = compile_edited("kimi_k2", "tiny.json", fp8);
+    let p = plan::plan(&v, &t, Options::default()).unwrap();
+    let g = p.graph.graph();
+    for op in &p.fusion.ops {
+        let weights: std::collections::BTreeSet<&str> = op
+            .nodes
+            .iter()
+            .map(|n| mkc::ir::NodeId::at(*n))
+            .filter(|n| matches!(g.op(*n), Some((mkc::ops::OpKind::Linear, _))))
+            .map(|n| g.value_type(g.operands(n)[1]).dtype.name())
+            .collect();
+        assert!(weights.len() <= 1, "{}: linears of {weights:?} weights in one projection", op.name);
+    }
+    let err = mkc::plan::limits::computable(&p).unwrap_err().to_string();
+    assert!(err.contains("fp8e4m3 MLA up-projection (kv_b) weights"), "{err}");
+    // An FP8 width the ring cannot stream in 16-byte runs.
+    let (v, _) = compile_edited("kimi_k2", "tiny.json", |c| {
+        fp8(c);
+        c["moe_intermediate_size"] = 40.into();
+    });
+    let err = plan::plan(&v, &t, Options::default()).unwrap_err().to_string();
+    assert!(err.contains("FP8 experts whose widths") && err.contains("16"), "{err}");
+}

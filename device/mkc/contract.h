@@ -36,6 +36,10 @@ constexpr int kMaxBatch = 8;
 constexpr uint32_t kMxTileRows = 8;
 constexpr uint32_t kMxBlock = 32;
 
+// FP8 weights (fp8_rows.cuh): e4m3 rows as stored, whose widths are
+// multiples of kFp8Align (each row's codes a whole number of 16-byte runs).
+constexpr uint32_t kFp8Align = 16;
+
 // MLA decode: heads per task (a warp each in the softmax); a split's lane
 // holds kMlaLanePairs column pairs of a cache row, so rows (latent + RoPE) of
 // at most 64 x kMlaLanePairs elements; latent widths up to kMlaMaxLatent.

@@ -391,6 +391,21 @@ impl<'a> Gen<'a> {
         Ok(format!("static_cast<const {ty}*>(m.w[{field}])"))
     }
 
+    /// The pointer to an FP8 weight's block scales (`[ceil(rows / 128)][ceil(k / 128)]` fp32).
+    fn weight_scales(&mut self, n: NodeId) -> Result<String> {
+        let NodeKind::Weight(w) = &self.g.node(n).kind else {
+            return Err(Error::new(ErrorKind::Invalid, format!("codegen: {} is not a weight", self.g.node(n).name)));
+        };
+        let Some(idx) = w.scale_key_at(0).and_then(|k| self.weight_index.get(&k).copied()) else {
+            return Err(Error::new(
+                ErrorKind::Invalid,
+                format!("codegen: {} has no block scales", self.g.node(n).name),
+            ));
+        };
+        let field = self.param(&format!("{}_scales", short_name(&self.g.node(n).name)), Param::Weight(idx));
+        Ok(format!("static_cast<const float*>(m.w[{field}])"))
+    }
+
     /// The parameter holding the index of family member 0 (members are consecutive).
     fn family_base(&mut self, n: NodeId) -> String {
         let NodeKind::Weight(w) = &self.g.node(n).kind else { unreachable!("a weight") };

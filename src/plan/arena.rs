@@ -256,7 +256,7 @@ impl Layout<'_> {
                 let rows = self.tile_floats(first);
                 self.staging = self.staging.max(rows);
                 // The shared input: gated (a gated norm or a multiply inside the
-                // operation) is staged whole.
+                // operation) or read by FP8 rows is staged whole.
                 let linear = op
                     .nodes
                     .iter()
@@ -266,7 +266,8 @@ impl Layout<'_> {
                     let x = g.operands(l)[0];
                     let gated = op.nodes.contains(&x.node.index())
                         && matches!(op_kind(g, x.node), Some(OpKind::GatedRmsNorm | OpKind::Mul));
-                    if gated {
+                    let fp8 = g.value_type(g.operands(l)[1]).dtype == DType::Fp8E4m3;
+                    if gated || fp8 {
                         self.spill(first, rows, g.value_type(x).elements());
                     }
                 }
@@ -312,7 +313,7 @@ impl Layout<'_> {
                 for (stage, input, width) in [(up, d, 2), (down, i, 1)] {
                     let tile = self.tile_floats(stage) * width;
                     self.staging = self.staging.max(tile);
-                    if w.dtype == DType::Mxfp4 {
+                    if matches!(w.dtype, DType::Mxfp4 | DType::Fp8E4m3) {
                         self.spill(stage, tile, input);
                     }
                 }

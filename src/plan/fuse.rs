@@ -2,8 +2,9 @@
 //!
 //! Each rule names what it saves. The rules, applied in this order:
 //!
-//! 1. `merged-projection`: linears that read the same input become one
-//!    projection (the input is read once; one dependency wait instead of N).
+//! 1. `merged-projection`: linears that read the same input, with weights of
+//!    one type, become one projection (the input is read once; one
+//!    dependency wait instead of N).
 //! 2. `argmax-in-lm-head`: greedy argmax is the LM head's final stage (the
 //!    logits are reduced where they are produced).
 //! 3. `prologue`: a norm or element-wise op whose every user sits in one
@@ -244,12 +245,13 @@ pub fn fuse(v: &Validated) -> Result<Fusion> {
         }
     }
 
-    // 1. Linears sharing an input.
-    let mut by_input: BTreeMap<(usize, u16), usize> = BTreeMap::new();
+    // 1. Linears sharing an input and a weight type (a task's rows stream
+    // through one loader and consumer: bf16 and FP8 rows do not mix).
+    let mut by_input: BTreeMap<(usize, u16, &str), usize> = BTreeMap::new();
     for id in v.order() {
         if op_kind(g, *id) == Some(OpKind::Linear) {
             let x = g.operands(*id)[0];
-            let key = (x.node.index(), x.output);
+            let key = (x.node.index(), x.output, g.value_type(g.operands(*id)[1]).dtype.name());
             let grp = gs.group[id];
             match by_input.get(&key) {
                 Some(first) => {

@@ -19,8 +19,8 @@
 //! or epilogue a projection has) is refused by the emitter, which walks them.
 
 use crate::contract::{
-    ACTIVATION_BYTES, CONSUMER_WARPS, MAX_BANK_ROWS, MAX_KDA_DIM, MAX_MLA_HEADS, MLA_MAX_LATENT, MLA_MAX_ROW,
-    MOE_MAX_CHOICES, MX_BLOCK, MX_TILE_ROWS, ROUTER_MAX_GROUPS, SCRATCH_BYTES,
+    ACTIVATION_BYTES, CONSUMER_WARPS, FP8_ALIGN, MAX_BANK_ROWS, MAX_KDA_DIM, MAX_MLA_HEADS, MLA_MAX_LATENT,
+    MLA_MAX_ROW, MOE_MAX_CHOICES, MX_BLOCK, MX_TILE_ROWS, ROUTER_MAX_GROUPS, SCRATCH_BYTES,
 };
 use crate::diag::{Error, ErrorKind, Result};
 use crate::ir::{DType, Graph, NodeId};
@@ -40,6 +40,7 @@ pub fn check(g: &Graph, fusion: &Fusion, tiling: &Tiling, opts: Options) -> Resu
         FusedKind::AttnRes => c.attn_res(anchor),
         FusedKind::Router => c.router(anchor, attrs),
         FusedKind::Moe => c.moe(anchor),
+        FusedKind::Projection | FusedKind::LmHead => c.projection(anchor),
         _ => Ok(()),
     })
 }
@@ -54,6 +55,7 @@ pub fn computable(plan: &Plan) -> Result<()> {
             other => Err(format!("router scoring \"{other}\"")),
         },
         FusedKind::Moe => c.expert_kind(anchor, attrs).map(|_| ()),
+        FusedKind::MlaDecode => c.mla_weights(anchor),
         _ => Ok(()),
     })
 }
@@ -197,16 +199,34 @@ impl Check<'_> {
         Ok(())
     }
 
-    /// Whether the experts are MXFP4 (else bf16), or what the library lacks.
-    fn expert_kind(&self, n: NodeId, attrs: &Attrs) -> std::result::Result<bool, String> {
+    /// The experts' weight type (bf16, MXFP4 or FP8), or what the library lacks.
+    fn expert_kind(&self, n: NodeId, attrs: &Attrs) -> std::result::Result<DType, String> {
         match attrs.str("act") {
             "silu" | "situ" => {}
             a => return Err(format!("experts with act_and_mul with act \"{a}\"")),
         }
         match self.g.value_type(self.g.operands(n)[3]).dtype {
-            DType::Bf16 => Ok(false),
-            DType::Mxfp4 => Ok(true),
+            t @ (DType::Bf16 | DType::Mxfp4 | DType::Fp8E4m3) => Ok(t),
             other => Err(format!("{} expert weights", other.name())),
+        }
+    }
+
+    /// FP8 rows stream through the ring in 16-byte runs: a linear's input
+    /// width a multiple of 16.
+    fn projection(&self, n: NodeId) -> Lacks {
+        let ops = self.g.operands(n);
+        let (w, k) = (self.g.value_type(ops[1]), self.g.value_type(ops[0]).elements());
+        if w.dtype == DType::Fp8E4m3 && !k.is_multiple_of(FP8_ALIGN) {
+            return Err(format!("FP8 weight rows of {k} columns (a multiple of {FP8_ALIGN})"));
+        }
+        Ok(())
+    }
+
+    /// The MLA split and combine read W_UK and W_UV (kv_b) as bf16.
+    fn mla_weights(&self, n: NodeId) -> Lacks {
+        match self.g.value_type(self.g.operands(n)[3]).dtype {
+            DType::Bf16 => Ok(()),
+            other => Err(format!("{} MLA up-projection (kv_b) weights", other.name())),
         }
     }
 
@@ -218,6 +238,9 @@ impl Check<'_> {
         let k = self.g.value_type(ops[1]).elements();
         if mx && (!d.is_multiple_of(MX_BLOCK) || !i.is_multiple_of(MX_BLOCK)) {
             return Err(format!("MXFP4 experts whose widths ({d}, {i}) are not multiples of {MX_BLOCK}"));
+        }
+        if wg.dtype == DType::Fp8E4m3 && (!d.is_multiple_of(FP8_ALIGN) || !i.is_multiple_of(FP8_ALIGN)) {
+            return Err(format!("FP8 experts whose widths ({d}, {i}) are not multiples of {FP8_ALIGN}"));
         }
         if !d.is_multiple_of(8) || !i.is_multiple_of(8) || self.batch * k > MOE_MAX_CHOICES {
             return Err(format!(

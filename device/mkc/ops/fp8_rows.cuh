@@ -24,7 +24,7 @@ static_assert(kFp8PageK == 2 * kPageK, "a page holds twice the fp8 columns of bf
 static_assert(kFp8PageK == kConsumerWarps * 256, "a warp covers 256 columns of a page, eight a lane");
 
 // A task's FP8 rows: rows [r0, r1) of (w0, s0) and, for a gate/up pair, the
-// same rows of (w1, s1) after them (tile columns [n, 2n)). k a multiple of 16
+// same rows of (w1, s1) after them (tile columns [n, 2n)). k a multiple of kFp8Align
 // (each row's codes start on a 16-byte boundary, the bulk copies' alignment).
 struct Fp8Rows {
   const uint8_t* w0;  // codes [n, k]
@@ -50,7 +50,7 @@ struct Fp8Rows {
 // page's row j (as rows_load_grouped does for bf16 rows).
 __device__ inline void fp8_rows_load(const Fp8Rows& r, uint32_t& it) {
   const uint32_t lane = threadIdx.x % 32, cols = r.cols();
-  if (r.k % 16 != 0) __trap();  // the planner's limit (a row's codes 16-byte aligned)
+  if (r.k % kFp8Align != 0) __trap();  // the planner's limit (a row's codes 16-byte aligned)
   for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
     const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
     for (uint32_t k0 = 0; k0 < r.k; k0 += kFp8PageK, ++it) {

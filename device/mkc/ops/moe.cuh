@@ -2,6 +2,7 @@
 // the weighted combine).
 #pragma once
 
+#include "fp8_rows.cuh"
 #include "rows.cuh"
 
 namespace mkc {
@@ -205,6 +206,24 @@ __device__ inline MxRows expert_mx_rows(ExpertRows a) {
   }
   const uint32_t g = s.gate_base + s.stride * uint32_t(e), u = s.up_base + s.stride * uint32_t(e);
   return MxRows{u8(g), u8(g + 1), u8(u), u8(u + 1), r0, r1, s.hidden};
+}
+
+// The FP8 rows of an expert task (as expert_rows, of the same arguments): an
+// expert's e4m3 codes then its block scales in the weight table, experts
+// `stride` (2) apart.
+template <int B>
+__device__ inline Fp8Rows expert_fp8_rows(ExpertRows a) {
+  const MoeShape& s = a.shape;
+  const int e = slot_expert<B>(a.ids, B * s.top_k, a.slot);
+  auto u8 = [&](uint32_t i) { return static_cast<const uint8_t*>(a.w[i]); };
+  auto f32 = [&](uint32_t i) { return static_cast<const float*>(a.w[i]); };
+  if (e < 0) return Fp8Rows{nullptr, nullptr, nullptr, nullptr, 0, 0, a.down ? s.inter : s.hidden};
+  if (a.down) {
+    const uint32_t i = s.down_base + s.stride * uint32_t(e);
+    return Fp8Rows{u8(i), f32(i + 1), nullptr, nullptr, a.r0, a.r1, s.inter};
+  }
+  const uint32_t g = s.gate_base + s.stride * uint32_t(e), u = s.up_base + s.stride * uint32_t(e);
+  return Fp8Rows{u8(g), f32(g + 1), u8(u), f32(u + 1), a.r0, a.r1, s.hidden};
 }
 
 // routed[b, d] = sum_j weight[b, j] out[slot(ids[b, j]), b, d], for column

@@ -63,11 +63,15 @@ impl Gen<'_> {
         let act_call = act_and_mul_call(attrs, "s").map_err(|a| internal(op, &format!("experts with {a}")))?;
         let ops = g.operands(n);
         let wg = g.value_type(ops[3]).clone();
-        let mx = match wg.dtype {
-            DType::Bf16 => false,
-            DType::Mxfp4 => true,
+        // MXFP4 and FP8 experts: each expert's codes then its scales in the
+        // weight table, staged input (`paired`); bf16 rows read it in place.
+        let (mx, fp8) = match wg.dtype {
+            DType::Bf16 => (false, false),
+            DType::Mxfp4 => (true, false),
+            DType::Fp8E4m3 => (false, true),
             other => return Err(internal(op, &format!("{} expert weights", other.name()))),
         };
+        let paired = mx || fp8;
         let (e, i, d) = (wg.shape[0], wg.shape[1], wg.shape[2]);
         let k = g.value_type(ops[1]).elements();
         let slots = (self.batch * k).min(e);
@@ -77,9 +81,9 @@ impl Gen<'_> {
         let wts = self.value(ops[2], op)?;
         let (bg, bu, bd) =
             (self.family_base(ops[3].node), self.family_base(ops[4].node), self.family_base(ops[5].node));
-        // MXFP4: each expert's codes then its scales, experts `stride` apart.
-        let stride = if mx { 2 } else { 1 };
-        if mx {
+        // MXFP4 and FP8: each expert's codes then its scales, experts `stride` apart.
+        let stride = if paired { 2 } else { 1 };
+        if paired {
             for w in [ops[3].node, ops[4].node, ops[5].node] {
                 let NodeKind::Weight(wt) = &g.node(w).kind else { unreachable!("a weight") };
                 let base = self.weight_index[&wt.key_at(0)];
@@ -87,7 +91,7 @@ impl Gen<'_> {
                     let code = self.weight_index[&wt.key_at(e)];
                     let scale = wt.scale_key_at(e).and_then(|k| self.weight_index.get(&k).copied());
                     if code != base + 2 * e as usize || scale != Some(code + 1) {
-                        return Err(unsupported(op, "MXFP4 experts whose codes and scales are not listed in pairs"));
+                        return Err(unsupported(op, "experts whose codes and scales are not listed in pairs"));
                     }
                 }
             }
@@ -113,6 +117,8 @@ impl Gen<'_> {
         // The row type, its loader and its consumer.
         let (rows_t, rows_fn, load_fn, compute_fn) = if mx {
             ("MxRows", "expert_mx_rows", "mx_rows_load", "mx_rows_compute")
+        } else if fp8 {
+            ("Fp8Rows", "expert_fp8_rows", "fp8_rows_load", "fp8_rows_compute")
         } else {
             ("Rows", "expert_rows", "rows_load<kBatch>", "rows_compute")
         };
@@ -120,7 +126,7 @@ impl Gen<'_> {
         let dn = format!("reinterpret_cast<float*>({})", self.arena("down", down_at));
         // Expert rows stream through the page ring like a projection's; the
         // loader finds the slot's expert in the router's ids.
-        // An MXFP4 stage's input is staged whole as fp32; one that does not
+        // An MXFP4 or FP8 stage's input is staged whole as fp32; one that does not
         // fit the shared-memory staging goes to the SM's global staging past
         // the output tile (bf16 rows read their input in place instead).
         let spill = [self.spill(up), self.spill(down)];
@@ -129,6 +135,8 @@ impl Gen<'_> {
         let compute = |x: &str, norm: &str, eps: f64, spill: &str| {
             if mx {
                 init!("MxRowsCompute"; rows = "r", x = x, norm = norm, eps = float(eps), spill = spill)
+            } else if fp8 {
+                init!("Fp8RowsCompute"; rows = "r", x = x, norm = norm, eps = float(eps), spill = spill)
             } else {
                 init!("RowsCompute"; rows = "r", x = x, norm = norm, eps = float(eps))
             }

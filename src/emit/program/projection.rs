@@ -76,28 +76,53 @@ impl Gen<'_> {
         if !matches!(g.value_type(x).dtype, DType::Bf16 | DType::F32) || !k.is_multiple_of(8) {
             return Err(unsupported(op, "a bf16 or f32 input whose length is a multiple of 8"));
         }
+        // bf16 weights, or FP8 (e4m3 with 128 x 128 block scales): every
+        // linear of the operation the same.
+        let fp8 = g.value_type(g.operands(linears[0])[1]).dtype == DType::Fp8E4m3;
         for l in &linears {
             let w = g.value_type(g.operands(*l)[1]);
-            if w.dtype != DType::Bf16 {
+            if !matches!(w.dtype, DType::Bf16 | DType::Fp8E4m3) || (w.dtype == DType::Fp8E4m3) != fp8 {
                 return Err(unsupported(op, &format!("{} weights ({})", w.dtype.name(), g.node(*l).name)));
             }
         }
+        if fp8 && (gate.is_some() || mul_gate.is_some()) {
+            return Err(unsupported(op, "FP8 weights behind a gated prologue"));
+        }
         // Row sources of each task, by its linear node.
+        let rows_t = if fp8 { "Fp8Rows" } else { "Rows" };
         let mut rows = String::new();
-        let r = init!("Rows"; w0 = "nullptr", w1 = "nullptr", r0 = "t.a[2]", r1 = "t.a[3]", k = k);
-        let _ = writeln!(rows, "  Rows r = {r};\n  switch (t.a[0]) {{");
+        let r = if fp8 {
+            init!("Fp8Rows"; w0 = "nullptr", s0 = "nullptr", w1 = "nullptr", s1 = "nullptr", r0 = "t.a[2]", r1 = "t.a[3]", k = k)
+        } else {
+            init!("Rows"; w0 = "nullptr", w1 = "nullptr", r0 = "t.a[2]", r1 = "t.a[3]", k = k)
+        };
+        let _ = writeln!(rows, "  {rows_t} r = {r};\n  switch (t.a[0]) {{");
         for (ordinal, l) in linears.iter().enumerate() {
-            let w = self.weight(g.operands(*l)[1].node, 0)?;
+            let wn = g.operands(*l)[1].node;
+            let w = self.weight(wn, 0)?;
             let up = op
                 .nodes
                 .iter()
                 .map(|n| nid(*n))
                 .find(|n| matches!(self.op_of(*n), Some((OpKind::ActAndMul, _))) && g.operands(*n)[0].node == *l);
-            let w1 = match up.map(|a| g.operands(a)[1].node) {
-                Some(u) if linears.contains(&u) => self.weight(g.operands(u)[1].node, 0)?,
-                _ => "nullptr".into(),
+            let upw = match up.map(|a| g.operands(a)[1].node) {
+                Some(u) if linears.contains(&u) => Some(g.operands(u)[1].node),
+                _ => None,
             };
-            let _ = writeln!(rows, "    case {ordinal}: r.w0 = {w}; r.w1 = {w1}; break;");
+            let w1 = match upw {
+                Some(u) => self.weight(u, 0)?,
+                None => "nullptr".into(),
+            };
+            if fp8 {
+                let s0 = self.weight_scales(wn)?;
+                let s1 = match upw {
+                    Some(u) => self.weight_scales(u)?,
+                    None => "nullptr".into(),
+                };
+                let _ = writeln!(rows, "    case {ordinal}: r.w0 = {w}; r.s0 = {s0}; r.w1 = {w1}; r.s1 = {s1}; break;");
+            } else {
+                let _ = writeln!(rows, "    case {ordinal}: r.w0 = {w}; r.w1 = {w1}; break;");
+            }
         }
         let _ = writeln!(rows, "    default: __trap();\n  }}");
         let tasks: Vec<usize> = self.plan.tiling.stages[rows_stage].tasks.clone();
@@ -326,9 +351,13 @@ impl Gen<'_> {
         let f = self.fname(op, rows_stage);
         let _ = writeln!(
             self.code,
-            "__device__ inline Rows {f}_rows(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n{rows}  return r;\n}}"
+            "__device__ inline {rows_t} {f}_rows(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n{rows}  return r;\n}}"
         );
         let compute = match (&gate, &mul_gate) {
+            (None, None) if fp8 => {
+                let args = init!("Fp8RowsCompute"; rows = "r", x = x_ptr, norm = norm, eps = float(eps), spill = spill);
+                format!("fp8_rows_compute<kBatch>({args}, it, warp, st);")
+            }
             (None, Some((gptr, sig))) => {
                 let args = init!("RowsComputeMul"; rows = "r", x = x_ptr, g = gptr, sigmoid_gate = sig, spill = spill);
                 format!("rows_compute_mul<kBatch>({args}, it, warp, st);")
@@ -355,13 +384,17 @@ impl Gen<'_> {
         let _ = writeln!(
             self.code,
             "__device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it, int warp) {{\n  \
-             const Rows r = {f}_rows(t, m, p);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+             const {rows_t} r = {f}_rows(t, m, p);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
              {compute}\n  consumer_sync();\n{body}}}"
         );
         self.role(
             rows_stage,
             format!("{f}(t, m, p, it, warp);"),
-            Some(format!("rows_load<kBatch>({f}_rows(t, m, p), it);")),
+            Some(if fp8 {
+                format!("fp8_rows_load({f}_rows(t, m, p), it);")
+            } else {
+                format!("rows_load<kBatch>({f}_rows(t, m, p), it);")
+            }),
         );
         if let Some((ptr, tiles, out)) = lm_tiles {
             let stage = stages[1];
