@@ -33,7 +33,9 @@ if [ -n "$old" ]; then
   git archive --format=tar "$old" device runtime scripts | (mkdir -p .carry/old && tar -x -C .carry/old)
   mkdir -p .carry/old/gen
   # The benchmark libraries, as that commit's mkc writes them (its list: this one's names).
-  (cd "$tree" && codegen "$tree/target/release/mkc" "$OLDPWD/scripts/gpu_libs.txt" 'kimi_k[23]_[bd]*' "$OLDPWD/.carry/old/gen")
+  for bench in 'kimi_k2_bench*' 'kimi_k3_dims*'; do
+    (cd "$tree" && codegen "$tree/target/release/mkc" "$OLDPWD/scripts/gpu_libs.txt" "$bench" "$OLDPWD/.carry/old/gen")
+  done
   git worktree remove --force "$tree"
 fi
 du -sh .carry

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates generated/ from the model graphs: the tiny configs and the full
-# 93-layer K3 for every target, Kimi Linear's full config and K2's
-# per-layer-dims config for the H200. With --check (CI), fails if anything
+# 93-layer K3 and the full K2 (FP8, as released) for every target, Kimi
+# Linear's full config, K2's per-layer-dims config and its tiny config in FP8
+# for the H200. With --check (CI), fails if anything
 # differs from what is committed, then compiles every generated program with
 # nvcc for its target, reporting each one's time and peak memory. The sources
 # are formatted with the pinned clang-format (templates/clang-format).
@@ -28,7 +29,9 @@ for model in kimi_k2 kimi_k3 kimi_linear; do
 done
 for target in h200 b200 gb300; do
   gen kimi_k3 config.json "$target" "kimi_k3_${target}"
+  gen kimi_k2 config.json "$target" "kimi_k2_${target}"  # Kimi K2 as released: FP8, 61 layers, 384 experts
 done
+gen kimi_k2 tiny_fp8.json h200 kimi_k2_tiny_fp8_h200
 gen kimi_linear config.json h200 kimi_linear_h200
 gen kimi_k2 test_2l16e.json h200 kimi_k2_dims_2l16e_h200
 if [ "${1:-}" = "--check" ]; then

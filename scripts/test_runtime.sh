@@ -12,6 +12,10 @@ g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sa
 # The GPU layout of MXFP4 weights the runtime makes on upload.
 g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
   -I device runtime/tests/mx_layout_test.cpp -o "$out/mx_layout_test"
+# FP8 weights on the host: e4m3 codes and the bf16 copy made on upload.
+g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
+  -I device runtime/tests/fp8_layout_test.cpp -o "$out/fp8_layout_test"
+"$out/fp8_layout_test"
 "$out/mx_layout_test"
 
 # The plan-file reader on the plan files of generated/: the right one reads; another

@@ -754,8 +754,9 @@ fn mxfp4_experts_are_costed_by_their_decode() {
 /// Kimi K2 as released, in FP8 (e4m3 with 128 x 128 block scales): linears
 /// on one input merge only with weights of their type (the router's bf16
 /// gate is not merged with the FP8 shared experts), an FP8 width that is not
-/// a multiple of 16 is refused by the planner, and the MLA's FP8 up-projection
-/// is refused before code generation, by name, at the MLA call.
+/// a multiple of 16 is refused by the planner, and the program streams the
+/// projections and experts as FP8 rows while the MLA's kv_b is made bf16 on
+/// upload (the weight table says so).
 #[test]
 fn fp8_k2_plans_by_weight_type() {
     let fp8 = |c: &mut serde_json::Value| {
@@ -776,8 +777,23 @@ fn fp8_k2_plans_by_weight_type() {
             .collect();
         assert!(weights.len() <= 1, "{}: linears of {weights:?} weights in one projection", op.name);
     }
-    let err = mkc::plan::limits::computable(&p).unwrap_err().to_string();
-    assert!(err.contains("fp8e4m3 MLA up-projection (kv_b) weights"), "{err}");
+    let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
+    let a = mkc::emit::emit(&v, &p, "kimi_k2_tiny_fp8", &from, "", false).unwrap();
+    let program = a.file("program.cuh").unwrap();
+    assert!(program.contains("fp8_rows_compute<kBatch>(") && program.contains("fp8_rows_load("), "FP8 rows");
+    assert!(program.contains("expert_fp8_rows<kBatch>("), "FP8 experts");
+    assert!(program.contains("rows_compute<kBatch>(RowsCompute{"), "the bf16 router gate");
+    let reqs = mkc::checkpoint::requirements(&v);
+    let kvb: Vec<_> = reqs.iter().filter(|r| r.key.contains("kv_b_proj")).collect();
+    assert_eq!(kvb.len(), 3 * 2, "each layer's kv_b codes and scales");
+    for pair in kvb.chunks(2) {
+        assert_eq!(pair[0].layout, mkc::checkpoint::GpuLayout::Fp8Bf16, "{}", pair[0].key);
+        assert!(pair[1].key.ends_with("weight_scale_inv") && pair[1].dtype == "F32", "{}", pair[1].key);
+    }
+    assert!(reqs
+        .iter()
+        .filter(|r| r.dtype == "F8_E4M3")
+        .all(|r| r.key.contains("kv_b_proj") || r.layout == mkc::checkpoint::GpuLayout::AsStored));
     // An FP8 width the ring cannot stream in 16-byte runs.
     let (v, _) = compile_edited("kimi_k2", "tiny.json", |c| {
         fp8(c);

@@ -42,6 +42,8 @@ enum class WeightLayout : uint8_t {
   kAsStored,  // the stored bytes (an f32 tensor stored as bf16 or f16 widened)
   kMxCodes,   // MXFP4 codes [rows, k / 2], tiled as below
   kMxScales,  // MXFP4 scales [rows, k / 32], tiled as below
+  kFp8Bf16,   // FP8 e4m3 codes [rows, k] dequantised to bf16 with their block scales (fp8_layout.h),
+              // which the weight table lists right after them
 };
 
 // kMxTileRows and kMxBlock (elements per scale): contract.h.

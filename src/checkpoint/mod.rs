@@ -47,6 +47,10 @@ pub enum GpuLayout {
     MxCodes,
     /// MXFP4 scales `[rows, k / 32]` in the same tiles.
     MxScales,
+    /// FP8 e4m3 codes `[rows, k]` the device reads as bf16 (the MLA's
+    /// kv_b): dequantised on upload with their block scales, which follow
+    /// them in [`requirements`] (`device/mkc/fp8_layout.h`).
+    Fp8Bf16,
 }
 
 impl GpuLayout {
@@ -56,6 +60,7 @@ impl GpuLayout {
             GpuLayout::AsStored => "kAsStored",
             GpuLayout::MxCodes => "kMxCodes",
             GpuLayout::MxScales => "kMxScales",
+            GpuLayout::Fp8Bf16 => "kFp8Bf16",
         }
     }
 }
@@ -195,6 +200,14 @@ impl WeightGroup {
     }
 }
 
+/// Whether the device reads weight `w` as bf16 whatever its stored type:
+/// the MLA's up-projection (kv_b), whose split and combine stream W_UK and
+/// W_UV as bf16 rows.
+fn read_as_bf16(g: &crate::ir::Graph, w: crate::ir::NodeId) -> bool {
+    let v = crate::ir::ValueRef { node: w, output: 0 };
+    g.readers(v).any(|r| matches!(g.op(r), Some((crate::ops::OpKind::MlaDecode, _))))
+}
+
 /// The tensors `graph` reads, as key patterns, in declaration order.
 pub fn weight_groups(graph: &Validated) -> Vec<WeightGroup> {
     let g = graph.graph();
@@ -222,6 +235,7 @@ pub fn weight_groups(graph: &Validated) -> Vec<WeightGroup> {
         let scale_dtype = if w.ty.dtype == DType::Fp8E4m3 { "F32" } else { "U8" };
         let (data_layout, scale_layout) = match w.ty.dtype {
             DType::Mxfp4 => (GpuLayout::MxCodes, GpuLayout::MxScales),
+            DType::Fp8E4m3 if read_as_bf16(g, id) => (GpuLayout::Fp8Bf16, GpuLayout::AsStored),
             _ => (GpuLayout::AsStored, GpuLayout::AsStored),
         };
         let mut tensors = vec![Requirement {

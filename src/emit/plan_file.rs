@@ -116,6 +116,7 @@ fn layout_code(l: GpuLayout) -> u32 {
         GpuLayout::AsStored => 0,
         GpuLayout::MxCodes => 1,
         GpuLayout::MxScales => 2,
+        GpuLayout::Fp8Bf16 => 3,
     }
 }
 

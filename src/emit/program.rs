@@ -382,11 +382,24 @@ impl<'a> Gen<'a> {
 
     /// The pointer to a weight (member `i` of a family).
     fn weight(&mut self, n: NodeId, i: u64) -> Result<String> {
+        let ty = match &self.g.node(n).kind {
+            NodeKind::Weight(w) => ctype(w.ty.dtype),
+            _ => "void",
+        };
+        self.weight_typed(n, i, ty)
+    }
+
+    /// The pointer to a weight the runtime lays out as `ty` on the GPU
+    /// (an FP8 matrix the device reads as bf16).
+    fn weight_as(&mut self, n: NodeId, ty: &str) -> Result<String> {
+        self.weight_typed(n, 0, ty)
+    }
+
+    fn weight_typed(&mut self, n: NodeId, i: u64, ty: &str) -> Result<String> {
         let NodeKind::Weight(w) = &self.g.node(n).kind else {
             return Err(Error::new(ErrorKind::Invalid, format!("codegen: {} is not a weight", self.g.node(n).name)));
         };
         let idx = self.weight_index[&w.key_at(i)];
-        let ty = ctype(w.ty.dtype);
         let field = self.param(&short_name(&self.g.node(n).name), Param::Weight(idx));
         Ok(format!("static_cast<const {ty}*>(m.w[{field}])"))
     }

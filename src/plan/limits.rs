@@ -222,10 +222,11 @@ impl Check<'_> {
         Ok(())
     }
 
-    /// The MLA split and combine read W_UK and W_UV (kv_b) as bf16.
+    /// The MLA split and combine read W_UK and W_UV (kv_b) as bf16 rows: bf16
+    /// weights, or FP8 ones the runtime dequantises on upload.
     fn mla_weights(&self, n: NodeId) -> Lacks {
         match self.g.value_type(self.g.operands(n)[3]).dtype {
-            DType::Bf16 => Ok(()),
+            DType::Bf16 | DType::Fp8E4m3 => Ok(()),
             other => Err(format!("{} MLA up-projection (kv_b) weights", other.name())),
         }
     }

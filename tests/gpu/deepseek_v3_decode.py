@@ -18,7 +18,12 @@ equal to the reference's or diverging first at a near-tie.
 And once: a checkpoint with a tensor missing, and one with a tensor of the
 wrong shape, are refused with the tensor's name.
 
-    python3 tests/gpu/deepseek_v3_decode.py --lib LIB --config CONFIG --seeds 0 1 2 [--arch kimi_linear] [--json OUT]
+With --fp8 (a library compiled from a config with K2's quantization_config):
+the saved checkpoint is quantised to K2's released FP8 format and the library
+loads that; the reference runs in fp32 on its dequantised weights
+(tests/gpu/fp8_checkpoint.py, each block checked).
+
+    python3 tests/gpu/deepseek_v3_decode.py --lib LIB --config CONFIG --seeds 0 1 2 [--arch kimi_linear] [--fp8] [--json OUT]
 Exits 1 if any check fails; prints a table last.
 """
 
@@ -37,11 +42,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 from compare import TeacherForced, free_running  # noqa: E402
 from make_k3_checkpoint import kda_dt_bias  # noqa: E402
+import fp8_checkpoint  # noqa: E402
 from mkc_runtime import MkcError, Model  # noqa: E402
 
 
 
 ARCH = "deepseek_v3"  # --arch
+FP8 = False  # --fp8
 
 
 def model_classes():
@@ -56,6 +63,7 @@ def make_checkpoint(config_path, seed, out_dir):
     config_cls, model_cls = model_classes()
     with open(config_path) as f:
         cfg = json.load(f)
+    cfg.pop("quantization_config", None)  # drawn in bf16; --fp8 quantises the saved checkpoint
     config = config_cls(**cfg)
     torch.manual_seed(seed)
     with torch.device("cuda"):
@@ -179,13 +187,23 @@ DEBUG = False  # --debug: bounded waits that report instead of hanging
 
 def run_seed(lib, config, seed, prompt_len, n_gen, work):
     ckpt = os.path.join(work, f"seed{seed}")
-    make_checkpoint(config, seed, ckpt)
+    ref_ckpt = ckpt
+    if FP8:
+        # The library loads the FP8 checkpoint; the reference its dequantised fp32 copy.
+        bf16 = ckpt + "_bf16"
+        make_checkpoint(config, seed, bf16)
+        fp8_checkpoint.quantise(bf16, ckpt)
+        ref_ckpt = ckpt + "_ref"
+        fp8_checkpoint.dequantise(ckpt, ref_ckpt)
+        shutil.rmtree(bf16, ignore_errors=True)
+    else:
+        make_checkpoint(config, seed, ckpt)
     model = Model(lib, ckpt)
     b = model.batch
     vocab = model.vocab
     rng = np.random.default_rng(1000 + seed)
     prompts = [list(rng.integers(0, vocab, prompt_len)) for _ in range(b)]
-    refs = reference(ckpt, prompts, n_gen)
+    refs = reference(ref_ckpt, prompts, n_gen)
     steps = prompt_len + n_gen - 1
     # Teacher-forced: feed the reference sequence; logits after token t
     # compare with the reference's at position t.
@@ -267,10 +285,12 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--debug", action="store_true")
     ap.add_argument("--arch", choices=["deepseek_v3", "kimi_linear"], default="deepseek_v3")
+    ap.add_argument("--fp8", action="store_true", help="the library loads an FP8 checkpoint (K2 as released)")
     args = ap.parse_args()
-    global DEBUG, ARCH
+    global DEBUG, ARCH, FP8
     DEBUG = args.debug
     ARCH = args.arch
+    FP8 = args.fp8
     work = tempfile.mkdtemp(prefix="mkc_k2_")
     rows, ckpt = [], None
     for seed in args.seeds:

@@ -19,6 +19,8 @@ for dir in target/models/*/; do
   case "$name" in
     kimi_k2_bench*) continue ;;  # bench/k2_bench.py
     kimi_k2_tiny_h200) extra=(--bad-checkpoints) ;;
+    kimi_k2_tiny_fp8*) config=model_graphs/kimi_k2/tiny_fp8.json; extra=(--fp8) ;;
+    kimi_k2_dims_fp8*) config=model_graphs/kimi_k2/test_2l16e_fp8.json; extra=(--fp8) ;;
     kimi_k2_dims*) config=model_graphs/kimi_k2/test_2l16e.json ;;
     kimi_linear_*) config=model_graphs/kimi_linear/tiny.json; extra=(--arch kimi_linear) ;;
   esac

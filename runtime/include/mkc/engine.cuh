@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "mkc/checkpoint.h"
+#include "mkc/fp8_layout.h"
 #include "mkc/megakernel.cuh"
 #include "mkc/plan_file.h"
 
@@ -328,7 +329,27 @@ class Engine {
         src = wide.data();
         up = n * 4;
       }
-      if (layout != WeightLayout::kAsStored) {  // MXFP4 codes or scales, tiled (mkc/mx_layout.h)
+      if (layout == WeightLayout::kFp8Bf16) {  // FP8 codes read by the device as bf16 (mkc/fp8_layout.h)
+        const uint64_t k = s.ndim == 0 ? 0 : s.shape[s.ndim - 1], rows = k == 0 ? 0 : n / k;
+        if (std::strcmp(stored, "F8_E4M3") != 0 || i + 1 >= n_weights) {
+          throw Failure{std::string("FP8 weights ") + s.key + ": stored as " + stored +
+                        (i + 1 >= n_weights ? "; the weights table lists no scales after them" : "; F8_E4M3 expected")};
+        }
+        const char* scale_key = plan_.weights[i + 1].key;
+        std::vector<float> block_scales(fp8_scale_count(rows, k));
+        const int64_t got = mkc_checkpoint_read(ck, scale_key, block_scales.data(), block_scales.size() * 4, err, sizeof err);
+        if (got < 0) throw Failure{err};
+        if (uint64_t(got) != block_scales.size() * 4) {
+          throw Failure{std::string("FP8 scales ") + scale_key + ": " + std::to_string(got) + " bytes, where the codes " +
+                        s.key + " [" + std::to_string(rows) + ", " + std::to_string(k) + "] need " +
+                        std::to_string(block_scales.size() * 4)};
+        }
+        wide.resize(n * 2);
+        fp8_dequant_bf16(reinterpret_cast<const uint8_t*>(host.data()), block_scales.data(), rows, k,
+                         reinterpret_cast<uint16_t*>(wide.data()));
+        src = wide.data();
+        up = n * 2;
+      } else if (layout != WeightLayout::kAsStored) {  // MXFP4 codes or scales, tiled (mkc/mx_layout.h)
         const uint64_t width = s.shape[s.ndim - 1], rows = width == 0 ? 0 : n / width;
         const bool codes = layout == WeightLayout::kMxCodes;
         const uint64_t k = width * (codes ? 2 : kMxBlock);

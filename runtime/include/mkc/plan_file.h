@@ -256,7 +256,7 @@ inline bool read_plan_file(const std::string& path, const PlanIdentity& want, Pl
           }
         }
         (void)str(node, "a node name");
-        if (ndim > MKC_MAX_DIMS || layout > 2) return fail("tensor record " + std::to_string(t) + " is malformed");
+        if (ndim > MKC_MAX_DIMS || layout > 3) return fail("tensor record " + std::to_string(t) + " is malformed");
         mkc_tensor_spec spec{};
         spec.ndim = ndim;
         std::memcpy(spec.shape, r + 24, 8 * MKC_MAX_DIMS);

@@ -23,7 +23,8 @@ impl Gen<'_> {
         let q = self.value(ops[0], op)?;
         let (_, ckv, norm, eps) = self.with_norm_prologue(op, ops[1])?;
         let kpe = self.value(ops[2], op)?;
-        let wkvb = self.weight(ops[3].node, 0)?;
+        // bf16, or FP8 made bf16 on upload (the plan's weight table says kFp8Bf16).
+        let wkvb = self.weight_as(ops[3].node, "__nv_bfloat16")?;
         let NodeKind::State(_) = &g.node(ops[4].node).kind else {
             return Err(unsupported(op, "a cache that is state"));
         };
