@@ -35,9 +35,13 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Validate a graph and print its summary: op counts, parameters, weights
-    /// resident and read per step, state per sequence, and whether weights and
-    /// state fit each target (or --target); optionally check a checkpoint.
+    /// Validate a graph, print its sizes and whether it fits each target; optionally check a checkpoint.
+    ///
+    /// Prints op counts, parameters, weights resident and read per step, state
+    /// per sequence, and whether weights and state fit one GPU of each built-in
+    /// target (or of --target), with the smallest expert-parallel degree that
+    /// does. With --checkpoint, every tensor of a Hugging Face checkpoint is
+    /// checked against the graph by name, shape and type.
     Check {
         /// The graph file (`model_graphs/<model>/graph.mkc`).
         graph: PathBuf,
@@ -62,9 +66,13 @@ enum Command {
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_EXPERT_PARALLEL as i64))]
         expert_parallel: u32,
     },
-    /// Plan the decode step for a target: fuse, tile, specialize, schedule,
-    /// verify; print the plan's structure and whether one GPU holds it (first
-    /// line), with --estimate the bytes moved and the predicted step time.
+    /// Plan the decode step for a target and print its structure; --estimate adds step time.
+    ///
+    /// Fuses, tiles, specializes, schedules and verifies the step. The first
+    /// line says whether one GPU holds weights, state, activations and tables
+    /// (and if not, the smallest --expert-parallel that does); --estimate adds
+    /// what one GPU holds, bytes moved per step, predicted step time and
+    /// tokens/s at batch 1 and 8; --yaml, --dot and --html write the plan.
     Plan {
         /// The graph file.
         graph: PathBuf,
@@ -99,10 +107,12 @@ enum Command {
         #[arg(long)]
         html: Option<PathBuf>,
     },
-    /// Plan, then write the program into a folder: program.cuh (one device
-    /// function per kind of stage), model.cu (the runtime: checkpoint upload,
-    /// KV cache, step, C ABI), CMakeLists.txt and plan.mkcplan (schedule, stage
-    /// parameters, weight table). Refuses a model one GPU cannot hold.
+    /// Write program.cuh, model.cu, CMakeLists.txt and plan.mkcplan into a folder.
+    ///
+    /// Plans the step, then writes program.cuh (one device function per kind
+    /// of stage), model.cu (the runtime: checkpoint upload, KV cache, step,
+    /// C ABI), its CMakeLists.txt and plan.mkcplan (schedule, stage parameters,
+    /// weight table). Refuses a model one GPU cannot hold (--ignore-capacity).
     Codegen {
         /// The graph file.
         graph: PathBuf,
@@ -131,7 +141,7 @@ enum Command {
         #[arg(long)]
         ignore_capacity: bool,
     },
-    /// Print the op graph, one node a line (name, types, operands), or as dot.
+    /// Print the op graph, one node a line (name, types, operands), or as Graphviz dot.
     Graph {
         /// The graph file.
         graph: PathBuf,
@@ -144,7 +154,9 @@ enum Command {
     },
     /// List the built-in targets with their key numbers (SMs, HBM, bandwidth).
     Targets,
-    /// Print a shell completion script: `mkc completions bash > /etc/bash_completion.d/mkc`.
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    ///
+    /// For example `mkc completions bash > ~/.local/share/bash-completion/completions/mkc`.
     Completions {
         /// The shell.
         shell: clap_complete::Shell,
