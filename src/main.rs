@@ -111,8 +111,9 @@ enum Command {
     ///
     /// Plans the step, then writes program.cuh (one device function per kind
     /// of stage), model.cu (the runtime: checkpoint upload, KV cache, step,
-    /// C ABI), its CMakeLists.txt and plan.mkcplan (schedule, stage parameters,
-    /// weight table). Refuses a model one GPU cannot hold (--ignore-capacity).
+    /// C ABI), its CMakeLists.txt, plan.mkcplan (schedule, stage parameters,
+    /// weight table) and plan_summary.txt (the plan file's sections and
+    /// sha256). Refuses a model one GPU cannot hold (--ignore-capacity).
     Codegen {
         /// The graph file.
         graph: PathBuf,
