@@ -345,29 +345,7 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Targets => {
-            writeln!(
-                out,
-                "{:<8} {:<8} {:>5} {:>9} {:>11} {:>8} {:>10} {:>10} {:>10}",
-                "target", "arch", "SMs", "HBM", "bandwidth", "L2", "smem/SM", "bf16", "NVLink"
-            )?;
-            for t in Target::builtin().map_err(|e| plain(&e))? {
-                let measured =
-                    t.hbm_bandwidth.measured.map_or(String::new(), |m| format!(" ({:.2} measured)", m / 1e12));
-                writeln!(
-                    out,
-                    "{:<8} {:<8} {:>5} {:>9} {:>11} {:>8} {:>10} {:>10} {:>10}{measured}",
-                    t.name,
-                    t.arch,
-                    t.sms,
-                    report::bytes(t.hbm_bytes),
-                    format!("{:.2} TB/s", t.hbm_bandwidth.datasheet / 1e12),
-                    report::bytes(t.l2_bytes),
-                    report::bytes(t.smem_per_sm),
-                    format!("{:.0} TF/s", t.flops.bf16_tensor / 1e12),
-                    format!("{:.2} TB/s", t.nvlink_bandwidth / 1e12),
-                )?;
-            }
-            writeln!(out, "HBM, L2 and shared memory in decimal units; bandwidth: datasheet (measured, where known); bf16: dense tensor-core rate")?;
+            write!(out, "{}", mkc::target::table(&Target::builtin().map_err(|e| plain(&e))?))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Completions { shell } => {

@@ -201,6 +201,40 @@ pub const BUILTIN: [(&str, &str); 3] = [
     ("h200", include_str!("../targets/h200.yaml")),
 ];
 
+/// The targets as `mkc targets` prints them: one a line with its key numbers.
+pub fn table(targets: &[Target]) -> String {
+    use crate::report::bytes;
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<8} {:<8} {:>5} {:>9} {:>11} {:>9} {:>10} {:>10} {:>10}",
+        "target", "arch", "SMs", "HBM", "bandwidth", "L2", "smem/SM", "bf16", "NVLink"
+    );
+    for t in targets {
+        let measured = t.hbm_bandwidth.measured.map_or(String::new(), |m| format!(" ({:.2} measured)", m / 1e12));
+        let _ = writeln!(
+            s,
+            "{:<8} {:<8} {:>5} {:>9} {:>11} {:>9} {:>10} {:>10} {:>10}{measured}",
+            t.name,
+            t.arch,
+            t.sms,
+            bytes(t.hbm_bytes),
+            format!("{:.2} TB/s", t.hbm_bandwidth.datasheet / 1e12),
+            bytes(t.l2_bytes),
+            bytes(t.smem_per_sm),
+            format!("{:.0} TF/s", t.flops.bf16_tensor / 1e12),
+            format!("{:.2} TB/s", t.nvlink_bandwidth / 1e12),
+        );
+    }
+    let _ = writeln!(
+        s,
+        "HBM, L2 and shared memory in decimal units; bandwidth: HBM datasheet (measured, where known); \
+         bf16: dense tensor-core rate; NVLink: per GPU, one direction"
+    );
+    s
+}
+
 /// Whether `--target` names a file rather than a built-in target.
 pub fn is_path(name_or_path: &str) -> bool {
     name_or_path.contains('/') || name_or_path.ends_with(".yaml") || name_or_path.ends_with(".yml")
