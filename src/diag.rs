@@ -148,11 +148,9 @@ impl fmt::Display for Report<'_> {
 
 impl std::error::Error for Report<'_> {}
 
+/// The code is not given to miette: [`render`]'s first line already carries it
+/// (`error[mkc::name]: ...`), and miette would print it again on a line of its own.
 impl miette::Diagnostic for Report<'_> {
-    fn code<'b>(&'b self) -> Option<Box<dyn fmt::Display + 'b>> {
-        Some(Box::new(self.error.kind.code()))
-    }
-
     fn help<'b>(&'b self) -> Option<Box<dyn fmt::Display + 'b>> {
         self.error.help.as_ref().map(|h| Box::new(h) as Box<dyn fmt::Display>)
     }
@@ -196,9 +194,25 @@ pub fn render(error: &Error, file_name: &str, source: &str) -> String {
         .with_links(false);
     let mut frame = String::new();
     if handler.render_report(&mut frame, &report).is_ok() {
-        out.push_str(&frame);
+        out.push_str(&without_header(&frame));
     }
     out
+}
+
+/// miette's report less its header: the reason after `×` (wrapped onto `│`
+/// lines), which the first line of [`render`] already says. What is left is
+/// the code frame and the help, so each error is printed once.
+fn without_header(frame: &str) -> String {
+    let mut lines = frame.lines().skip_while(|l| l.is_empty()).peekable();
+    if lines.next_if(|l| l.starts_with("  × ")).is_some() {
+        while lines.next_if(|l| l.starts_with("  │ ")).is_some() {}
+    }
+    let rest: Vec<&str> = lines.skip_while(|l| l.trim().is_empty()).collect();
+    if rest.is_empty() {
+        String::new()
+    } else {
+        rest.join("\n") + "\n"
+    }
 }
 
 /// The widest line (in bytes) a code frame shows.

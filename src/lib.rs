@@ -21,6 +21,7 @@ pub mod lower;
 pub mod ops;
 pub mod plan;
 pub mod report;
+pub mod sizes;
 pub mod target;
 pub mod valid;
 

@@ -4,10 +4,11 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 use mkc::config::Config;
 use mkc::lower::Limits;
+use mkc::sizes::{graph_sizes, Resident, MAX_EXPERT_PARALLEL};
 use mkc::target::Target;
 use mkc::{checkpoint, diag, dot, emit, plan, report, Error};
 
@@ -21,7 +22,12 @@ const MAX_BATCH: i64 = 64;
 const MAX_CONTEXT: u64 = 1 << 24;
 
 #[derive(Parser)]
-#[command(name = "mkc", version, about = "Compile an LLM decode-step graph to a CUDA megakernel")]
+#[command(
+    name = "mkc",
+    version,
+    about = "Compile an LLM decode-step graph to a CUDA megakernel",
+    after_help = "Sizes are in decimal units (1 GB = 10^9 bytes); docs/SIZES.md defines each term."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -29,7 +35,13 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Validate a graph and print its summary; optionally check a checkpoint.
+    /// Validate a graph, print its sizes and whether it fits each target; optionally check a checkpoint.
+    ///
+    /// Prints op counts, parameters, weights resident and read per step, state
+    /// per sequence, and whether weights and state fit one GPU of each built-in
+    /// target (or of --target), with the smallest expert-parallel degree that
+    /// does. With --checkpoint, every tensor of a Hugging Face checkpoint is
+    /// checked against the graph by name, shape and type.
     Check {
         /// The graph file (`model_graphs/<model>/graph.mkc`).
         graph: PathBuf,
@@ -43,18 +55,36 @@ enum Command {
         /// Context length the per-sequence state is sized for.
         #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=MAX_CONTEXT))]
         context: u64,
+        /// The target whose HBM the capacity is checked against (default: every
+        /// built-in target): a name (`mkc targets`) or a YAML file.
+        #[arg(long)]
+        target: Option<String>,
+        /// Sequences whose state is resident, for the capacity check.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_BATCH))]
+        batch: u32,
+        /// GPUs the routed experts are sharded over, for the capacity check.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_EXPERT_PARALLEL as i64))]
+        expert_parallel: u32,
     },
-    /// Plan the decode step for a target: fuse, tile, specialize, schedule, verify.
+    /// Plan the decode step for a target and print its structure; --estimate adds step time.
+    ///
+    /// Fuses, tiles, specializes, schedules and verifies the step. The first
+    /// line says whether one GPU holds weights, state, activations and tables
+    /// (and if not, the smallest --expert-parallel that does); --estimate adds
+    /// what one GPU holds, bytes moved per step, predicted step time and
+    /// tokens/s at batch 1 and 8; --yaml, --dot and --html write the plan.
     Plan {
         /// The graph file.
         graph: PathBuf,
-        /// The target: a name from targets/ (h200, b200, gb300) or a YAML file.
+        /// The target: a built-in name (`mkc targets`: b200, gb300, h200) or a
+        /// YAML file (a path: contains `/` or ends in .yaml or .yml).
         #[arg(long)]
         target: String,
         /// The model config (default: config.json beside the graph).
         #[arg(long)]
         config: Option<PathBuf>,
-        /// Print bytes moved, predicted step time and tokens/s at batch 1 and 8.
+        /// Print what one GPU holds, bytes moved per step, predicted step time
+        /// and tokens/s at batch 1 and 8.
         #[arg(long)]
         estimate: bool,
         /// Batch the plan dumps (--yaml, --dot) are made for.
@@ -65,7 +95,7 @@ enum Command {
         context: u64,
         /// GPUs the routed experts are sharded over: plan one GPU's share
         /// (its experts, every other weight); communication is not modelled.
-        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_EXPERT_PARALLEL as i64))]
         expert_parallel: u32,
         /// Write the plan as YAML.
         #[arg(long)]
@@ -77,15 +107,20 @@ enum Command {
         #[arg(long)]
         html: Option<PathBuf>,
     },
-    /// Generate the program (one device function per kind of stage), its plan
-    /// file (schedule, stage parameters, weight table) and runtime into a folder.
+    /// Write program.cuh, model.cu, CMakeLists.txt and plan.mkcplan into a folder.
+    ///
+    /// Plans the step, then writes program.cuh (one device function per kind
+    /// of stage), model.cu (the runtime: checkpoint upload, KV cache, step,
+    /// C ABI), its CMakeLists.txt, plan.mkcplan (schedule, stage parameters,
+    /// weight table) and plan_summary.txt (the plan file's sections and
+    /// sha256). Refuses a model one GPU cannot hold (--ignore-capacity).
     Codegen {
         /// The graph file.
         graph: PathBuf,
         /// The model config (default: config.json beside the graph).
         #[arg(long)]
         config: Option<PathBuf>,
-        /// The target: a name from targets/ or a YAML file.
+        /// The target: a built-in name (`mkc targets`) or a YAML file.
         #[arg(long)]
         target: String,
         /// Batch the plan is made for.
@@ -101,8 +136,13 @@ enum Command {
         /// operations the device library does not compute yet).
         #[arg(long)]
         tables_only: bool,
+        /// Write the program even if one GPU cannot hold the model (weights,
+        /// state, activations and tables over the target's HBM): for golden
+        /// outputs that check the code, not a deployment.
+        #[arg(long)]
+        ignore_capacity: bool,
     },
-    /// Print the op graph.
+    /// Print the op graph, one node a line (name, types, operands), or as Graphviz dot.
     Graph {
         /// The graph file.
         graph: PathBuf,
@@ -112,6 +152,15 @@ enum Command {
         /// Print Graphviz dot.
         #[arg(long)]
         dot: bool,
+    },
+    /// List the built-in targets with their key numbers (SMs, HBM, bandwidth).
+    Targets,
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    ///
+    /// For example `mkc completions bash > ~/.local/share/bash-completion/completions/mkc`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
     },
 }
 
@@ -162,6 +211,11 @@ fn main() -> ExitCode {
     }
 }
 
+/// Renders an error that has no place in a graph file (targets, output files).
+fn plain(e: &Error) -> String {
+    diag::render(e, "", "")
+}
+
 fn load(graph: &Path, config: Option<&Path>, checkpoint: Option<&Path>) -> Result<mkc::valid::Validated, String> {
     let source =
         std::fs::read_to_string(graph).map_err(|e| format!("error: cannot read {}: {e}\n", graph.display()))?;
@@ -177,11 +231,21 @@ fn load(graph: &Path, config: Option<&Path>, checkpoint: Option<&Path>) -> Resul
 
 fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
     match cli.command {
-        Command::Check { graph, config, checkpoint: ckpt, context } => {
+        Command::Check { graph, config, checkpoint: ckpt, context, target, batch, expert_parallel } => {
             let v = load(&graph, config.as_deref(), ckpt.as_deref())?;
             write!(out, "{}", report::summarize(&v, context, &[1, 8]).render())?;
+            let targets = match target {
+                Some(t) => vec![Target::load(&t).map_err(|e| plain(&e))?],
+                None => Target::builtin().map_err(|e| plain(&e))?,
+            };
+            let resident = Resident::of_graph(graph_sizes(&v, batch.into(), context, expert_parallel.into()));
+            writeln!(out, "resident on one GPU (weights and state; plan adds activations and tables):")?;
+            write!(out, "{}", resident.render())?;
+            for t in &targets {
+                writeln!(out, "{}", resident.verdict(&v, &t.name, t.hbm_bytes))?;
+            }
             if let Some(dir) = ckpt {
-                let r = checkpoint::check(&dir, &v).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
+                let r = checkpoint::check(&dir, &v).map_err(|e| plain(&e))?;
                 writeln!(
                     out,
                     "checkpoint {}: {} file(s), {} tensors, {} needed, {} unused",
@@ -204,13 +268,18 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
         }
         Command::Plan { graph, target, config, estimate, batch, context, expert_parallel, yaml, dot, html } => {
             let v = load(&graph, config.as_deref(), None)?;
-            let target = Target::load(&target).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
+            let target = Target::load(&target).map_err(|e| plain(&e))?;
             let source = std::fs::read_to_string(&graph).unwrap_or_default();
             let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
             let opts = plan::Options { batch, context, expert_parallel };
             let main = plan::plan(&v, &target, opts).map_err(|e| render(&e))?;
+            let sizes = graph_sizes(&v, batch.into(), context, expert_parallel.into());
+            let resident = Resident::of_plan(sizes, &main, target.sms);
+            writeln!(out, "{}", resident.verdict(&v, &target.name, target.hbm_bytes))?;
             write!(out, "{}", plan::estimate::render_structure(&main))?;
             if estimate {
+                writeln!(out, "resident on one GPU at batch {batch}: {}", report::bytes(resident.total()))?;
+                write!(out, "{}", resident.render())?;
                 if expert_parallel > 1 {
                     writeln!(
                         out,
@@ -244,13 +313,23 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Codegen { graph, config, target, batch, context, out: folder, tables_only } => {
+        Command::Codegen { graph, config, target, batch, context, out: folder, tables_only, ignore_capacity } => {
             let v = load(&graph, config.as_deref(), None)?;
-            let t = Target::load(&target).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
+            let t = Target::load(&target).map_err(|e| plain(&e))?;
             let source = std::fs::read_to_string(&graph).unwrap_or_default();
             let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
             let p =
                 plan::plan(&v, &t, plan::Options { batch, context, ..Default::default() }).map_err(|e| render(&e))?;
+            let resident = Resident::of_plan(graph_sizes(&v, batch.into(), context, 1), &p, t.sms);
+            if !ignore_capacity && !resident.fits(t.hbm_bytes) {
+                let verdict = resident.verdict(&v, &t.name, t.hbm_bytes);
+                let reason = verdict.trim_start_matches("capacity: ");
+                return Err(plain(&Error::new(mkc::ErrorKind::Limit, format!("not generated: {reason}")).help(
+                    "codegen makes a one-GPU program, every expert included (it does not shard experts); \
+                     --ignore-capacity writes it anyway",
+                ))
+                .into());
+            }
             let config_name = config.clone().unwrap_or_else(|| mkc::default_config_path(&graph));
             let from =
                 emit::Provenance { graph: graph.display().to_string(), config: config_name.display().to_string() };
@@ -259,11 +338,18 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             let plan_file = (emit::PLAN_FILE.to_string(), artifact.plan.clone());
             let files: Vec<(String, Vec<u8>)> =
                 artifact.files.iter().map(|(f, t)| (f.clone(), t.as_bytes().to_vec())).chain([plan_file]).collect();
-            let written =
-                mkc::files::write_folder(&folder, &files).map_err(|e| format!("error[{}]: {e}\n", e.kind.code()))?;
+            let written = mkc::files::write_folder(&folder, &files).map_err(|e| plain(&e))?;
             for path in written {
                 writeln!(out, "wrote {}", path.display())?;
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Targets => {
+            write!(out, "{}", mkc::target::table(&Target::builtin().map_err(|e| plain(&e))?))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "mkc", out);
             Ok(ExitCode::SUCCESS)
         }
         Command::Graph { graph, config, dot: as_dot } => {

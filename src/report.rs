@@ -7,10 +7,8 @@
 //! - *active parameters*: the parameters one token multiplies with: all
 //!   weights except the embedding table (a lookup reads one row) and, of each
 //!   routed-expert family, `top_k` experts of `E`;
-//! - *bytes read per step at batch B*: every non-expert weight once, `B`
-//!   embedding rows, and per MoE op the expected number of distinct experts
-//!   `E (1 - (1 - k/E)^B)` under uniform routing (so batch 1 reads exactly k);
-//!   scales included. KV-cache and state traffic are reported separately.
+//! - sizes (weights resident, weights read per step, state per sequence) are
+//!   [`crate::sizes`]'s, the same numbers `plan` prints; docs/SIZES.md.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -36,9 +34,9 @@ pub struct Summary {
     pub total_params: u64,
     /// Parameters one token uses.
     pub active_params: u64,
-    /// Bytes of all weights, scales included.
+    /// Bytes of all weights, scales included (resident on one GPU).
     pub weight_bytes: u64,
-    /// (batch, weight bytes read per decode step).
+    /// (batch, weight bytes read per decode step: moved).
     pub bytes_per_step: Vec<(u64, u64)>,
     /// The context length the state is sized for.
     pub context: u64,
@@ -52,8 +50,6 @@ pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
     let g = v.graph();
     let mut ops = BTreeMap::new();
     let (mut total, mut active, mut weight_bytes, mut weights, mut tensors) = (0u64, 0u64, 0u64, 0u64, 0u64);
-    // (bytes at batch b) accumulated per batch.
-    let mut per_batch = vec![0f64; batches.len()];
     let mut state: BTreeMap<String, (u64, u64)> = BTreeMap::new();
     for id in g.nodes() {
         let node = g.node(id);
@@ -76,22 +72,11 @@ pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
                     })
                     .collect();
                 let only = |k: OpKind| !users.is_empty() && users.iter().all(|(_, op)| *op == k);
-                if only(OpKind::Embedding) {
-                    let row = w.ty.bytes() / w.ty.shape[0].max(1);
-                    for (i, b) in batches.iter().enumerate() {
-                        per_batch[i] += *b as f64 * row as f64;
-                    }
-                } else if w.family.is_some() && only(OpKind::Moe) {
+                if w.family.is_some() && only(OpKind::Moe) {
                     let k = users.iter().map(|(u, _)| g.value_type(g.operands(*u)[1]).elements()).max().unwrap_or(n);
                     active = active.saturating_add(k.min(n).saturating_mul(elems));
-                    for (i, b) in batches.iter().enumerate() {
-                        per_batch[i] += expected_distinct_experts(n, k, *b) * bytes as f64;
-                    }
-                } else {
+                } else if !only(OpKind::Embedding) {
                     active = active.saturating_add(n.saturating_mul(elems));
-                    for x in per_batch.iter_mut() {
-                        *x += n as f64 * bytes as f64;
-                    }
                 }
             }
             NodeKind::State(s) => {
@@ -111,7 +96,10 @@ pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
         total_params: total,
         active_params: active,
         weight_bytes,
-        bytes_per_step: batches.iter().zip(per_batch).map(|(b, x)| (*b, x.round() as u64)).collect(),
+        bytes_per_step: batches
+            .iter()
+            .map(|b| (*b, crate::sizes::graph_sizes(v, *b, context, 1).weights_read))
+            .collect(),
         context,
         state: state.into_iter().map(|(k, (n, b))| (k, n, b)).collect(),
     }
@@ -173,7 +161,7 @@ impl Summary {
         }
         let _ = writeln!(
             s,
-            "weights: {} declarations, {} checkpoint tensors, {}",
+            "weights: {} declarations, {} checkpoint tensors, {} resident",
             grouped(self.weights),
             grouped(self.checkpoint_tensors),
             bytes(self.weight_bytes)
@@ -181,7 +169,7 @@ impl Summary {
         let _ = writeln!(s, "parameters: total {} ({})", grouped(self.total_params), si(self.total_params));
         let _ = writeln!(s, "parameters: active {} ({})", grouped(self.active_params), si(self.active_params));
         for (b, x) in &self.bytes_per_step {
-            let _ = writeln!(s, "weight bytes read per decode step at batch {b}: {} ({})", grouped(*x), bytes(*x));
+            let _ = writeln!(s, "weights read per step at batch {b} (moved): {} ({})", grouped(*x), bytes(*x));
         }
         let total: u64 = self.state.iter().map(|x| x.2).sum();
         let _ = writeln!(s, "state per sequence at context {}: {} ({})", self.context, grouped(total), bytes(total));

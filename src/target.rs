@@ -82,18 +82,34 @@ impl Target {
         Ok(t)
     }
 
-    /// Loads a target by file path or by name from the `targets/` folder.
+    /// Loads a target by name (one of [`BUILTIN`], compiled into the binary)
+    /// or by path: a path if it contains `/` or ends in `.yaml` or `.yml`.
+    /// An unknown name is answered with the closest name and the list.
     pub fn load(name_or_path: &str) -> Result<Target> {
-        let path = if name_or_path.ends_with(".yaml") || name_or_path.contains('/') {
-            PathBuf::from(name_or_path)
-        } else {
-            targets_dir().join(format!("{name_or_path}.yaml"))
-        };
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            Error::new(ErrorKind::Io, format!("cannot read target {}: {e}", path.display()))
-                .help(format!("targets: {}", available().join(", ")))
-        })?;
-        Target::parse(&text, &path.display().to_string())
+        if is_path(name_or_path) {
+            let text = std::fs::read_to_string(name_or_path).map_err(|e| {
+                Error::new(ErrorKind::Io, format!("cannot read target {name_or_path}: {e}"))
+                    .help(format!("a target is a name ({}) or a YAML file", names().join(", ")))
+            })?;
+            return Target::parse(&text, name_or_path);
+        }
+        match BUILTIN.iter().find(|(n, _)| *n == name_or_path) {
+            Some((name, text)) => Target::parse(text, name),
+            None => {
+                let guess = closest(name_or_path, &names());
+                let hint = guess.map_or_else(|| ";".to_string(), |g| format!("; did you mean {g}?"));
+                Err(Error::new(
+                    ErrorKind::Config,
+                    format!("unknown target {name_or_path}{hint} targets: {}", names().join(", ")),
+                )
+                .help("`mkc targets` lists them with their numbers; a path to a YAML file names your own"))
+            }
+        }
+    }
+
+    /// Every built-in target, parsed, in name order.
+    pub fn builtin() -> Result<Vec<Target>> {
+        BUILTIN.iter().map(|(name, text)| Target::parse(text, name)).collect()
     }
 
     fn check(&self, origin: &str) -> Result<()> {
@@ -177,20 +193,115 @@ fn real(x: f64) -> String {
     }
 }
 
-/// The folder holding the shipped targets.
+/// The shipped targets, `(name, YAML text)` in name order, compiled into the
+/// binary so that a copy of it outside the checkout knows them.
+pub const BUILTIN: [(&str, &str); 3] = [
+    ("b200", include_str!("../targets/b200.yaml")),
+    ("gb300", include_str!("../targets/gb300.yaml")),
+    ("h200", include_str!("../targets/h200.yaml")),
+];
+
+/// The targets as `mkc targets` prints them: one a line with its key numbers.
+pub fn table(targets: &[Target]) -> String {
+    use crate::report::bytes;
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<8} {:<8} {:>5} {:>9} {:>11} {:>9} {:>10} {:>10} {:>10}",
+        "target", "arch", "SMs", "HBM", "bandwidth", "L2", "smem/SM", "bf16", "NVLink"
+    );
+    for t in targets {
+        let measured = t.hbm_bandwidth.measured.map_or(String::new(), |m| format!(" ({:.2} measured)", m / 1e12));
+        let _ = writeln!(
+            s,
+            "{:<8} {:<8} {:>5} {:>9} {:>11} {:>9} {:>10} {:>10} {:>10}{measured}",
+            t.name,
+            t.arch,
+            t.sms,
+            bytes(t.hbm_bytes),
+            format!("{:.2} TB/s", t.hbm_bandwidth.datasheet / 1e12),
+            bytes(t.l2_bytes),
+            bytes(t.smem_per_sm),
+            format!("{:.0} TF/s", t.flops.bf16_tensor / 1e12),
+            format!("{:.2} TB/s", t.nvlink_bandwidth / 1e12),
+        );
+    }
+    let _ = writeln!(
+        s,
+        "HBM, L2 and shared memory in decimal units; bandwidth: HBM datasheet (measured, where known); \
+         bf16: dense tensor-core rate; NVLink: per GPU, one direction"
+    );
+    s
+}
+
+/// Whether `--target` names a file rather than a built-in target.
+pub fn is_path(name_or_path: &str) -> bool {
+    name_or_path.contains('/') || name_or_path.ends_with(".yaml") || name_or_path.ends_with(".yml")
+}
+
+/// The folder holding the shipped targets' sources (the binary embeds them).
 pub fn targets_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("targets")
 }
 
-/// Names of the shipped targets.
-pub fn available() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(targets_dir())
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_suffix(".yaml")).map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
-    names.sort();
+/// Names of the built-in targets.
+pub fn names() -> Vec<&'static str> {
+    BUILTIN.iter().map(|(n, _)| *n).collect()
+}
+
+/// The name of `names` closest to `word` by edit distance, if any is within
+/// a third of the word's length (at least 1): `gb200` finds `gb300`.
+fn closest<'a>(word: &str, names: &[&'a str]) -> Option<&'a str> {
+    let limit = (word.chars().count().div_ceil(3)).max(1);
     names
+        .iter()
+        .map(|n| (edit_distance(word, n), std::cmp::Reverse(common_prefix(word, n)), *n))
+        .filter(|(d, _, _)| *d <= limit)
+        .min()
+        .map(|(_, _, n)| n)
+}
+
+/// Characters `a` and `b` share at their start: of names at the same
+/// distance, the one that starts alike is the likelier meant.
+fn common_prefix(a: &str, b: &str) -> usize {
+    a.chars().zip(b.chars()).take_while(|(x, y)| x == y).count()
+}
+
+/// Levenshtein distance, by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (diag + usize::from(ca != *cb)).min(row[j] + 1).min(row[j + 1] + 1);
+            diag = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_names_match_their_files() {
+        for t in Target::builtin().unwrap() {
+            assert!(names().contains(&t.name.as_str()));
+        }
+        let on_disk = std::fs::read_dir(targets_dir()).unwrap().count();
+        assert_eq!(on_disk, BUILTIN.len(), "every file in targets/ is built in");
+    }
+
+    #[test]
+    fn closest_name() {
+        assert_eq!(closest("gb200", &names()), Some("gb300"));
+        assert_eq!(closest("h100", &names()), Some("h200"));
+        assert_eq!(closest("mi300x", &names()), None);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+    }
 }

@@ -1,0 +1,178 @@
+//! The command line as a user meets it (issue 21): built-in targets that work
+//! from a copy of the binary anywhere, the capacity check, one vocabulary of
+//! sizes across `check` and `plan`, help that says what each command writes,
+//! shell completions, and each error printed once.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+}
+
+/// Runs the built `mkc` with `args` from the checkout's root.
+fn run(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mkc")).current_dir(env!("CARGO_MANIFEST_DIR")).args(args).output().unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn k3() -> String {
+    root("model_graphs/kimi_k3/graph.mkc").display().to_string()
+}
+
+/// A copy of the binary outside the checkout, run from another folder, knows
+/// every target and plans the full K3 for each (at the expert-parallel degree
+/// that fits, which it names itself).
+#[test]
+fn a_copy_of_the_binary_plans_k3_for_every_target() {
+    let bin_dir = tempfile::tempdir().unwrap();
+    let cwd = tempfile::tempdir().unwrap();
+    let copy = bin_dir.path().join("mkc");
+    std::fs::copy(env!("CARGO_BIN_EXE_mkc"), &copy).unwrap();
+    let mkc = |args: &[&str]| Command::new(&copy).current_dir(cwd.path()).args(args).output().unwrap();
+    let list = mkc(&["targets"]);
+    assert!(list.status.success(), "{}", stderr(&list));
+    for name in ["b200", "gb300", "h200"] {
+        assert!(stdout(&list).contains(name), "{}", stdout(&list));
+        let o = mkc(&["plan", &k3(), "--target", name]);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        assert!(stdout(&o).contains(&format!("plan kimi_k3 on {name}")), "{}", stdout(&o));
+    }
+}
+
+#[test]
+fn targets_lists_the_key_numbers() {
+    let o = run(&["targets"]);
+    assert!(o.status.success());
+    let out = stdout(&o);
+    let gb300 = out.lines().find(|l| l.starts_with("gb300")).unwrap();
+    for field in ["sm_103a", "160", "288.00 GB", "8.00 TB/s"] {
+        assert!(gb300.contains(field), "{gb300}");
+    }
+    assert!(out.lines().any(|l| l.starts_with("h200") && l.contains("4.19 measured")), "{out}");
+}
+
+#[test]
+fn an_unknown_target_gets_the_closest_name_and_the_list() {
+    let o = run(&["plan", &k3(), "--target", "gb200"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o)
+            .starts_with("error[mkc::config]: unknown target gb200; did you mean gb300? targets: b200, gb300, h200\n"),
+        "{}",
+        stderr(&o)
+    );
+    // A path is read as a file, never looked up by name.
+    let o = run(&["plan", &k3(), "--target", "no/such.yaml"]);
+    assert!(stderr(&o).contains("cannot read target no/such.yaml"), "{}", stderr(&o));
+}
+
+/// The number after `key` in `text`, up to the next space, and its unit.
+fn after<'a>(text: &'a str, key: &str) -> &'a str {
+    let at = text.find(key).unwrap_or_else(|| panic!("{key:?} not in:\n{text}")) + key.len();
+    let rest = &text[at..];
+    let end = rest.find([',', '\n', ')']).unwrap();
+    rest[..end].trim()
+}
+
+/// K3 does not fit one GB300 (1.56 TB of weights against 288 GB): the first
+/// line of the estimate says so with both numbers and the smallest
+/// expert-parallel degree that fits; at that degree it plans and fits.
+#[test]
+fn k3_capacity_on_gb300_names_the_expert_parallel_degree() {
+    let o = run(&["plan", &k3(), "--target", "gb300", "--estimate"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let first = out.lines().next().unwrap();
+    assert!(first.contains("does not fit one gb300"), "{first}");
+    assert!(first.contains("1.56 TB resident > 288.00 GB HBM"), "{first}");
+    let degree = after(first, "the smallest expert-parallel degree that fits is ").split(' ').next().unwrap();
+    let n: u32 = degree.parse().unwrap();
+    assert!((6..=16).contains(&n), "{first}");
+    let o = run(&["plan", &k3(), "--target", "gb300", "--estimate", "--expert-parallel", degree]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let first = out.lines().next().unwrap();
+    assert!(first.starts_with(&format!("capacity: one GPU's share at expert-parallel {n} fits one gb300")), "{first}");
+    assert!(out.contains("batch 1, moved per step: weights read"), "{out}");
+    // One fewer does not fit.
+    let o = run(&["plan", &k3(), "--target", "gb300", "--expert-parallel", &(n - 1).to_string()]);
+    assert!(stdout(&o).lines().next().unwrap().contains("does not fit"), "{}", stdout(&o));
+}
+
+/// `codegen` refuses a model one GPU cannot hold, unless told to ignore it.
+#[test]
+fn codegen_refuses_what_does_not_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("k3");
+    let o = run(&["codegen", &k3(), "--target", "h200", "-o", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.starts_with("error[mkc::limit]: not generated: the model does not fit one h200"), "{err}");
+    assert!(err.contains("--ignore-capacity"), "{err}");
+    assert!(!out.exists(), "nothing is written");
+}
+
+/// `check` and `plan` print the same weights read per step, under the same name.
+#[test]
+fn check_and_plan_agree_on_sizes() {
+    let graph = root("model_graphs/kimi_k2/graph.mkc").display().to_string();
+    let config = root("model_graphs/kimi_k2/tiny.json").display().to_string();
+    let check = stdout(&run(&["check", &graph, "--config", &config, "--target", "h200"]));
+    let plan = stdout(&run(&["plan", &graph, "--config", &config, "--target", "h200", "--estimate"]));
+    for b in [1, 8] {
+        let line =
+            check.lines().find(|l| l.starts_with(&format!("weights read per step at batch {b} (moved)"))).unwrap();
+        let in_check = line.rsplit('(').next().unwrap().trim_end_matches(')');
+        let in_plan = after(&plan, &format!("batch {b}, moved per step: weights read "));
+        assert_eq!(in_check, in_plan, "batch {b}\ncheck:\n{check}\nplan:\n{plan}");
+    }
+    let line = check.lines().find(|l| l.starts_with("state per sequence at context 4096: ")).unwrap();
+    let per_sequence = line.rsplit('(').next().unwrap().trim_end_matches(')');
+    assert!(plan.contains(&format!("({per_sequence} per sequence x batch 1)")), "{per_sequence}\n{plan}");
+    assert!(check.contains("capacity: the model fits one h200"), "{check}");
+}
+
+#[test]
+fn help_says_what_codegen_writes() {
+    let o = run(&["codegen", "--help"]);
+    let help = stdout(&o);
+    for file in ["program.cuh", "model.cu", "CMakeLists.txt", "plan.mkcplan"] {
+        assert!(help.contains(file), "{help}");
+    }
+    assert!(!help.contains("device tables and the weight list"), "{help}");
+}
+
+#[test]
+fn completions_for_each_shell() {
+    for shell in ["bash", "zsh", "fish"] {
+        let o = run(&["completions", shell]);
+        assert!(o.status.success(), "{shell}: {}", stderr(&o));
+        let script = stdout(&o);
+        for word in ["codegen", "targets", "expert-parallel"] {
+            assert!(script.contains(word), "{shell} completion lacks {word}");
+        }
+    }
+}
+
+/// An error's code and reason appear once: on the first line, not again in
+/// miette's frame.
+#[test]
+fn each_error_is_printed_once() {
+    let graph = root("tests/diagnostics/call_attr_missing.mkc").display().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("config.json");
+    std::fs::write(&empty, "{}").unwrap();
+    let o = run(&["check", &graph, "--config", empty.to_str().unwrap()]);
+    let err = stderr(&o);
+    assert_eq!(err.matches("mkc::call").count(), 1, "{err}");
+    assert_eq!(err.matches("needs attribute `group`").count(), 1, "{err}");
+    assert!(err.contains("╰── add `group: ...`"), "the frame stays:\n{err}");
+}
