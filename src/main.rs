@@ -243,7 +243,10 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                     Some(t) => {
                         let text = std::fs::read_to_string(&t)
                             .map_err(|e| format!("error: cannot read {}: {e}\n", t.display()))?;
-                        Some(plan::html::trace::parse(&text, &main).map_err(|e| format!("error: trace {}: {e}\n", t.display()))?)
+                        Some(
+                            plan::html::trace::parse(&text, &main)
+                                .map_err(|e| format!("error: trace {}: {e}\n", t.display()))?,
+                        )
                     }
                     None => None,
                 };

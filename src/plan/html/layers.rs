@@ -172,7 +172,8 @@ fn fold(ops: usize, of_op: &[Option<usize>], layers: &[Layer]) -> Vec<Block> {
                 break;
             }
             let mut times = 1;
-            while (0..unit).all(|j| kind_at(i + times * unit + j).is_some() && kind_at(i + times * unit + j) == kind_at(i + j))
+            while (0..unit)
+                .all(|j| kind_at(i + times * unit + j).is_some() && kind_at(i + times * unit + j) == kind_at(i + j))
             {
                 times += 1;
             }
@@ -202,8 +203,11 @@ mod tests {
     #[test]
     fn repeats_fold_the_longest_cover() {
         let kinds = [0, 1, 1, 2, 1, 1, 2, 1, 1, 2, 2];
-        let layers: Vec<Layer> =
-            kinds.iter().enumerate().map(|(i, k)| Layer { name: format!("l.{i}"), kind: *k, ops: vec![i + 1] }).collect();
+        let layers: Vec<Layer> = kinds
+            .iter()
+            .enumerate()
+            .map(|(i, k)| Layer { name: format!("l.{i}"), kind: *k, ops: vec![i + 1] })
+            .collect();
         let mut of_op = vec![None];
         of_op.extend((0..kinds.len()).map(Some));
         of_op.push(None);

@@ -62,11 +62,14 @@ pub struct Stage {
     pub tasks: usize,
 }
 
-/// The per-SM instruction lists as columns, SM after SM.
+/// The per-SM instruction lists as columns, SM after SM; times in ticks of
+/// [`TICK_NS`].
 #[derive(Serialize)]
 pub struct Schedule {
     /// SMs.
     pub sms: usize,
+    /// Nanoseconds per tick.
+    pub tick_ns: f64,
     /// Predicted step, ns.
     pub step_ns: u64,
     /// Instructions on each SM.
@@ -75,17 +78,17 @@ pub struct Schedule {
     pub task: Vec<i64>,
     /// Stage, likewise.
     pub stage: Vec<i64>,
-    /// Start, as ns after the previous instruction's end on the SM (the first: after 0).
+    /// Start, as ticks after the previous instruction's end on the SM (the first: after 0).
     pub gap: Vec<i64>,
-    /// End minus start, ns.
+    /// End minus start.
     pub dur: Vec<u64>,
-    /// Start minus the start of its weight stream, ns.
+    /// Start minus the start of its weight stream.
     pub lead: Vec<i64>,
     /// Index into `shapes`.
     pub shape: Vec<usize>,
     /// Distinct (weight bytes, activation bytes, state bytes, FLOPs).
     pub shapes: Vec<(u64, u64, u64, u64)>,
-    /// Measured start and duration, ns, where a trace was given (-1: no event).
+    /// Measured start and duration, where a trace was given (-1: no event).
     pub measured: Option<(Vec<i64>, Vec<i64>)>,
 }
 
@@ -137,6 +140,13 @@ fn ns(x: f64) -> i64 {
     x.round() as i64
 }
 
+/// The schedule's unit of time: predictions and measurements are not finer.
+pub const TICK_NS: f64 = 10.0;
+
+fn ticks(x: f64) -> i64 {
+    (x / TICK_NS).round() as i64
+}
+
 /// The page data of `plan`, with the measured step where there is one.
 pub fn page<'a>(plan: &'a Plan, measured: Option<&Measured>) -> Page<'a> {
     let g = plan.graph.graph();
@@ -154,10 +164,11 @@ pub fn page<'a>(plan: &'a Plan, measured: Option<&Measured>) -> Page<'a> {
                     reasons.push(a.reason);
                     reasons.len() - 1
                 });
-                let i = rules.iter().position(|(rule, reason, _)| *rule == a.rule && *reason == r).unwrap_or_else(|| {
-                    rules.push((a.rule, r, 0));
-                    rules.len() - 1
-                });
+                let i =
+                    rules.iter().position(|(rule, reason, _)| *rule == a.rule && *reason == r).unwrap_or_else(|| {
+                        rules.push((a.rule, r, 0));
+                        rules.len() - 1
+                    });
                 rules[i].2 += 1;
                 rule_of.insert(a.node, i as i64);
             }
@@ -207,6 +218,7 @@ pub fn page<'a>(plan: &'a Plan, measured: Option<&Measured>) -> Page<'a> {
         .collect();
     let mut sch = Schedule {
         sms: plan.schedule.sms.len(),
+        tick_ns: TICK_NS,
         step_ns: ns(plan.schedule.step_ns) as u64,
         len: vec![],
         task: vec![],
@@ -224,12 +236,12 @@ pub fn page<'a>(plan: &'a Plan, measured: Option<&Measured>) -> Page<'a> {
         let (mut task, mut stage, mut end) = (0i64, 0i64, 0i64);
         for i in list {
             let t = &plan.tiling.tasks[i.task];
-            let (start, stop) = (ns(i.start_ns), ns(i.end_ns).max(ns(i.start_ns)));
+            let (start, stop) = (ticks(i.start_ns), ticks(i.end_ns).max(ticks(i.start_ns)));
             sch.task.push(i.task as i64 - task);
             sch.stage.push(i.stage as i64 - stage);
             sch.gap.push(start - end);
             sch.dur.push((stop - start) as u64);
-            sch.lead.push(start - ns(i.load_start_ns));
+            sch.lead.push(start - ticks(i.load_start_ns));
             (task, stage, end) = (i.task as i64, i.stage as i64, stop);
             let key = (t.weight_bytes, t.act_bytes, t.state_bytes, t.flops);
             let next = sch.shapes.len();
@@ -239,13 +251,14 @@ pub fn page<'a>(plan: &'a Plan, measured: Option<&Measured>) -> Page<'a> {
             }
             sch.shape.push(s);
             if let (Some(m), Some((starts, durs))) = (measured, sch.measured.as_mut()) {
-                let (a, b) = m.tasks.get(i.task).copied().flatten().map_or((-1, -1), |(a, b)| (ns(a), ns(b - a)));
+                let (a, b) =
+                    m.tasks.get(i.task).copied().flatten().map_or((-1, -1), |(a, b)| (ticks(a), ticks(b) - ticks(a)));
                 starts.push(a);
                 durs.push(b);
             }
             let op = &mut ops[plan.tiling.stages[i.stage].op];
-            op.span = (op.span.0.min(start as u64), op.span.1.max(stop as u64));
-            op.busy += (stop - start) as u64;
+            op.span = (op.span.0.min(ns(i.start_ns) as u64), op.span.1.max(ns(i.end_ns) as u64));
+            op.busy += ns(i.end_ns - i.start_ns).max(0) as u64;
         }
     }
     for op in &mut ops {
@@ -263,7 +276,10 @@ pub fn page<'a>(plan: &'a Plan, measured: Option<&Measured>) -> Page<'a> {
         e.tokens_per_s
     ));
     Page {
-        title: format!("{} on {} (batch {}, context {})", plan.model, plan.target, plan.options.batch, plan.options.context),
+        title: format!(
+            "{} on {} (batch {}, context {})",
+            plan.model, plan.target, plan.options.batch, plan.options.context
+        ),
         summary,
         reasons,
         ops,

@@ -94,7 +94,9 @@ pub fn parse(text: &str, plan: &Plan) -> Result<Measured, TraceError> {
             None => {
                 let n = seen_on_sm[sm];
                 let list = &plan.schedule.sms[sm];
-                list.get(n).map(|i| i.task).ok_or_else(|| bad(&format!("SM {sm} runs only {} instructions", list.len())))?
+                list.get(n)
+                    .map(|i| i.task)
+                    .ok_or_else(|| bad(&format!("SM {sm} runs only {} instructions", list.len())))?
             }
         };
         seen_on_sm[sm] += 1;
