@@ -25,7 +25,7 @@ const browser = await puppeteer.launch({
 });
 try {
   const page = await browser.newPage();
-  await page.setViewport({ width: 1500, height: 1400 });
+  await page.setViewport({ width: 1500, height: 1750 });
   const errors = [];
   page.on("console", m => { if (m.type() === "error") errors.push(m.text()); });
   page.on("pageerror", e => errors.push(String(e)));
@@ -41,6 +41,25 @@ try {
     `(page script ${Math.round(script)} ms); budget ${BUDGET_MS} ms: ${wall <= BUDGET_MS ? "met" : "MISSED"}`);
   if (wall > HARD_LIMIT_MS) failures.push(`not interactive within ${HARD_LIMIT_MS} ms`);
   await page.screenshot({ path: path.join(out_dir, `${name}.png`) });
+  if (process.env.MKC_WRITE_TRACE) {
+    // A stand-in for a measured step, in the runtime's trace format (see
+    // docs/PLANNER.md): each instruction's predicted time, stretched by up to
+    // half, for `mkc plan --trace` to overlay.
+    const trace = await page.evaluate(() => {
+      const events = [];
+      const shift = new Float64Array(plan.schedule.sms);
+      for (let k = 0; k < I.task.length; k++) {
+        const stretch = 1 + 0.25 * (1 + Math.sin(I.stage[k] * 0.7));
+        const ts = I.start[k] / 1000 + shift[I.sm[k]], dur = (I.end[k] - I.start[k]) / 1000 * stretch;
+        shift[I.sm[k]] += dur * (stretch - 1) / stretch;
+        events.push({ name: plan.stages[I.stage[k]].name, ph: "X", ts, dur, pid: 0, tid: I.sm[k],
+                      args: { task: I.task[k], instruction: k, ready: ts } });
+      }
+      return JSON.stringify({ traceEvents: events, displayTimeUnit: "ns" });
+    });
+    fs.writeFileSync(process.env.MKC_WRITE_TRACE, trace);
+    console.log(`${name}: wrote a stand-in trace to ${process.env.MKC_WRITE_TRACE}`);
+  }
 
   // Expand the first layer of the most common layer kind (if the model has layers).
   const kinds = await page.evaluate(() => plan.kinds.map(k => k.layers.length));
@@ -73,15 +92,22 @@ try {
     for (const r of target.reasons) if (!details.includes(r)) failures.push(`reason not shown for op ${target.op}: ${r}`);
     if (!/Graph operations/.test(details) || !/tasks/.test(details)) failures.push("the details lack graph operations or tasks");
     console.log(`${name}: clicked fused operation ${target.op}; ${target.reasons.length} reason(s) shown`);
+    await page.click("#zoom-op");
+    await page.evaluate(() => { window.scrollTo(0, 0); document.getElementById("details").scrollTop = 0; });
+    await page.mouse.move(0, 0);
+    await page.screenshot({ path: path.join(out_dir, `${name}_layer.png`) });
   }
   // Zoom and pan the schedule.
   const box = await (await page.$("#timeline")).boundingBox();
   await page.mouse.move(box.x + box.width / 2, box.y + box.height / 2);
   for (let i = 0; i < 5; i++) await page.mouse.wheel({ deltaY: -300 });
   await page.mouse.down(); await page.mouse.move(box.x + box.width / 2 - 200, box.y + box.height / 2 + 30); await page.mouse.up();
+  if (process.env.MKC_EXPECT_MEASURED) {
+    const m = await page.evaluate(() => I.mStart !== null && document.getElementById("details").textContent.includes("measured"));
+    if (!m) failures.push("the measured trace is not overlaid");
+  }
   const zoomed = await page.evaluate(() => view.t1 - view.t0 < plan.schedule.step_ns * 0.9);
   if (!zoomed) failures.push("the schedule did not zoom");
-  await page.screenshot({ path: path.join(out_dir, `${name}_layer.png`) });
   if (errors.length) failures.push("console errors:\n  " + errors.join("\n  "));
 } finally {
   await browser.close();

@@ -88,7 +88,8 @@ pub struct Schedule {
     pub shape: Vec<usize>,
     /// Distinct (weight bytes, activation bytes, state bytes, FLOPs).
     pub shapes: Vec<(u64, u64, u64, u64)>,
-    /// Measured start and duration, where a trace was given (-1: no event).
+    /// Measured, where a trace was given: start after the previous measured
+    /// end on the SM, and duration (-1: no event).
     pub measured: Option<(Vec<i64>, Vec<i64>)>,
 }
 
@@ -233,7 +234,7 @@ pub fn page<'a>(plan: &'a Plan, measured: Option<&Measured>) -> Page<'a> {
     let mut shape_of: HashMap<(u64, u64, u64, u64), usize> = HashMap::new();
     for list in &plan.schedule.sms {
         sch.len.push(list.len());
-        let (mut task, mut stage, mut end) = (0i64, 0i64, 0i64);
+        let (mut task, mut stage, mut end, mut measured_end) = (0i64, 0i64, 0i64, 0i64);
         for i in list {
             let t = &plan.tiling.tasks[i.task];
             let (start, stop) = (ticks(i.start_ns), ticks(i.end_ns).max(ticks(i.start_ns)));
@@ -251,10 +252,16 @@ pub fn page<'a>(plan: &'a Plan, measured: Option<&Measured>) -> Page<'a> {
             }
             sch.shape.push(s);
             if let (Some(m), Some((starts, durs))) = (measured, sch.measured.as_mut()) {
-                let (a, b) =
-                    m.tasks.get(i.task).copied().flatten().map_or((-1, -1), |(a, b)| (ticks(a), ticks(b) - ticks(a)));
-                starts.push(a);
-                durs.push(b);
+                let (gap, dur) = match m.tasks.get(i.task).copied().flatten() {
+                    Some((a, b)) => {
+                        let gap = ticks(a) - measured_end;
+                        measured_end = ticks(b).max(ticks(a));
+                        (gap, measured_end - ticks(a))
+                    }
+                    None => (0, -1),
+                };
+                starts.push(gap);
+                durs.push(dur);
             }
             let op = &mut ops[plan.tiling.stages[i.stage].op];
             op.span = (op.span.0.min(ns(i.start_ns) as u64), op.span.1.max(ns(i.end_ns) as u64));
