@@ -129,7 +129,7 @@ pub fn layers(fusion: &Fusion) -> Layers {
         let shown = if distinct.is_empty() { p.iter().map(String::as_str).collect() } else { distinct };
         kinds[k].what = shown.join(" + ");
     }
-    let blocks = fold(fusion.ops.len(), &of_op, &layers);
+    let blocks = fold(&of_op, &layers);
     Layers { of_op, layers, kinds, blocks }
 }
 
@@ -144,10 +144,10 @@ fn letter(i: usize) -> String {
 
 /// The top level: operations outside layers in place, layers folded into
 /// the longest back-to-back repeats of a unit of up to [`MAX_UNIT`] layers.
-fn fold(ops: usize, of_op: &[Option<usize>], layers: &[Layer]) -> Vec<Block> {
+fn fold(of_op: &[Option<usize>], layers: &[Layer]) -> Vec<Block> {
     let mut items = vec![];
-    for op in 0..ops {
-        match of_op[op] {
+    for (op, layer) in of_op.iter().enumerate() {
+        match *layer {
             None => items.push(Block::Op(op)),
             Some(l) if layers[l].ops[0] == op => items.push(Block::Layer(l)),
             Some(_) => {}
@@ -211,7 +211,7 @@ mod tests {
         let mut of_op = vec![None];
         of_op.extend((0..kinds.len()).map(Some));
         of_op.push(None);
-        let blocks = fold(kinds.len() + 2, &of_op, &layers);
+        let blocks = fold(&of_op, &layers);
         assert_eq!(
             blocks,
             vec![

@@ -33,7 +33,7 @@ pub struct Op<'a> {
     pub rules: Vec<(&'static str, usize, usize)>,
     /// Its stages.
     pub stages: Vec<usize>,
-    /// Tasks, weight/activation/state bytes, FLOPs.
+    /// Tasks.
     pub tasks: usize,
     /// Weight bytes.
     pub wb: u64,
