@@ -106,6 +106,10 @@ enum Command {
         /// Write a self-contained HTML page: the fused graph and the per-SM timeline.
         #[arg(long)]
         html: Option<PathBuf>,
+        /// A measured step (Chrome trace JSON, as the runtime's profiled step
+        /// writes it) to overlay on the --html page's schedule.
+        #[arg(long, requires = "html")]
+        trace: Option<PathBuf>,
     },
     /// Write program.cuh, model.cu, CMakeLists.txt and plan.mkcplan into a folder.
     ///
@@ -266,7 +270,7 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plan { graph, target, config, estimate, batch, context, expert_parallel, yaml, dot, html } => {
+        Command::Plan { graph, target, config, estimate, batch, context, expert_parallel, yaml, dot, html, trace } => {
             let v = load(&graph, config.as_deref(), None)?;
             let target = Target::load(&target).map_err(|e| plain(&e))?;
             let source = std::fs::read_to_string(&graph).unwrap_or_default();
@@ -304,7 +308,18 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                 std::fs::write(&path, text).map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
             }
             if let Some(path) = html {
-                std::fs::write(&path, plan::html::to_html(&main))
+                let measured = match trace {
+                    Some(t) => {
+                        let text = std::fs::read_to_string(&t)
+                            .map_err(|e| format!("error: cannot read {}: {e}\n", t.display()))?;
+                        Some(
+                            plan::html::trace::parse(&text, &main)
+                                .map_err(|e| format!("error: trace {}: {e}\n", t.display()))?,
+                        )
+                    }
+                    None => None,
+                };
+                std::fs::write(&path, plan::html::to_html_measured(&main, measured.as_ref()))
                     .map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
             }
             if let Some(path) = dot {

@@ -118,16 +118,8 @@ pub fn emit(
         sms: plan.schedule.sms.len() as u32,
         context: plan.options.context,
     };
-    let stage_names: Vec<String> = plan
-        .tiling
-        .stages
-        .iter()
-        .map(|s| {
-            let kind =
-                serde_json::to_value(s.kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-            format!("{} {}", kind, plan.fusion.ops[s.op].name)
-        })
-        .collect();
+    let stage_names: Vec<String> =
+        (0..plan.tiling.stages.len()).map(|s| crate::plan::html::trace::stage_name(plan, s)).collect();
     let groups = weight_groups(v);
     if tables_only {
         let p = program::Program::tables_only(program::task_rows(plan));
