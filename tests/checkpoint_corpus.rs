@@ -3,8 +3,10 @@
 //! must come out exactly as expected.json says, message for message. The
 //! runtime's reader is held to the same file by
 //! runtime/tests/checkpoint_corpus_test.cpp, so the two agree on every case.
-//! Also here: a FIFO as a shard or as the index is refused at once, not read,
-//! and an index over the size limit is refused without being read.
+//! Also here, made in a temporary directory as they cannot be committed: a
+//! FIFO as a shard or as the index is refused at once, not read; a dangling
+//! link as a shard is a missing file; an index over the size limit is refused
+//! without being read.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -88,6 +90,14 @@ fn a_fifo_shard_or_index_is_refused_without_blocking() {
     let path = dir.path().to_path_buf();
     let got = within_10s(move || outcome(&path));
     assert_eq!(got, serde_json::json!({"outcome": "error", "error": format!("$DIR/{INDEX}: not a regular file")}));
+}
+
+#[test]
+fn a_dangling_link_as_a_shard_is_a_missing_file() {
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink("nowhere", dir.path().join("model.safetensors")).unwrap();
+    let want = "unreadable file model.safetensors: cannot open: No such file or directory";
+    assert_eq!(outcome(dir.path()), serde_json::json!({"outcome": "problems", "problems": [want]}));
 }
 
 #[test]

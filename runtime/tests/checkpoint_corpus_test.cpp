@@ -4,8 +4,9 @@
 // reader is held to the same file by tests/checkpoint_corpus.rs, so the two
 // agree on every case. Also: a FIFO as a shard or as the index is refused at
 // once (run under `timeout` by scripts/test_runtime.sh, so a reader that
-// blocks fails rather than hangs), and an index over the size limit is
-// refused unread.
+// blocks fails rather than hangs), a dangling link as a shard is a missing
+// file, and an index over the size limit is refused unread (made in a scratch
+// directory: none of these can be committed).
 // Usage: checkpoint_corpus_test CORPUS_DIR SCRATCH_DIR
 
 #include <sys/stat.h>
@@ -106,6 +107,14 @@ int main(int argc, char** argv) {
   EXPECT(mkfifo((scratch / "model.safetensors.index.json").c_str(), 0600) == 0, "mkfifo");
   error = open_error(scratch, &problems);
   EXPECT(error == "$DIR/model.safetensors.index.json: not a regular file", "%s", error.c_str());
+
+  // A dangling link as a shard is a missing file.
+  fs::remove_all(scratch);
+  fs::create_directories(scratch);
+  fs::create_symlink("nowhere", scratch / "model.safetensors");
+  error = open_error(scratch, &problems);
+  EXPECT(error.empty() && problems == "unreadable file model.safetensors: cannot open: No such file or directory\n",
+         "%s%s", error.c_str(), problems.c_str());
 
   // An index over the limit (sparse: no disk is used) is refused unread.
   fs::remove_all(scratch);
