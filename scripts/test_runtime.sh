@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the C++ runtime's checkpoint reader with its CPU tests (address and
-# undefined-behaviour sanitizers on) and runs them on the fixture checkpoints;
+# undefined-behaviour sanitizers on) and runs them on the fixture checkpoints
+# and the hostile corpus;
 # then a generated model's runtime on the fixture and broken copies of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,12 @@ mkdir -p "$out"
 g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
   -I runtime/include runtime/src/checkpoint.cpp runtime/tests/checkpoint_test.cpp -o "$out/checkpoint_test"
 "$out/checkpoint_test" tests/fixtures/checkpoints
+# The same reader over the hostile corpus, message for message as the compiler's
+# checker (tests/checkpoint_corpus.rs); a FIFO shard must not block it: the
+# timeout turns a hang into a failure.
+g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
+  -I runtime/include runtime/src/checkpoint.cpp runtime/tests/checkpoint_corpus_test.cpp -o "$out/checkpoint_corpus_test"
+timeout 120 "$out/checkpoint_corpus_test" tests/fixtures/hostile_checkpoints "$out/corpus_scratch"
 # The GPU layout of MXFP4 weights the runtime makes on upload.
 g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
   -I device runtime/tests/mx_layout_test.cpp -o "$out/mx_layout_test"

@@ -25,7 +25,8 @@ static std::string lower(std::string s) {
 }
 
 // A copy of the fixture whose safetensors header is edited: the entry of
-// `key` removed, or its shape text replaced by `shape`.
+// `key` renamed (removing it would leave its bytes a gap in the data section,
+// which makes the whole file unreadable), or its shape text replaced by `shape`.
 static fs::path edited(const fs::path& fixture, const fs::path& dir, const std::string& key, const char* shape) {
   fs::create_directories(dir);
   fs::copy_file(fixture / "config.json", dir / "config.json", fs::copy_options::overwrite_existing);
@@ -36,10 +37,8 @@ static fs::path edited(const fs::path& fixture, const fs::path& dir, const std::
   std::string header(bytes.data() + 8, old_n);
   const size_t at = header.find("\"" + key + "\":{");
   if (at == std::string::npos) return {};
-  const size_t end = header.find('}', at) + 1;
   if (shape == nullptr) {
-    const bool comma_after = header[end] == ',';
-    header.erase(comma_after ? at : at - 1, end - at + 1);
+    header.replace(at, key.size() + 2, "\"" + key + ".renamed\"");
   } else {
     const size_t s0 = header.find("\"shape\":[", at), s1 = header.find(']', s0);
     header.replace(s0, s1 + 1 - s0, std::string("\"shape\":") + shape);

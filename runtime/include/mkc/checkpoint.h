@@ -10,7 +10,14 @@
  *   wrong shape for K: [found] in FILE, the plan needs [shape]
  *   wrong dtype for K: FOUND in FILE, the plan needs DT
  *   truncated tensor K in FILE: DETAIL
+ *   duplicate tensor K: in FILE and in FILE2
  *   unreadable file FILE: DETAIL
+ *
+ * Opening refuses what the compiler's checker refuses, with its messages
+ * (docs/check.md, "What a checkpoint must be"): a FIFO or other non-regular
+ * file is refused without blocking, a header must be strict JSON whose
+ * tensors cover the data section exactly, and sizes never wrap. A file with
+ * a broken header is one `unreadable file` line; its tensors are not loaded.
  *
  * A tensor declared F32 may be stored as BF16 or F16 (widened exactly on
  * upload), as in the compiler's own checker (src/checkpoint).
