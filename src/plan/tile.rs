@@ -469,8 +469,9 @@ impl Builder<'_> {
         let ctx = self.opts.context.max(1);
         let b = self.b();
         let cache_row = (c + rope) * 2;
+        // W_UK and W_UV stream as bf16 rows (FP8 ones are made bf16 on upload).
         let w = self.weight_of(n, 3);
-        let per_row = w.bytes() / w.shape[0].max(1);
+        let per_row = w.shape[1] * 2;
         let wk = hpt * nope * per_row;
         let in_bytes = self.external_inputs(nodes) * b;
         let mut parts = vec![];
