@@ -287,3 +287,45 @@ fn a_k3_checkpoint_in_k3_naming_with_mxfp4_experts_passes() {
     // Layer 0's attention-residual scorer is in the checkpoint but never read (spec section 4).
     assert!(text.contains("394 needed, 2 unused"), "{text}");
 }
+
+/// Kimi K2 as released (FP8): a checkpoint in its format passes, and a
+/// missing block-scale tensor, a scale of the wrong shape and a weight
+/// stored as bf16 instead of e4m3 are each reported by name.
+#[test]
+fn fp8_checkpoint_problems_are_named() {
+    let v = compile("kimi_k2", &root().join("model_graphs/kimi_k2/tiny_fp8.json"));
+    let reqs = checkpoint::requirements(&v);
+    let tensors = as_tensors(&reqs);
+    let dir = tempfile::tempdir().unwrap();
+    write_safetensors(&dir.path().join("model.safetensors"), &tensors);
+    let r = checkpoint::check(dir.path(), &v).unwrap();
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    let fp8: Vec<usize> = (0..tensors.len()).filter(|i| tensors[*i].1 == "F8_E4M3").collect();
+    assert!(fp8.len() > 10, "the tiny FP8 config's weights are FP8");
+    for &i in &fp8 {
+        let scale = &tensors[i + 1];
+        assert_eq!(scale.0, format!("{}_scale_inv", tensors[i].0));
+        assert_eq!(scale.1, "F32");
+        let want: Vec<u64> = tensors[i].2.iter().map(|d| d.div_ceil(128)).collect();
+        assert_eq!(scale.2, want, "{}", scale.0);
+    }
+    let (a, b, c) = (fp8[0], fp8[1], fp8[2]);
+    let mut broken = tensors.clone();
+    let missing = broken[a + 1].0.clone();
+    broken[b + 1].2 = vec![7, 7];
+    let misshaped = broken[b + 1].0.clone();
+    broken[c].1 = "BF16".into();
+    let bf16 = broken[c].0.clone();
+    broken.remove(a + 1);
+    let dir = tempfile::tempdir().unwrap();
+    write_safetensors(&dir.path().join("model.safetensors"), &broken);
+    let r = checkpoint::check(dir.path(), &v).unwrap();
+    let lines: Vec<String> = r.problems.iter().map(|p| p.to_string()).collect();
+    assert_eq!(lines.len(), 3, "{lines:#?}");
+    assert!(lines.iter().any(|l| l.starts_with("missing tensor ") && l.contains(&missing)), "{lines:#?}");
+    assert!(lines.iter().any(|l| l.starts_with("wrong shape for ") && l.contains(&misshaped)), "{lines:#?}");
+    assert!(
+        lines.iter().any(|l| l.starts_with("wrong dtype for ") && l.contains(&bf16) && l.contains("F8_E4M3")),
+        "{lines:#?}"
+    );
+}

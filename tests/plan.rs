@@ -774,6 +774,17 @@ fn fp8_k2_plans_by_weight_type() {
         .iter()
         .filter(|r| r.dtype == "F8_E4M3")
         .all(|r| r.key.contains("kv_b_proj") || r.layout == mkc::checkpoint::GpuLayout::AsStored));
+    // The full K2 (FP8 as released): the post-attention norm, read by the bf16 router gate and the
+    // FP8 shared experts, is recomputed in each (not an epilogue that would keep the attention
+    // output projection on one SM): every large projection spreads over the SMs.
+    let full = compile("kimi_k2", "config.json");
+    let p = plan::plan(&full, &t, Options::default()).unwrap();
+    for s in &p.tiling.stages {
+        let bytes: u64 = s.tasks.iter().map(|t| p.tiling.tasks[*t].weight_bytes).sum();
+        if s.kind == plan::tile::TaskKind::ProjectionRows && bytes > 1 << 20 {
+            assert!(s.tasks.len() > 1, "stage {} ({} bytes of weights) is one task", s.id, bytes);
+        }
+    }
     // An FP8 width the ring cannot stream in 16-byte runs.
     let (v, _) = compile_edited("kimi_k2", "tiny.json", |c| {
         fp8(c);

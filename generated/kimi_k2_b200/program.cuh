@@ -2,7 +2,7 @@
 // (batch 1, context 4096). Do not edit: run `mkc codegen`.
 //
 // The code of one decode step: one device function per kind of stage. The
-// 730 stages and 56214 tasks of this model are data in plan.mkcplan (format
+// 730 stages and 62874 tasks of this model are data in plan.mkcplan (format
 // 1, runtime/include/mkc/plan_file.h): per stage, its kind's role here and
 // its parameters (weights, arena offsets, states); per SM, its instructions.
 // What is the same for every stage of a kind (widths, epsilons, shapes) is
@@ -18,10 +18,10 @@ inline constexpr const char* kModel = "kimi_k2_b200";
 inline constexpr const char* kTarget = "b200";
 inline constexpr int kBatch = 1;
 inline constexpr uint64_t kContext = 4096;
-inline constexpr uint64_t kArenaBytes = 1592064;
+inline constexpr uint64_t kArenaBytes = 1534720;
 // The routing log: each router's expert ids of the last step, [router][batch][top_k]
 // int32 from here (after the buffers; the host reads it: mkc_model_routing).
-inline constexpr uint64_t kRouteLog = 1590016;
+inline constexpr uint64_t kRouteLog = 1532672;
 inline constexpr uint32_t kRouters = 60;
 // Their common top-k (0: no routers, or routers of different top-k).
 inline constexpr uint32_t kRouterTopK = 8;
@@ -272,7 +272,7 @@ __device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, cons
 }
 
 // ---------------------------------------------------------------------------
-// projection2: 1 fused operation of this code; the first covers
+// projection2: 61 fused operations of this code; the first covers
 //   linear layer.0/decoder_layer/mla/out (85:9)
 //   add layer.0/decoder_layer/h (125:7)
 struct projection2_params {
@@ -426,69 +426,17 @@ __device__ inline void projection4(const TaskArgs& t, const Memory& m, const pro
 
 // ---------------------------------------------------------------------------
 // projection5: 60 fused operations of this code; the first covers
-//   linear layer.1/decoder_layer/mla/out (85:9)
-//   add layer.1/decoder_layer/h (125:7)
 //   rms_norm layer.1/decoder_layer/x (126:7)
-struct projection5_params {
-  uint64_t in;          // arena offset
-  uint64_t w_o;         // weight index
-  uint64_t w_o_scales;  // weight index
-  uint64_t in_2;        // arena offset
-  uint64_t h;           // arena offset
-  uint64_t n_post;      // weight index
-  uint64_t x;           // arena offset
-};
-
-// projection_rows: output rows
-__device__ inline Fp8Rows projection5_rows(const TaskArgs& t, const Memory& m, const projection5_params& p) {
-  Fp8Rows r =
-      Fp8Rows{.w0 = nullptr, .s0 = nullptr, .w1 = nullptr, .s1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 8192};
-  switch (t.a[0]) {
-    case 0:
-      r.w0 = static_cast<const uint8_t*>(m.w[p.w_o]);
-      r.s0 = static_cast<const float*>(m.w[p.w_o_scales]);
-      r.w1 = nullptr;
-      r.s1 = nullptr;
-      break;
-    default:
-      __trap();
-  }
-  return r;
-}
-__device__ inline void projection5(const TaskArgs& t, const Memory& m, const projection5_params& p, uint32_t& it,
-                                   int warp) {
-  const Fp8Rows r = projection5_rows(t, m, p);
-  float* st = staging(m);
-  const uint32_t n = r.cols();
-  fp8_rows_compute<kBatch>(
-      Fp8RowsCompute{
-          .rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f, .spill = nullptr},
-      it, warp, st);
-  consumer_sync();
-  // linear out (85:9)
-  const Span s1 = linear_span(t, 0);
-  // add h (125:7)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_2), 7168);
-  consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.h), 7168);
-  // rms_norm x (126:7)
-  ep_rms_norm<kBatch>(st, n, s1,
-                      EpRmsNorm{.full = 7168, .w = static_cast<const __nv_bfloat16*>(m.w[p.n_post]), .eps = 1e-6f});
-  consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.x), 7168);
-}
-
-// ---------------------------------------------------------------------------
-// projection6: 60 fused operations of this code; the first covers
 //   linear layer.1/decoder_layer/moe_mlp/linear (107:25)
-struct projection6_params {
+struct projection5_params {
   uint64_t in;        // arena offset
+  uint64_t n_post;    // weight index
   uint64_t router_w;  // weight index
   uint64_t linear;    // arena offset
 };
 
 // projection_rows: output rows
-__device__ inline Rows projection6_rows(const TaskArgs& t, const Memory& m, const projection6_params& p) {
+__device__ inline Rows projection5_rows(const TaskArgs& t, const Memory& m, const projection5_params& p) {
   Rows r = Rows{.w0 = nullptr, .w1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 7168};
   switch (t.a[0]) {
     case 0:
@@ -500,15 +448,18 @@ __device__ inline Rows projection6_rows(const TaskArgs& t, const Memory& m, cons
   }
   return r;
 }
-__device__ inline void projection6(const TaskArgs& t, const Memory& m, const projection6_params& p, uint32_t& it,
+__device__ inline void projection5(const TaskArgs& t, const Memory& m, const projection5_params& p, uint32_t& it,
                                    int warp) {
-  const Rows r = projection6_rows(t, m, p);
+  const Rows r = projection5_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute<kBatch>(
-      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
-      st);
+  rows_compute<kBatch>(RowsCompute{.rows = r,
+                                   .x = reinterpret_cast<float*>(m.arena + p.in),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                                   .eps = 1e-6f},
+                       it, warp, st);
   consumer_sync();
+  // rms_norm x (126:7)
   // linear linear (107:25)
   const Span s1 = linear_span(t, 0);
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.linear), 384);
@@ -541,7 +492,7 @@ __device__ inline void router0(const Memory& m, const router0_params& p) {
 // ---------------------------------------------------------------------------
 // moe0: 60 fused operations of this code; the first covers
 //   moe layer.1/decoder_layer/moe_mlp/routed (109:12)
-//   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
+//   rms_norm layer.1/decoder_layer/x#recompute2 (126:7)
 struct moe0_params {
   uint64_t in;      // arena offset
   uint64_t n_post;  // weight index
@@ -634,12 +585,14 @@ __device__ inline void moe0_expert_combine(const TaskArgs& t, const Memory& m, c
 }
 
 // ---------------------------------------------------------------------------
-// projection7: 60 fused operations of this code; the first covers
+// projection6: 60 fused operations of this code; the first covers
 //   linear layer.1/decoder_layer/moe_mlp/linear#2 (115:33)
 //   linear layer.1/decoder_layer/moe_mlp/linear#3 (115:52)
 //   act_and_mul layer.1/decoder_layer/moe_mlp/act_and_mul (115:21)
-struct projection7_params {
+//   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
+struct projection6_params {
   uint64_t in;             // arena offset
+  uint64_t n_post;         // weight index
   uint64_t s_gate;         // weight index
   uint64_t s_up;           // weight index
   uint64_t s_gate_scales;  // weight index
@@ -648,7 +601,7 @@ struct projection7_params {
 };
 
 // projection_rows: output rows
-__device__ inline Fp8Rows projection7_rows(const TaskArgs& t, const Memory& m, const projection7_params& p) {
+__device__ inline Fp8Rows projection6_rows(const TaskArgs& t, const Memory& m, const projection6_params& p) {
   Fp8Rows r =
       Fp8Rows{.w0 = nullptr, .s0 = nullptr, .w1 = nullptr, .s1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 7168};
   switch (t.a[0]) {
@@ -669,15 +622,17 @@ __device__ inline Fp8Rows projection7_rows(const TaskArgs& t, const Memory& m, c
   }
   return r;
 }
-__device__ inline void projection7(const TaskArgs& t, const Memory& m, const projection7_params& p, uint32_t& it,
+__device__ inline void projection6(const TaskArgs& t, const Memory& m, const projection6_params& p, uint32_t& it,
                                    int warp) {
-  const Fp8Rows r = projection7_rows(t, m, p);
+  const Fp8Rows r = projection6_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  fp8_rows_compute<kBatch>(
-      Fp8RowsCompute{
-          .rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f, .spill = nullptr},
-      it, warp, st);
+  fp8_rows_compute<kBatch>(Fp8RowsCompute{.rows = r,
+                                          .x = reinterpret_cast<float*>(m.arena + p.in),
+                                          .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                                          .eps = 1e-6f,
+                                          .spill = nullptr},
+                           it, warp, st);
   consumer_sync();
   // linear linear#2 (115:33)
   const Span s1 = linear_span(t, 0);
@@ -687,14 +642,15 @@ __device__ inline void projection7(const TaskArgs& t, const Memory& m, const pro
   ep_silu_and_mul<kBatch>(st, n, s1);
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.act_and_mul), 2048);
+  // rms_norm x#recompute1 (126:7)
 }
 
 // ---------------------------------------------------------------------------
-// projection8: 60 fused operations of this code; the first covers
+// projection7: 60 fused operations of this code; the first covers
 //   linear layer.1/decoder_layer/moe_mlp/shared (115:14)
 //   add layer.1/decoder_layer/moe_mlp/routed#2 (116:14)
 //   add layer.1/decoder_layer/h#2 (129:9)
-struct projection8_params {
+struct projection7_params {
   uint64_t in;             // arena offset
   uint64_t s_down;         // weight index
   uint64_t s_down_scales;  // weight index
@@ -704,7 +660,7 @@ struct projection8_params {
 };
 
 // projection_rows: output rows
-__device__ inline Fp8Rows projection8_rows(const TaskArgs& t, const Memory& m, const projection8_params& p) {
+__device__ inline Fp8Rows projection7_rows(const TaskArgs& t, const Memory& m, const projection7_params& p) {
   Fp8Rows r =
       Fp8Rows{.w0 = nullptr, .s0 = nullptr, .w1 = nullptr, .s1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 2048};
   switch (t.a[0]) {
@@ -719,9 +675,9 @@ __device__ inline Fp8Rows projection8_rows(const TaskArgs& t, const Memory& m, c
   }
   return r;
 }
-__device__ inline void projection8(const TaskArgs& t, const Memory& m, const projection8_params& p, uint32_t& it,
+__device__ inline void projection7(const TaskArgs& t, const Memory& m, const projection7_params& p, uint32_t& it,
                                    int warp) {
-  const Fp8Rows r = projection8_rows(t, m, p);
+  const Fp8Rows r = projection7_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
   fp8_rows_compute<kBatch>(
@@ -843,22 +799,22 @@ struct Step {
       }
       case 8: {
         const auto p = stage_params<projection5_params>(m, t);
-        fp8_rows_load(projection5_rows(t, m, p), it);
+        rows_load<kBatch>(projection5_rows(t, m, p), it);
         break;
       }
-      case 9: {
-        const auto p = stage_params<projection6_params>(m, t);
-        rows_load<kBatch>(projection6_rows(t, m, p), it);
-        break;
-      }
-      case 11: {
+      case 10: {
         const auto p = stage_params<moe0_params>(m, t);
         fp8_rows_load(moe0_expert_up_rows(t, m, p), it);
         break;
       }
-      case 12: {
+      case 11: {
         const auto p = stage_params<moe0_params>(m, t);
         fp8_rows_load(moe0_expert_down_rows(t, m, p), it);
+        break;
+      }
+      case 13: {
+        const auto p = stage_params<projection6_params>(m, t);
+        fp8_rows_load(projection6_rows(t, m, p), it);
         break;
       }
       case 14: {
@@ -867,11 +823,6 @@ struct Step {
         break;
       }
       case 15: {
-        const auto p = stage_params<projection8_params>(m, t);
-        fp8_rows_load(projection8_rows(t, m, p), it);
-        break;
-      }
-      case 16: {
         const auto p = stage_params<lm_head0_params>(m, t);
         rows_load<kBatch>(lm_head0_lm_head_rows_rows(t, m, p), it);
         break;
@@ -933,28 +884,28 @@ struct Step {
         break;
       }
       case 9: {
-        const auto p = stage_params<projection6_params>(m, t);
-        projection6(t, m, p, it, warp);
-        break;
-      }
-      case 10: {
         const auto p = stage_params<router0_params>(m, t);
         router0(m, p);
         break;
       }
-      case 11: {
+      case 10: {
         const auto p = stage_params<moe0_params>(m, t);
         moe0_expert_up(t, m, p, it, warp);
         break;
       }
-      case 12: {
+      case 11: {
         const auto p = stage_params<moe0_params>(m, t);
         moe0_expert_down(t, m, p, it, warp);
         break;
       }
-      case 13: {
+      case 12: {
         const auto p = stage_params<moe0_params>(m, t);
         moe0_expert_combine(t, m, p);
+        break;
+      }
+      case 13: {
+        const auto p = stage_params<projection6_params>(m, t);
+        projection6(t, m, p, it, warp);
         break;
       }
       case 14: {
@@ -963,16 +914,11 @@ struct Step {
         break;
       }
       case 15: {
-        const auto p = stage_params<projection8_params>(m, t);
-        projection8(t, m, p, it, warp);
-        break;
-      }
-      case 16: {
         const auto p = stage_params<lm_head0_params>(m, t);
         lm_head0_lm_head_rows(t, m, p, it, warp);
         break;
       }
-      case 17: {
+      case 16: {
         const auto p = stage_params<lm_head0_params>(m, t);
         lm_head0_argmax(m, p);
         break;
@@ -983,6 +929,6 @@ struct Step {
   }
 };
 
-inline constexpr uint32_t kRoles = 18;
+inline constexpr uint32_t kRoles = 17;
 
 }  // namespace mkc::generated::kimi_k2_b200

@@ -10,9 +10,9 @@
 //! projection splits over every SM.
 //!
 //! The pass copies each RMSNorm whose users are linears and routed-expert
-//! ops, one copy per consumer class: all linear users share a copy (so the
-//! merged-projection rule still sees one input), each `moe` user gets its
-//! own. The copies keep the original's name with `#recompute{k}` and its
+//! ops, one copy per consumer class: the linear users of one weight type
+//! share a copy (so the merged-projection rule, which merges linears of one
+//! weight type, still sees one input), each `moe` user gets its own. The copies keep the original's name with `#recompute{k}` and its
 //! span, and the graph is validated again.
 
 use crate::diag::Result;
@@ -43,12 +43,16 @@ pub fn recompute_shared_norms(v: &Validated) -> Result<Validated> {
         if users.len() < 2 || !users.iter().all(|u| linear(u) || moe(u)) {
             continue;
         }
-        // Consumer classes: the linears together, each moe alone. The first
-        // class keeps the original node.
+        // Consumer classes: the linears of one weight type together (the
+        // merged-projection rule's groups), each moe alone. The first class
+        // keeps the original node.
         let mut classes: Vec<Vec<NodeId>> = vec![];
-        let linears: Vec<NodeId> = users.iter().copied().filter(linear).collect();
-        if !linears.is_empty() {
-            classes.push(linears);
+        let weight_type = |u: &NodeId| g.value_type(g.operands(*u)[1]).dtype;
+        for u in users.iter().copied().filter(linear) {
+            match classes.iter_mut().find(|c| weight_type(&c[0]) == weight_type(&u)) {
+                Some(c) => c.push(u),
+                None => classes.push(vec![u]),
+            }
         }
         classes.extend(users.iter().copied().filter(moe).map(|u| vec![u]));
         if classes.len() < 2 {
