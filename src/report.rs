@@ -16,7 +16,7 @@ use std::fmt::Write;
 use serde::Serialize;
 
 use crate::ir::NodeKind;
-use crate::ops::OpKind;
+use crate::sizes::WeightUse;
 use crate::valid::Validated;
 
 /// What `mkc check` reports.
@@ -63,20 +63,10 @@ pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
                 let bytes = w.ty.bytes();
                 total = total.saturating_add(n.saturating_mul(elems));
                 weight_bytes = weight_bytes.saturating_add(n.saturating_mul(bytes));
-                let users: Vec<_> = g
-                    .users(id)
-                    .into_iter()
-                    .filter_map(|u| match &g.node(u).kind {
-                        NodeKind::Op { op, .. } => Some((u, *op)),
-                        _ => None,
-                    })
-                    .collect();
-                let only = |k: OpKind| !users.is_empty() && users.iter().all(|(_, op)| *op == k);
-                if w.family.is_some() && only(OpKind::Moe) {
-                    let k = users.iter().map(|(u, _)| g.value_type(g.operands(*u)[1]).elements()).max().unwrap_or(n);
-                    active = active.saturating_add(k.min(n).saturating_mul(elems));
-                } else if !only(OpKind::Embedding) {
-                    active = active.saturating_add(n.saturating_mul(elems));
+                match crate::sizes::weight_use(g, id) {
+                    WeightUse::Experts { top_k } => active = active.saturating_add(top_k.min(n).saturating_mul(elems)),
+                    WeightUse::Whole => active = active.saturating_add(n.saturating_mul(elems)),
+                    WeightUse::Embedding => {}
                 }
             }
             NodeKind::State(s) => {

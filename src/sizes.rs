@@ -22,7 +22,7 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use crate::ir::NodeKind;
+use crate::ir::{Graph, NodeId, NodeKind};
 use crate::ops::OpKind;
 use crate::plan::Plan;
 use crate::report::{bytes, expected_distinct_experts};
@@ -60,6 +60,36 @@ impl GraphSizes {
     }
 }
 
+/// How a step reads a weight: a routed-expert family (each token reads
+/// `top_k` of its members), an embedding table (a row per token), or whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightUse {
+    /// Read only by `moe` ops, `top_k` members per token (the largest of its readers').
+    Experts {
+        /// Members each token reads.
+        top_k: u64,
+    },
+    /// Read only by embeddings: one row per token.
+    Embedding,
+    /// Read whole every step.
+    Whole,
+}
+
+/// How weight node `id` of `g` is read (see [`WeightUse`]).
+pub fn weight_use(g: &Graph, id: NodeId) -> WeightUse {
+    let NodeKind::Weight(w) = &g.node(id).kind else { return WeightUse::Whole };
+    let users: Vec<_> = g.users(id).into_iter().filter_map(|u| g.op(u).map(|(op, _)| (u, op))).collect();
+    let only = |k: OpKind| !users.is_empty() && users.iter().all(|(_, op)| *op == k);
+    if w.family.is_some() && only(OpKind::Moe) {
+        let top_k = users.iter().map(|(u, _)| g.value_type(g.operands(*u)[1]).elements()).max().unwrap_or(w.count());
+        WeightUse::Experts { top_k }
+    } else if only(OpKind::Embedding) {
+        WeightUse::Embedding
+    } else {
+        WeightUse::Whole
+    }
+}
+
 /// The sizes of `v` at `batch` sequences, `context` tokens and `ep` GPUs
 /// sharing the routed experts.
 pub fn graph_sizes(v: &Validated, batch: u64, context: u64, ep: u64) -> GraphSizes {
@@ -71,17 +101,8 @@ pub fn graph_sizes(v: &Validated, batch: u64, context: u64, ep: u64) -> GraphSiz
             NodeKind::Weight(w) => {
                 let n = w.count();
                 let each = w.ty.bytes();
-                let users: Vec<_> = g
-                    .users(id)
-                    .into_iter()
-                    .filter_map(|u| match &g.node(u).kind {
-                        NodeKind::Op { op, .. } => Some((u, *op)),
-                        _ => None,
-                    })
-                    .collect();
-                let only = |k: OpKind| !users.is_empty() && users.iter().all(|(_, op)| *op == k);
-                if w.family.is_some() && only(OpKind::Moe) {
-                    let k = users.iter().map(|(u, _)| g.value_type(g.operands(*u)[1]).elements()).max().unwrap_or(n);
+                let read_by = weight_use(g, id);
+                if let WeightUse::Experts { top_k: k } = read_by {
                     let local = n.div_ceil(ep);
                     let here = local.saturating_mul(each);
                     resident = resident.saturating_add(here);
@@ -93,7 +114,7 @@ pub fn graph_sizes(v: &Validated, batch: u64, context: u64, ep: u64) -> GraphSiz
                 } else {
                     let all = n.saturating_mul(each);
                     resident = resident.saturating_add(all);
-                    if only(OpKind::Embedding) {
+                    if read_by == WeightUse::Embedding {
                         read += (batch * (each / w.ty.shape[0].max(1))) as f64 * n as f64;
                     } else {
                         read += all as f64;
