@@ -89,10 +89,8 @@ impl Target {
         } else {
             targets_dir().join(format!("{name_or_path}.yaml"))
         };
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            Error::new(ErrorKind::Io, format!("cannot read target {}: {e}", path.display()))
-                .help(format!("targets: {}", available().join(", ")))
-        })?;
+        let text = crate::files::read_input(&path, crate::files::Input::Target)
+            .map_err(|e| e.help(format!("targets: {}", available().join(", "))))?;
         Target::parse(&text, &path.display().to_string())
     }
 

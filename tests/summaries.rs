@@ -17,7 +17,7 @@ fn summary(model: &str, config: &str) -> Summary {
     summarize(&v, 4096, &[1, 8])
 }
 
-fn within(actual: u64, expected: f64, tolerance: f64) -> bool {
+fn within(actual: u128, expected: f64, tolerance: f64) -> bool {
     ((actual as f64 - expected) / expected).abs() <= tolerance
 }
 

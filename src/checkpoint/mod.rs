@@ -262,7 +262,7 @@ type Shards = (Vec<PathBuf>, Option<BTreeMap<String, String>>);
 fn shards(dir: &Path) -> Result<Shards> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|e| io(format!("cannot read {}: {e}", index.display())))?;
+        let text = crate::files::read_input(&index, crate::files::Input::Index)?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| Error::new(ErrorKind::Checkpoint, format!("{} is not valid JSON: {e}", index.display())))?;
         let Some(map) = v.get("weight_map").and_then(|m| m.as_object()) else {
