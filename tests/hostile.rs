@@ -368,6 +368,14 @@ fn injected_key_prefix_is_refused_naming_the_config_key() {
         assert!(err.starts_with("model_graphs/kimi_k3/graph.mkc:"), "the error names the graph line:\n{err}");
         assert!(!err.contains("\n#error"), "the key is escaped in the message:\n{err}");
     }
+    // A prefix of 10 MB: refused as too long, at the first key.
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root("model_graphs/kimi_k3/tiny.json")).expect("tiny"))
+            .expect("json");
+    c["mkc_key_prefix"] = "p".repeat(10 << 20).into();
+    let (_dir, config) = temp_file("config.json", &c.to_string());
+    let args = ["check", "model_graphs/kimi_k3/graph.mkc", "--config", config.to_str().expect("utf-8")];
+    refuses(&args, &["error[mkc::limit]", "is 10485", "bytes, longer than 1024"]);
     // A control character, a backslash and a character past ASCII as well.
     for bad in ["a\tb.", "a\\b.", "é."] {
         let mut c: serde_json::Value =

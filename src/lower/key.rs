@@ -3,8 +3,9 @@
 //! checkpoint, and messages and comments that name a weight), and part of a
 //! key can come from the config (`config.mkc_key_prefix`), so a key is
 //! checked once, where lowering builds it: printable ASCII (space to `~`)
-//! except `"` and `\`. No control character, quote or backslash can then
-//! close a string or start a line in anything generated from it.
+//! except `"` and `\`, at most [`MAX_KEY_BYTES`] long. No control character,
+//! quote or backslash can then close a string or start a line in anything
+//! generated from it.
 //!
 //! It does not check that the key names a tensor of the checkpoint; that is
 //! `checkpoint::check`'s job.
@@ -13,6 +14,11 @@ use std::collections::BTreeMap;
 
 use super::Const;
 use crate::diag::{Error, ErrorKind, Result, Span};
+
+/// The longest checkpoint key, in bytes (real ones are under 200): keys are
+/// built once per layer and expert and stored in the plan file's string
+/// table, so a long prefix from the config must not multiply into gigabytes.
+pub const MAX_KEY_BYTES: usize = 1024;
 
 /// Whether `c` may stand in a checkpoint key.
 pub fn allowed(c: char) -> bool {
@@ -23,6 +29,19 @@ pub fn allowed(c: char) -> bool {
 /// an error names the first bad character, the key (escaped) and each config
 /// key whose string value holds that character and is part of the key.
 pub fn check(key: &str, span: Span, config: &BTreeMap<String, Const>) -> Result<()> {
+    if key.len() > MAX_KEY_BYTES {
+        let start: String = key.chars().take(40).collect();
+        return Err(Error::new(
+            ErrorKind::Limit,
+            format!(
+                "checkpoint key \"{}...\" is {} bytes, longer than {MAX_KEY_BYTES}",
+                start.escape_debug(),
+                key.len()
+            ),
+        )
+        .at(span)
+        .label("this key"));
+    }
     let Some((at, bad)) = key.char_indices().find(|(_, c)| !allowed(*c)) else {
         return Ok(());
     };
