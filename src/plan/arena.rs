@@ -26,6 +26,12 @@
 //! fit the shared-memory staging (`ACTIVATION_BYTES`, contract.h): a
 //! projection with a gated input, or an MXFP4 expert stage.
 //!
+//! Every size is bounded: [`bound`] runs before tiling (each value at the
+//! batch at most [`MAX_ARENA_BYTES`], each dimension at most [`MAX_DIM`]),
+//! and the layout computes each block, the staging and the arena's end with
+//! checked arithmetic against the same bound, so an impossible model is a
+//! `mkc::limit` error at its graph line, never a wrapped or runaway size.
+//!
 //! The pass also records which arena values each stage reads; the verifier
 //! ([`verify::arena`](super::verify::arena)) checks the layout and that every
 //! such read is ordered after its writer.
