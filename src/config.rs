@@ -23,13 +23,19 @@ pub struct Config {
 impl Config {
     /// Reads a config file.
     pub fn load(path: &Path) -> Result<Config> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::new(ErrorKind::Io, format!("cannot read config {}: {e}", path.display())))?;
+        let text = crate::files::read_input(path, crate::files::Input::Config)?;
         Config::parse(&text, &path.display().to_string())
     }
 
     /// Parses config text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Config> {
+        if let Some((line, column)) = too_deep(text) {
+            return Err(Error::new(
+                ErrorKind::Limit,
+                format!("config {origin} nests lists and mappings deeper than {MAX_DEPTH} levels (line {line}, column {column})"),
+            )
+            .help("a model config is a few levels deep"));
+        }
         let value: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| {
             let place = e.location().map(|l| format!(" at line {}, column {}", l.line(), l.column()));
             Error::new(
@@ -46,6 +52,59 @@ impl Config {
             }
         }
         Ok(Config { origin: origin.to_string(), root })
+    }
+}
+
+/// The deepest nesting of sequences and mappings a config may have (flow
+/// brackets and block indentation alike). The YAML loader reads a whole
+/// document before it applies its own limit (128), and libyaml's scanner
+/// takes time that grows with the square of the flow nesting (100,000 `[`
+/// took half a minute), so [`too_deep`] streams the document's events first
+/// and stops at the first one deeper than this.
+pub const MAX_DEPTH: usize = 100;
+
+/// Where the first sequence or mapping deeper than [`MAX_DEPTH`] starts
+/// (line and column, from 1), by libyaml's own reading of the text, event by
+/// event. Syntax errors are left to the real parse, which reports them.
+fn too_deep(text: &str) -> Option<(usize, usize)> {
+    use libyaml_rs as sys;
+    use std::mem::MaybeUninit;
+    // SAFETY: the parser lives in a box that is not moved while libyaml holds
+    // pointers into it, reads only `text` (which outlives it), is deleted
+    // once, and each event is deleted after its fields are read.
+    unsafe {
+        let mut parser: Box<MaybeUninit<sys::yaml_parser_t>> = Box::new(MaybeUninit::uninit());
+        let p = parser.as_mut_ptr();
+        if sys::yaml_parser_initialize(p).fail {
+            return None;
+        }
+        sys::yaml_parser_set_encoding(p, sys::YAML_UTF8_ENCODING);
+        sys::yaml_parser_set_input_string(p, text.as_ptr(), text.len() as u64);
+        let mut depth = 0usize;
+        let mut found = None;
+        loop {
+            let mut event = MaybeUninit::<sys::yaml_event_t>::uninit();
+            let e = event.as_mut_ptr();
+            if sys::yaml_parser_parse(p, e).fail {
+                break;
+            }
+            let (kind, mark) = ((*e).type_, (*e).start_mark);
+            sys::yaml_event_delete(e);
+            match kind {
+                sys::YAML_SEQUENCE_START_EVENT | sys::YAML_MAPPING_START_EVENT => {
+                    depth += 1;
+                    if depth > MAX_DEPTH {
+                        found = Some((mark.line as usize + 1, mark.column as usize + 1));
+                        break;
+                    }
+                }
+                sys::YAML_SEQUENCE_END_EVENT | sys::YAML_MAPPING_END_EVENT => depth = depth.saturating_sub(1),
+                sys::YAML_STREAM_END_EVENT => break,
+                _ => {}
+            }
+        }
+        sys::yaml_parser_delete(p);
+        found
     }
 }
 

@@ -63,3 +63,89 @@ fn write_one(folder: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf> {
     }
     Ok(path)
 }
+
+/// The kinds of file mkc reads, each with the largest size it accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Input {
+    /// A graph file (`graph.mkc`): at most 16 MiB (the K3 graph is 10 KB).
+    Graph,
+    /// A model config (JSON or YAML): at most 64 MiB (configs are a few KB).
+    Config,
+    /// A target file: at most 1 MiB (targets are 2 KB).
+    Target,
+    /// A checkpoint's `model.safetensors.index.json`: at most 256 MiB (a
+    /// large sharded checkpoint's index is a few MB).
+    Index,
+}
+
+impl Input {
+    /// The largest file of this kind mkc reads, in bytes.
+    pub const fn limit(self) -> u64 {
+        match self {
+            Input::Graph => 16 << 20,
+            Input::Config => 64 << 20,
+            Input::Target => 1 << 20,
+            Input::Index => 256 << 20,
+        }
+    }
+
+    /// What the file is, in error messages.
+    pub const fn what(self) -> &'static str {
+        match self {
+            Input::Graph => "graph",
+            Input::Config => "config",
+            Input::Target => "target",
+            Input::Index => "checkpoint index",
+        }
+    }
+}
+
+/// Reads an input file of `kind` as UTF-8 text, refusing by name anything
+/// that is not a regular file (a device such as `/dev/zero`, a FIFO, a
+/// directory) and any file over the kind's [`Input::limit`]. The file is
+/// opened non-blocking, so opening a FIFO with no writer does not hang, and
+/// checked with `fstat` on the open file before a byte is read; the read
+/// itself stops at the limit, so a file that grows meanwhile cannot fill
+/// memory either.
+pub fn read_input(path: &Path, kind: Input) -> Result<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let what = kind.what();
+    let fail = |why: String| Error::new(ErrorKind::Io, format!("cannot read {what} {}: {why}", path.display()));
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| fail(e.to_string()))?;
+    let meta = file.metadata().map_err(|e| fail(e.to_string()))?;
+    if !meta.is_file() {
+        let ty = meta.file_type();
+        let is = if ty.is_dir() {
+            "a directory"
+        } else if std::os::unix::fs::FileTypeExt::is_fifo(&ty) {
+            "a FIFO"
+        } else if std::os::unix::fs::FileTypeExt::is_char_device(&ty) {
+            "a character device"
+        } else if std::os::unix::fs::FileTypeExt::is_block_device(&ty) {
+            "a block device"
+        } else if std::os::unix::fs::FileTypeExt::is_socket(&ty) {
+            "a socket"
+        } else {
+            "not a regular file"
+        };
+        return Err(fail(format!("it is {is}; mkc reads regular files only")));
+    }
+    let limit = kind.limit();
+    let too_big =
+        |size: u64| fail(format!("it is {size} bytes, more than the {} MiB a {what} file may be", limit >> 20));
+    if meta.len() > limit {
+        return Err(too_big(meta.len()));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(limit + 1).read_to_end(&mut bytes).map_err(|e| fail(e.to_string()))?;
+    if bytes.len() as u64 > limit {
+        return Err(too_big(bytes.len() as u64));
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| fail(format!("it is not UTF-8 text (byte {} is not valid UTF-8)", e.utf8_error().valid_up_to())))
+}

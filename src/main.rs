@@ -19,7 +19,7 @@ const MAX_BATCH: i64 = 64;
 
 /// The largest `--context`: 16M tokens, so every per-sequence size (tokens
 /// times bytes per token) stays far from 64-bit overflow.
-const MAX_CONTEXT: u64 = 1 << 24;
+const MAX_CONTEXT: u64 = mkc::ir::MAX_CONTEXT;
 
 #[derive(Parser)]
 #[command(
@@ -220,9 +220,14 @@ fn plain(e: &Error) -> String {
     diag::render(e, "", "")
 }
 
-fn load(graph: &Path, config: Option<&Path>, checkpoint: Option<&Path>) -> Result<mkc::valid::Validated, String> {
-    let source =
-        std::fs::read_to_string(graph).map_err(|e| format!("error: cannot read {}: {e}\n", graph.display()))?;
+/// Reads and validates the graph; returns it with the graph file's text (for
+/// rendering later errors).
+fn load(
+    graph: &Path,
+    config: Option<&Path>,
+    checkpoint: Option<&Path>,
+) -> Result<(mkc::valid::Validated, String), String> {
+    let source = mkc::files::read_input(graph, mkc::files::Input::Graph).map_err(|e| plain(&e))?;
     let config_path = match (config, checkpoint) {
         (Some(c), _) => c.to_path_buf(),
         (None, Some(dir)) => dir.join("config.json"),
@@ -230,13 +235,14 @@ fn load(graph: &Path, config: Option<&Path>, checkpoint: Option<&Path>) -> Resul
     };
     let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
     let config = Config::load(&config_path).map_err(|e| render(&e))?;
-    mkc::compile_str(&source, &config, Limits::default()).map_err(|e| render(&e))
+    let v = mkc::compile_str(&source, &config, Limits::default()).map_err(|e| render(&e))?;
+    Ok((v, source))
 }
 
 fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
     match cli.command {
         Command::Check { graph, config, checkpoint: ckpt, context, target, batch, expert_parallel } => {
-            let v = load(&graph, config.as_deref(), ckpt.as_deref())?;
+            let (v, _) = load(&graph, config.as_deref(), ckpt.as_deref())?;
             write!(out, "{}", report::summarize(&v, context, &[1, 8]).render())?;
             let targets = match target {
                 Some(t) => vec![Target::load(&t).map_err(|e| plain(&e))?],
@@ -271,9 +277,8 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Plan { graph, target, config, estimate, batch, context, expert_parallel, yaml, dot, html, trace } => {
-            let v = load(&graph, config.as_deref(), None)?;
+            let (v, source) = load(&graph, config.as_deref(), None)?;
             let target = Target::load(&target).map_err(|e| plain(&e))?;
-            let source = std::fs::read_to_string(&graph).unwrap_or_default();
             let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
             let opts = plan::Options { batch, context, expert_parallel };
             let main = plan::plan(&v, &target, opts).map_err(|e| render(&e))?;
@@ -329,9 +334,8 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Codegen { graph, config, target, batch, context, out: folder, tables_only, ignore_capacity } => {
-            let v = load(&graph, config.as_deref(), None)?;
+            let (v, source) = load(&graph, config.as_deref(), None)?;
             let t = Target::load(&target).map_err(|e| plain(&e))?;
-            let source = std::fs::read_to_string(&graph).unwrap_or_default();
             let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
             let p =
                 plan::plan(&v, &t, plan::Options { batch, context, ..Default::default() }).map_err(|e| render(&e))?;
@@ -368,7 +372,7 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Graph { graph, config, dot: as_dot } => {
-            let v = load(&graph, config.as_deref(), None)?;
+            let (v, _) = load(&graph, config.as_deref(), None)?;
             if as_dot {
                 write!(out, "{}", dot::to_dot(&v))?;
             } else {

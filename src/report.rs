@@ -30,18 +30,20 @@ pub struct Summary {
     pub weights: u64,
     /// Checkpoint tensors the graph reads (families expanded, scales included).
     pub checkpoint_tensors: u64,
-    /// All parameters.
-    pub total_params: u64,
+    /// All parameters. The sums of this summary are exact 128-bit integers
+    /// (a graph's tensors within the lowering limits cannot reach 2^128), so
+    /// no count is ever a saturated or wrapped 64-bit value.
+    pub total_params: u128,
     /// Parameters one token uses.
-    pub active_params: u64,
+    pub active_params: u128,
     /// Bytes of all weights, scales included (resident on one GPU).
-    pub weight_bytes: u64,
+    pub weight_bytes: u128,
     /// (batch, weight bytes read per decode step: moved).
     pub bytes_per_step: Vec<(u64, u64)>,
     /// The context length the state is sized for.
     pub context: u64,
     /// Per-sequence state by local name: (name, count, bytes in all).
-    pub state: Vec<(String, u64, u64)>,
+    pub state: Vec<(String, u64, u128)>,
 }
 
 /// Counts and sizes for `graph`, with state sized at `context` tokens and
@@ -49,8 +51,9 @@ pub struct Summary {
 pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
     let g = v.graph();
     let mut ops = BTreeMap::new();
-    let (mut total, mut active, mut weight_bytes, mut weights, mut tensors) = (0u64, 0u64, 0u64, 0u64, 0u64);
-    let mut state: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    let (mut total, mut active, mut weight_bytes) = (0u128, 0u128, 0u128);
+    let (mut weights, mut tensors) = (0u64, 0u64);
+    let mut state: BTreeMap<String, (u64, u128)> = BTreeMap::new();
     for id in g.nodes() {
         let node = g.node(id);
         match &node.kind {
@@ -59,13 +62,12 @@ pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
                 weights += 1;
                 let n = w.count();
                 tensors += n * if w.scale_key.is_some() { 2 } else { 1 };
-                let elems = w.ty.elements();
-                let bytes = w.ty.bytes();
-                total = total.saturating_add(n.saturating_mul(elems));
-                weight_bytes = weight_bytes.saturating_add(n.saturating_mul(bytes));
+                let elems = u128::from(w.ty.elements());
+                total += u128::from(n) * elems;
+                weight_bytes += u128::from(n) * u128::from(w.ty.bytes());
                 match crate::sizes::weight_use(g, id) {
-                    WeightUse::Experts { top_k } => active = active.saturating_add(top_k.min(n).saturating_mul(elems)),
-                    WeightUse::Whole => active = active.saturating_add(n.saturating_mul(elems)),
+                    WeightUse::Experts { top_k } => active += u128::from(top_k.min(n)) * elems,
+                    WeightUse::Whole => active += u128::from(n) * elems,
                     WeightUse::Embedding => {}
                 }
             }
@@ -73,7 +75,7 @@ pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
                 let local = node.name.rsplit('/').next().unwrap_or(&node.name).to_string();
                 let e = state.entry(local).or_insert((0, 0));
                 e.0 += 1;
-                e.1 = e.1.saturating_add(s.bytes(context));
+                e.1 += u128::from(s.bytes(context));
             }
             NodeKind::Input => {}
         }
@@ -104,8 +106,8 @@ pub fn expected_distinct_experts(e: u64, k: u64, batch: u64) -> f64 {
 }
 
 /// `1234567` as `1,234,567`.
-pub fn grouped(n: u64) -> String {
-    let s = n.to_string();
+pub fn grouped(n: impl Into<u128>) -> String {
+    let s = n.into().to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
         if i > 0 && (s.len() - i).is_multiple_of(3) {
@@ -117,7 +119,8 @@ pub fn grouped(n: u64) -> String {
 }
 
 /// A count with an SI suffix: `2.78T`, `104.1B`, `48.0M`.
-pub fn si(n: u64) -> String {
+pub fn si(n: impl Into<u128>) -> String {
+    let n = n.into();
     let x = n as f64;
     for (scale, suffix) in [(1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")] {
         if x >= scale {
@@ -129,7 +132,8 @@ pub fn si(n: u64) -> String {
 }
 
 /// Bytes in decimal units: `137.0 GB`.
-pub fn bytes(n: u64) -> String {
+pub fn bytes(n: impl Into<u128>) -> String {
+    let n = n.into();
     let x = n as f64;
     for (scale, suffix) in [(1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "KB")] {
         if x >= scale {
@@ -161,7 +165,7 @@ impl Summary {
         for (b, x) in &self.bytes_per_step {
             let _ = writeln!(s, "weights read per step at batch {b} (moved): {} ({})", grouped(*x), bytes(*x));
         }
-        let total: u64 = self.state.iter().map(|x| x.2).sum();
+        let total: u128 = self.state.iter().map(|x| x.2).sum();
         let _ = writeln!(s, "state per sequence at context {}: {} ({})", self.context, grouped(total), bytes(total));
         for (name, n, b) in &self.state {
             let _ = writeln!(s, "  {name:<16} x{n:<4} {}", bytes(*b));

@@ -87,10 +87,8 @@ impl Target {
     /// An unknown name is answered with the closest name and the list.
     pub fn load(name_or_path: &str) -> Result<Target> {
         if is_path(name_or_path) {
-            let text = std::fs::read_to_string(name_or_path).map_err(|e| {
-                Error::new(ErrorKind::Io, format!("cannot read target {name_or_path}: {e}"))
-                    .help(format!("a target is a name ({}) or a YAML file", names().join(", ")))
-            })?;
+            let text = crate::files::read_input(std::path::Path::new(name_or_path), crate::files::Input::Target)
+                .map_err(|e| e.help(format!("a target is a name ({}) or a YAML file", names().join(", "))))?;
             return Target::parse(&text, name_or_path);
         }
         match BUILTIN.iter().find(|(n, _)| *n == name_or_path) {

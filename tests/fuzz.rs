@@ -10,7 +10,7 @@
 //! Lowering is given small [`Limits`] (`LIMITS`) so that a mutation such as a
 //! huge loop bound fails fast with a `mkc::limit` error.
 //!
-//! The properties and their cases (CASES_* below), 100,000+ in all:
+//! The properties and their cases (CASES_* below), 101,600 in all:
 //!
 //! | property | cases | input |
 //! |---|---|---|
@@ -19,16 +19,22 @@
 //! | `expressions` | 20,000 | random compile-time expressions (extreme integers included) in params, `require`, `let`, dims, loop bounds and op attributes |
 //! | `mutated_graphs` | 15,000 | the shipped graphs with 1 to 4 mutations, compiled against their tiny configs |
 //! | `mutated_configs` | 6,000 | the tiny configs with 1 to 3 mutations, against the unmodified graphs |
+//! | `scaled_models` | 600 | valid models: the tiny configs with 1 to 4 hyperparameters (layers, widths, heads, experts, top-k, vocabulary) set to random sizes up to 2^40, at a random batch, context and target, planned, verified and generated (one in 16 written to a temporary folder) |
+//!
+//! `MKC_FUZZ_SCALE` (a number, default 1) multiplies every property's cases:
+//! `MKC_FUZZ_SCALE=10 cargo test --release --test fuzz` runs ten times as many.
 //!
 //! `deep_nesting_of_every_construct` nests each recursive construct (brackets,
 //! calls, indexing, `if` in each of its three parts, `else if`, prefix `-` and
 //! `not`, operators, members, `if` and `for` bodies) 65 to 40,000 deep in every
-//! place, on a 2 MiB stack: each is refused, none overflows.
+//! place, on a 2 MiB stack: each is refused, none overflows. `deep_config_nesting`
+//! nests configs (flow and block lists and mappings) up to 100,000 deep: each
+//! past `config::MAX_DEPTH` is refused fast.
 //!
 //! Full-chain cases (a shipped graph lowered and validated) cost about a
 //! millisecond each in release, so most cases are the cheap kinds; the whole
-//! file takes about a minute with `cargo test --release --test fuzz` on two
-//! cores.
+//! file takes about 70 s of one core with `cargo test --release --test fuzz`
+//! (docs/language.md, Fuzzing, has the measured runs).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -46,6 +52,7 @@ const CASES_SOUP: u32 = 30_000;
 const CASES_EXPR: u32 = 20_000;
 const CASES_GRAPHS: u32 = 15_000;
 const CASES_CONFIGS: u32 = 6_000;
+const CASES_SCALED: u32 = 600;
 
 /// A case slower than this fails (and shrinks).
 const SLOW_SECS: u64 = 10;
@@ -61,7 +68,13 @@ const LIMITS: Limits = Limits {
 };
 const MODELS: [&str; 3] = ["kimi_k2", "kimi_k3", "kimi_linear"];
 
+/// `MKC_FUZZ_SCALE` (a number, default 1) multiplies every property's cases.
+fn scale() -> f64 {
+    std::env::var("MKC_FUZZ_SCALE").ok().and_then(|s| s.parse::<f64>().ok()).filter(|x| *x > 0.0).unwrap_or(1.0)
+}
+
 fn config_of(cases: u32) -> ProptestConfig {
+    let cases = (f64::from(cases) * scale()).round().clamp(1.0, f64::from(u32::MAX)) as u32;
     ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() }
 }
 
@@ -1065,6 +1078,154 @@ proptest! {
     }
 }
 
+// ---- valid models, planned and generated ------------------------------------
+
+/// The hyperparameters `scaled_models` sets: the last key of a config path.
+const SCALED_KEYS: &[&str] = &[
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "routed_expert_hidden_size",
+    "n_routed_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "num_experts_per_token",
+    "n_shared_experts",
+    "num_shared_experts",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_heads",
+    "head_dim",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "vocab_size",
+    "first_k_dense_replace",
+    "n_group",
+    "num_expert_group",
+    "topk_group",
+    "short_conv_kernel_size",
+    "attn_res_block_size",
+];
+
+/// A size a model might have: small counts, multiples of 8 and 32 (what the
+/// device tiles), and powers of two up to 2^40 (past every bound).
+fn size() -> impl Strategy<Value = i64> {
+    prop_oneof![
+        4 => 0i64..=9,
+        4 => (1i64..=32).prop_map(|x| x * 8),
+        2 => (1i64..=64).prop_map(|x| x * 32),
+        1 => (0u32..=40).prop_map(|p| 1i64 << p),
+    ]
+}
+
+/// What a scaled-model case plans and generates for.
+#[derive(Debug, Clone)]
+struct Scaled {
+    model: usize,
+    sets: Vec<(Index, i64)>,
+    target: &'static str,
+    batch: u32,
+    context: u64,
+    tables_only: bool,
+}
+
+fn scaled() -> impl Strategy<Value = Scaled> {
+    (
+        0..MODELS.len(),
+        prop::collection::vec((any::<Index>(), size()), 1..5),
+        prop::sample::select(&["h200", "b200", "gb300"][..]),
+        prop_oneof![4 => 1u32..=8, 1 => 1u32..=64],
+        prop_oneof![3 => Just(4096u64), 1 => 1u64..=(1 << 24)],
+        prop::bool::weighted(0.2),
+    )
+        .prop_map(|(model, sets, target, batch, context, tables_only)| Scaled {
+            model,
+            sets,
+            target,
+            batch,
+            context,
+            tables_only,
+        })
+}
+
+fn target(name: &str) -> &'static mkc::target::Target {
+    static TARGETS: OnceLock<HashMap<String, mkc::target::Target>> = OnceLock::new();
+    let all = TARGETS.get_or_init(|| {
+        ["h200", "b200", "gb300"]
+            .iter()
+            .map(|t| (t.to_string(), mkc::target::Target::load(t).expect("shipped target")))
+            .collect()
+    });
+    &all[name]
+}
+
+/// The cases `scaled_models` has written to a folder so far (one in 16 is).
+static WRITTEN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Plans, verifies and generates `v`; every error must keep the contract.
+fn plan_and_emit(v: &mkc::valid::Validated, source: &str, s: &Scaled) -> Result<(), TestCaseError> {
+    let options = mkc::plan::Options { batch: s.batch, context: s.context, ..Default::default() };
+    let plan = match mkc::plan::plan(v, target(s.target), options) {
+        Ok(p) => p,
+        Err(e) => return check_error(&e, source),
+    };
+    prop_assert!(!mkc::plan::estimate::render_structure(&plan).is_empty());
+    let from = mkc::emit::Provenance { graph: "g\n#error x\n.mkc".into(), config: "c*/.json".into() };
+    let artifact = match mkc::emit::emit(v, &plan, "fuzz", &from, source, s.tables_only) {
+        Ok(a) => a,
+        Err(e) => return check_error(&e, source),
+    };
+    prop_assert!(!artifact.plan.is_empty());
+    for (name, text) in &artifact.files {
+        prop_assert!(!text.lines().any(|l| l.starts_with("#error")), "{name} holds an injected line");
+    }
+    if WRITTEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed).is_multiple_of(16) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut files: Vec<(String, Vec<u8>)> =
+            artifact.files.iter().map(|(f, t)| (f.clone(), t.as_bytes().to_vec())).collect();
+        files.push((mkc::emit::PLAN_FILE.to_string(), artifact.plan.clone()));
+        let written = mkc::files::write_folder(&dir.path().join("out"), &files);
+        prop_assert!(written.is_ok_and(|w| w.len() == files.len()));
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(config_of(CASES_SCALED))]
+
+    /// The three model families with their tiny configs' hyperparameters
+    /// (layer counts, widths, heads, expert counts, top-k, vocabulary) set to
+    /// random sizes, at a random batch, context and target: whatever
+    /// validates is planned, verified and generated (sometimes into a
+    /// folder), and nothing panics; errors are fine.
+    #[test]
+    fn scaled_models(s in scaled()) {
+        let model = &models()[s.model];
+        let mut v: serde_json::Value = serde_json::from_str(&model.tiny_text).expect("tiny config is JSON");
+        let mut ps = Vec::new();
+        pointers(&v, String::new(), &mut ps);
+        ps.retain(|p| SCALED_KEYS.iter().any(|k| p.rsplit('/').next() == Some(k)));
+        for (i, x) in &s.sets {
+            let p = &ps[i.index(ps.len())];
+            if let Some(slot) = v.pointer_mut(p) {
+                *slot = (*x).into();
+            }
+        }
+        let text = serde_json::to_string_pretty(&v).expect("JSON serializes");
+        let w = Watch::new(|| format!("{s:?}\n{text}"));
+        let config = Config::parse(&text, "scaled.json").expect("a config of numbers parses");
+        match mkc::compile_str(&model.graph, &config, LIMITS) {
+            Ok(valid) => plan_and_emit(&valid, &model.graph, &s)?,
+            Err(e) => check_error(&e, &model.graph)?,
+        }
+        w.check("scaled model")?;
+    }
+}
+
 /// The shipped graphs compile against their tiny configs, so mutations start
 /// from a valid graph.
 #[test]
@@ -1142,4 +1303,35 @@ fn deep_nesting_of_every_construct() {
         })
         .expect("thread starts");
     run.join().expect("no deep nesting crashes the compiler");
+}
+
+/// Configs nested 50 to 100,000 deep by every construct (flow lists and
+/// mappings, block lists and mappings by indentation, `- ` on one line):
+/// refused as a `mkc::limit` past `MAX_DEPTH`, in well under a second each,
+/// and parsed below it.
+#[test]
+fn deep_config_nesting() {
+    let max = mkc::config::MAX_DEPTH;
+    for n in [50, max, max + 1, 5_000, 100_000] {
+        let block_maps: String = (0..n.min(5_000)).map(|i| format!("{}k:\n", " ".repeat(i))).collect();
+        for (name, text) in [
+            ("flow lists", format!("{{\"a\": {}1{}}}", "[".repeat(n - 1), "]".repeat(n - 1))),
+            ("flow maps", format!("{}1{}", "{\"a\": ".repeat(n), "}".repeat(n))),
+            ("dashes", format!("a:\n  {}1\n", "- ".repeat(n - 1))),
+            ("block maps", format!("{block_maps}{}1\n", " ".repeat(n.min(5_000)))),
+        ] {
+            let start = Instant::now();
+            let r = Config::parse(&text, "deep.yaml");
+            let t = start.elapsed();
+            assert!(t < Duration::from_secs(2), "{name} {n}: {t:?}");
+            let levels = if name == "block maps" { n.min(5_000) } else { n };
+            match r {
+                Ok(_) => assert!(levels <= max, "{name} {n}: a config nested {levels} deep parsed"),
+                Err(e) => {
+                    assert!(levels > max, "{name} {n}: {e:?}");
+                    assert_eq!(e.kind, mkc::ErrorKind::Limit, "{name} {n}: {e:?}");
+                }
+            }
+        }
+    }
 }

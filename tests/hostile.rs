@@ -274,3 +274,259 @@ fn negative_layer_count_is_refused() {
     );
     assert!(err.starts_with("model_graphs/kimi_k2/graph.mkc:"), "{err}");
 }
+
+/// The K2 tiny config with `key` set to `value`, in a temporary file.
+fn k2_tiny_with(key: &str, value: serde_json::Value) -> (tempfile::TempDir, PathBuf) {
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root("model_graphs/kimi_k2/tiny.json")).expect("tiny"))
+            .expect("json");
+    c[key] = value;
+    temp_file("config.json", &c.to_string())
+}
+
+/// `hidden_size: 2^40` passes lowering (no one tensor is over 2^50
+/// elements) but would need an arena of terabytes: the planner refuses it,
+/// naming the size, the bound and the graph line.
+#[test]
+fn huge_hidden_size_is_refused_by_the_arena_bound() {
+    let (_dir, config) = k2_tiny_with("hidden_size", (1u64 << 40).into());
+    let c = config.to_str().expect("utf-8");
+    let args = ["plan", "model_graphs/kimi_k2/graph.mkc", "--config", c, "--target", "h200"];
+    let err = refuses(&args, &["error[mkc::limit]", "bytes, more than the bound of 1099511627776 (1 TiB)"]);
+    assert!(err.starts_with("model_graphs/kimi_k2/graph.mkc:"), "the error names the graph line:\n{err}");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = dir.path().join("out");
+    let o = out.to_str().expect("utf-8");
+    refuses(
+        &["codegen", "model_graphs/kimi_k2/graph.mkc", "--config", c, "--target", "h200", "-o", o],
+        &["more than the bound of 1099511627776 (1 TiB)"],
+    );
+    assert!(!out.exists(), "nothing is written");
+}
+
+/// The summary of a model of more than 2^64 parameters prints the exact
+/// count, never a saturated 18,446,744,073,709,551,615.
+#[test]
+fn summary_counts_do_not_saturate() {
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root("model_graphs/kimi_k2/tiny.json")).expect("tiny"))
+            .expect("json");
+    c["hidden_size"] = (1u64 << 36).into();
+    c["moe_intermediate_size"] = (1u64 << 14).into();
+    c["n_routed_experts"] = (1u64 << 14).into();
+    let (_dir, config) = temp_file("config.json", &c.to_string());
+    let out = run(&["check", "model_graphs/kimi_k2/graph.mkc", "--config", config.to_str().expect("utf-8")]);
+    let s = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(!s.contains("18,446,744,073,709,551,615"), "{s}");
+    // 2 MoE layers of 2^14 experts of 3 matrices of 2^50 elements: 6 * 2^64 and more.
+    let total = s.lines().find(|l| l.starts_with("parameters: total ")).expect("total line");
+    let n: u128 = total["parameters: total ".len()..]
+        .split(' ')
+        .next()
+        .expect("count")
+        .replace(',', "")
+        .parse()
+        .expect("a number");
+    assert!(n > 6 << 64, "{total}");
+}
+
+/// A state whose size at the largest context passes the element bound is
+/// refused at its line, so no state size wraps at any `--context`.
+#[test]
+fn state_size_at_the_largest_context_is_bounded() {
+    let src = "model m\ngraph {\n  input t: i32[]\n  state s: f32[ctx, 1 << 30]\n  output t\n}\n";
+    let src = src.replace("1 << 30", "1073741824");
+    let (_dir, graph) = temp_file("g.mkc", &src);
+    let (_cdir, config) = temp_file("config.json", "{}");
+    let g = graph.to_str().expect("utf-8");
+    let err = refuses(
+        &["check", g, "--config", config.to_str().expect("utf-8")],
+        &["error[mkc::limit]", "elements at the largest context (16777216 tokens) is too large"],
+    );
+    assert!(err.starts_with(&format!("{g}:4:")), "{err}");
+}
+
+// ---- (1) code injection ---------------------------------------------------------
+
+/// The issue's key prefix, which would close the plan file's string and add
+/// a `#error` line to anything that pasted a key into source: refused at the
+/// weight's line, naming the config key.
+#[test]
+fn injected_key_prefix_is_refused_naming_the_config_key() {
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root("model_graphs/kimi_k3/tiny.json")).expect("tiny"))
+            .expect("json");
+    c["mkc_key_prefix"] = "x\"}};\n#error INJECTED\n//".into();
+    let (_dir, config) = temp_file("config.json", &c.to_string());
+    let c = config.to_str().expect("utf-8");
+    for args in [
+        vec!["check", "model_graphs/kimi_k3/graph.mkc", "--config", c],
+        vec!["codegen", "model_graphs/kimi_k3/graph.mkc", "--config", c, "--target", "gb300", "-o", "/nonexistent/x"],
+    ] {
+        let err = refuses(&args, &["error[mkc::value]", "config key `config.mkc_key_prefix`", "'\"'"]);
+        assert!(err.starts_with("model_graphs/kimi_k3/graph.mkc:"), "the error names the graph line:\n{err}");
+        assert!(!err.contains("\n#error"), "the key is escaped in the message:\n{err}");
+    }
+    // A prefix of 10 MB: refused as too long, at the first key.
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root("model_graphs/kimi_k3/tiny.json")).expect("tiny"))
+            .expect("json");
+    c["mkc_key_prefix"] = "p".repeat(10 << 20).into();
+    let (_dir, config) = temp_file("config.json", &c.to_string());
+    let args = ["check", "model_graphs/kimi_k3/graph.mkc", "--config", config.to_str().expect("utf-8")];
+    refuses(&args, &["error[mkc::limit]", "is 10485", "bytes, longer than 1024"]);
+    // A control character, a backslash and a character past ASCII as well.
+    for bad in ["a\tb.", "a\\b.", "é."] {
+        let mut c: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(root("model_graphs/kimi_k3/tiny.json")).expect("tiny"))
+                .expect("json");
+        c["mkc_key_prefix"] = bad.into();
+        let (_dir, config) = temp_file("config.json", &c.to_string());
+        let args = ["check", "model_graphs/kimi_k3/graph.mkc", "--config", config.to_str().expect("utf-8")];
+        refuses(&args, &["config key `config.mkc_key_prefix`"]);
+    }
+}
+
+/// A graph and a config path holding newlines, `*/` and a trailing
+/// backslash: every generated file's header stays one line, and no line of
+/// the paths becomes a line of code.
+#[test]
+fn paths_cannot_inject_lines_into_generated_headers() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // Folders `x<newline>#error INJECTED<newline>*` and ` \`: the path holds `*/ \`.
+    let evil = dir.path().join("x\n#error INJECTED\n*").join(" \\");
+    std::fs::create_dir_all(&evil).expect("evil folder");
+    let graph = evil.join("g\n#error GRAPH\n.mkc");
+    std::fs::copy(root("model_graphs/kimi_k2/graph.mkc"), &graph).expect("graph");
+    let config = evil.join("c\n#error CONFIG\n*.json");
+    std::fs::copy(root("model_graphs/kimi_k2/tiny.json"), &config).expect("config");
+    let out = dir.path().join("out");
+    let args = [
+        "codegen",
+        graph.to_str().expect("utf-8"),
+        "--config",
+        config.to_str().expect("utf-8"),
+        "--target",
+        "h200",
+        "-o",
+        out.to_str().expect("utf-8"),
+    ];
+    let o = run(&args);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    for name in ["program.cuh", "model.cu", "CMakeLists.txt", "plan_summary.txt"] {
+        let t = std::fs::read_to_string(out.join(name)).expect("generated file");
+        let injected = t.lines().any(|l| l.trim_start().starts_with("#error") || l.trim_start().starts_with("*/"));
+        assert!(!injected, "{name} holds an injected line:\n{}", &t[..t.len().min(600)]);
+        assert!(!t.contains("*/ "), "{name}: `*/` closes a comment");
+        let first = t.lines().next().expect("a header");
+        assert!(!first.ends_with('\\'), "{name}: the header continues onto the next line");
+        if first.contains("Generated by mkc") && name != "CMakeLists.txt" {
+            assert!(first.contains("?#error INJECTED?"), "{name}: the path stays in its one line:\n{first}");
+        }
+    }
+}
+
+// ---- (4) unbounded reads and hangs ------------------------------------------------
+
+/// Runs `mkc ARGS` and fails the test if it has not ended within 20 s.
+fn run_bounded(args: &[&str]) -> Output {
+    let mut child = mkc().args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("mkc starts");
+    let start = std::time::Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if start.elapsed() > std::time::Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("mkc {args:?} hangs");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("mkc ends")
+}
+
+/// `mkc` with its graph, config or target at `path`, refused with `needles`.
+fn refuses_as_each_input(path: &str, needles: &[&str]) {
+    let k2 = "model_graphs/kimi_k2/graph.mkc";
+    let tiny = "model_graphs/kimi_k2/tiny.json";
+    for (what, args) in [
+        ("graph", vec!["check", path, "--config", tiny]),
+        ("config", vec!["check", k2, "--config", path]),
+        ("target", vec!["plan", k2, "--config", tiny, "--target", path]),
+    ] {
+        let o = run_bounded(&args);
+        let err = text(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{what} {path}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(err.contains(&format!("cannot read {what} {path}: ")), "{what}: {err}");
+        for n in needles {
+            assert!(err.contains(n), "{what} {path}: stderr must hold {n:?}:\n{err}");
+        }
+    }
+}
+
+/// `/dev/zero` and `/dev/urandom` as any input: refused at once by name,
+/// before a byte is read.
+#[test]
+fn devices_are_refused() {
+    for dev in ["/dev/zero", "/dev/urandom"] {
+        refuses_as_each_input(dev, &["it is a character device; mkc reads regular files only"]);
+    }
+    refuses_as_each_input("/tmp", &["it is a directory"]);
+}
+
+/// A FIFO with no writer as any input: refused, without waiting for one.
+#[test]
+fn fifos_are_refused_without_hanging() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let fifo = dir.path().join("fifo.yaml");
+    let status = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo runs");
+    assert!(status.success());
+    refuses_as_each_input(fifo.to_str().expect("utf-8"), &["it is a FIFO; mkc reads regular files only"]);
+}
+
+/// A file over its kind's size limit is refused from its size alone (the
+/// files here are sparse: nothing is read).
+#[test]
+fn large_files_are_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let k2 = "model_graphs/kimi_k2/graph.mkc";
+    let tiny = "model_graphs/kimi_k2/tiny.json";
+    for (what, mib, limit) in [("graph", 17u64, 16), ("config", 65, 64), ("target", 2, 1)] {
+        let path = dir.path().join(format!("big.{what}.yaml"));
+        let f = std::fs::File::create(&path).expect("create");
+        f.set_len(mib << 20).expect("sparse file");
+        let p = path.to_str().expect("utf-8");
+        let args = match what {
+            "graph" => vec!["check", p, "--config", tiny],
+            "config" => vec!["check", k2, "--config", p],
+            _ => vec!["plan", k2, "--config", tiny, "--target", p],
+        };
+        let o = run_bounded(&args);
+        let err = text(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        let want = format!(
+            "cannot read {what} {p}: it is {} bytes, more than the {limit} MiB a {what} file may be",
+            mib << 20
+        );
+        assert!(err.contains(&want), "{err}");
+    }
+}
+
+/// 100,000 nested `[`, `{` or `- ` as a config: refused in well under a
+/// second (the YAML parser alone took 34 s), naming the line and column.
+#[test]
+fn deeply_nested_configs_are_refused_fast() {
+    let n = 100_000;
+    for (name, body) in [
+        ("brackets", format!("{{\"a\": {}1{}}}", "[".repeat(n), "]".repeat(n))),
+        ("braces", format!("{}{}", "{\"a\": ".repeat(n), "}".repeat(n))),
+        ("dashes", format!("a:\n  {}1\n", "- ".repeat(n))),
+        ("quoted", format!("a: x, \"\nb: {}1{}\n", "[".repeat(n), "]".repeat(n))),
+    ] {
+        let (_dir, config) = temp_file("deep.yaml", &body);
+        let c = config.to_str().expect("utf-8");
+        let start = std::time::Instant::now();
+        let err = refuses(&["check", "model_graphs/kimi_k2/graph.mkc", "--config", c], &["error[mkc::limit]"]);
+        assert!(err.contains(&format!("config {c} nests")) && err.contains("deeper than 100 levels"), "{name}: {err}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(5), "{name}: {:?}", start.elapsed());
+    }
+}

@@ -793,3 +793,24 @@ fn fp8_k2_plans_by_weight_type() {
     let err = plan::plan(&v, &t, Options::default()).unwrap_err().to_string();
     assert!(err.contains("FP8 experts whose widths") && err.contains("16"), "{err}");
 }
+
+/// The verifier holds the arena and the staging to 1 TiB: a layout past
+/// either (as a wrapped or runaway size would be) is refused by name.
+#[test]
+fn the_verifier_bounds_the_arena() {
+    let v = compile("kimi_k2", "tiny.json");
+    let p = plan::plan(&v, &Target::load("h200").unwrap(), Options::default()).unwrap();
+    let g = p.graph.graph();
+    assert!(verify::arena(g, &p.tiling, &p.arena).is_ok());
+    let mut big = p.arena.clone();
+    big.bytes = plan::arena::MAX_ARENA_BYTES + 256;
+    let e = verify::arena(g, &p.tiling, &big).unwrap_err();
+    assert!(e.reason.contains("the arena needs 1099511628032 bytes, more than the bound"), "{}", e.reason);
+    let mut wide = p.arena.clone();
+    wide.staging_floats = 1 << 40;
+    let e = verify::arena(g, &p.tiling, &wide).unwrap_err();
+    assert!(e.reason.contains("the fp32 staging of all SMs needs"), "{}", e.reason);
+    let mut wrapped = p.arena.clone();
+    wrapped.buffers[0].1 = u64::MAX;
+    assert!(verify::arena(g, &p.tiling, &wrapped).is_err(), "a buffer past the arena's end");
+}

@@ -132,7 +132,7 @@ pub fn emit(
     let summary = plan_file::summary(&file, &id);
     // What every file's header says produced it.
     let provenance = minijinja::context! {
-        version => env!("CARGO_PKG_VERSION"), graph => one_line(&from.graph), config => one_line(&from.config),
+        version => env!("CARGO_PKG_VERSION"), graph => comment_text(&from.graph), config => comment_text(&from.config),
         target => plan.target, namespace => ns,
     };
     let mut cases = vec![];
@@ -184,7 +184,18 @@ pub fn emit(
     Ok(Artifact { name: name.to_string(), files, plan: file })
 }
 
-/// A path as it may stand in a one-line comment (control characters shown as `?`).
-fn one_line(s: &str) -> String {
-    s.chars().map(|c| if c.is_control() { '?' } else { c }).collect()
+/// A path or other user text as it may stand inside a one-line comment of
+/// any generated file (`//` in C++ and CUDA, `#` in CMake, `/* */` too): every
+/// control character (a newline would start a line of code), every `\` (a
+/// backslash ending a `//` comment continues it onto the next line) and the
+/// `*` of every `*/` is shown as `?`. Every user string that emit writes into
+/// a comment goes through here.
+pub fn comment_text(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        let closes = c == '*' && chars.peek() == Some(&'/');
+        out.push(if c.is_control() || c == '\\' || closes { '?' } else { c });
+    }
+    out
 }

@@ -8,7 +8,7 @@
 
 mod types;
 
-pub use types::{DType, TensorType, CTX};
+pub use types::{DType, TensorType, CTX, MAX_CONTEXT};
 
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::EdgeRef;

@@ -86,6 +86,11 @@ impl fmt::Display for DType {
 /// it prints as `ctx`. States' real sizes live in [`super::State`].
 pub const CTX: u64 = u64::MAX;
 
+/// The largest context a plan is made for (`--context`): 16M tokens.
+/// Lowering bounds a state's elements with its `ctx` dimension at this size,
+/// so every per-sequence size stays far from 64-bit overflow.
+pub const MAX_CONTEXT: u64 = 1 << 24;
+
 /// A concrete tensor type. Activations are typed per token (the batch
 /// dimension is implicit); states per sequence; weights as stored.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]

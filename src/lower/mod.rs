@@ -10,6 +10,7 @@
 //! It does not check whole-graph properties; that is `valid`'s job.
 
 mod eval;
+mod key;
 
 pub use eval::Const;
 
@@ -453,12 +454,18 @@ impl<'a> Lowerer<'a> {
                 },
             }
         }
+        // A `ctx` dimension counts at the largest context.
         let elements = dims.iter().fold(1u64, |a, d| match d {
             StateDim::Fixed(n) => a.saturating_mul(*n),
-            StateDim::Ctx => a,
+            StateDim::Ctx => a.saturating_mul(crate::ir::MAX_CONTEXT),
         });
         if elements > self.limits.max_elements {
-            return Err(Error::new(ErrorKind::Limit, format!("tensor of {elements} elements is too large"))
+            let at = if dims.contains(&StateDim::Ctx) {
+                format!(" at the largest context ({} tokens)", crate::ir::MAX_CONTEXT)
+            } else {
+                String::new()
+            };
+            return Err(Error::new(ErrorKind::Limit, format!("tensor of {elements} elements{at} is too large"))
                 .at(ty.span)
                 .label("too large"));
         }
@@ -518,6 +525,13 @@ impl<'a> Lowerer<'a> {
         Ok(out)
     }
 
+    fn check_key(&self, key: &str, span: Span) -> Result<()> {
+        match &self.config_root {
+            Const::Map(m) => key::check(key, span, m),
+            _ => key::check(key, span, &Default::default()),
+        }
+    }
+
     fn weight(&mut self, frame: &mut Frame, w: &'a ast::WeightDecl) -> Result<()> {
         let mut ty = self.tensor_type(frame, &w.ty, false)?;
         let family = match &w.index {
@@ -538,6 +552,7 @@ impl<'a> Lowerer<'a> {
         let keep = family.as_ref().map(|f| f.0.as_str());
         let key_text = eval_str(&w.key, &self.scope(frame))?;
         let key = self.interpolate(frame, &key_text, keep, w.key.span)?;
+        self.check_key(&key, w.key.span)?;
         if let Some((var, _)) = &family {
             if !key.contains(&format!("{{{var}}}")) {
                 return Err(Error::new(
@@ -558,7 +573,9 @@ impl<'a> Lowerer<'a> {
                 .label("no scale key"));
             };
             let text = eval_str(s, &self.scope(frame))?;
-            Some(self.interpolate(frame, &text, keep, s.span)?)
+            let scale = self.interpolate(frame, &text, keep, s.span)?;
+            self.check_key(&scale, s.span)?;
+            Some(scale)
         } else {
             None
         };

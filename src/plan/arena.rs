@@ -26,6 +26,12 @@
 //! fit the shared-memory staging (`ACTIVATION_BYTES`, contract.h): a
 //! projection with a gated input, or an MXFP4 expert stage.
 //!
+//! Every size is bounded: [`bound`] runs before tiling (each value at the
+//! batch at most [`MAX_ARENA_BYTES`], each dimension at most [`MAX_DIM`]),
+//! and the layout computes each block, the staging and the arena's end with
+//! checked arithmetic against the same bound, so an impossible model is a
+//! `mkc::limit` error at its graph line, never a wrapped or runaway size.
+//!
 //! The pass also records which arena values each stage reads; the verifier
 //! ([`verify::arena`](super::verify::arena)) checks the layout and that every
 //! such read is ordered after its writer.
@@ -39,7 +45,7 @@ use super::tile::{TaskArgs, Tiling};
 use super::Options;
 use crate::contract::ACTIVATION_BYTES;
 use crate::diag::{Error, ErrorKind, Result};
-use crate::ir::{DType, Graph, NodeId, NodeKind, TensorType, ValueRef};
+use crate::ir::{DType, Graph, NodeId, NodeKind, TensorType, ValueRef, CTX};
 use crate::ops::OpKind;
 
 /// The type a value takes in the arena: bf16 activations are kept in fp32.
@@ -150,6 +156,70 @@ fn bug(msg: String) -> Error {
         .help("this is a compiler bug in the planner; the plan was not emitted")
 }
 
+/// The largest arena, and the largest staging of all SMs together: 1 TiB,
+/// far past any GPU's memory, so a model whose sizes reach it (a hidden size
+/// of 2^40) is refused by name instead of emitting an allocation no device
+/// has. Every size below it is computed with checked arithmetic.
+pub const MAX_ARENA_BYTES: u64 = 1 << 40;
+
+/// `factors` multiplied, or a `mkc::limit` error naming `what`, its size and
+/// the bound when the product passes [`MAX_ARENA_BYTES`] (or 64 bits).
+pub fn bounded(what: &dyn Fn() -> String, factors: &[u64]) -> Result<u64> {
+    let product = factors.iter().try_fold(1u64, |a, f| a.checked_mul(*f));
+    match product {
+        Some(n) if n <= MAX_ARENA_BYTES => Ok(n),
+        _ => {
+            let size = product.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string());
+            Err(Error::new(
+                ErrorKind::Limit,
+                format!("{} needs {size} bytes, more than the bound of {MAX_ARENA_BYTES} (1 TiB)", what()),
+            )
+            .help("check the config's sizes (hidden size, heads, experts, vocabulary) and --batch"))
+        }
+    }
+}
+
+/// The largest dimension of any tensor the planner tiles: task arguments
+/// (row, head and tile ranges) are 32-bit in the plan file.
+pub const MAX_DIM: u64 = (1 << 31) - 1;
+
+/// Bounds the graph before it is tiled, so no size the tiling derives can
+/// wrap: every dimension of every tensor is at most [`MAX_DIM`], and every
+/// value an operation produces, kept in the arena for the whole batch, is at
+/// most [`MAX_ARENA_BYTES`]. Errors point at the node's graph line.
+pub fn bound(g: &Graph, options: Options) -> Result<()> {
+    for id in g.nodes() {
+        let node = g.node(id);
+        if matches!(node.kind, NodeKind::Op { .. }) {
+            for ty in &node.outputs {
+                let what = || format!("`{}` ({ty}) at batch {}", node.name, options.batch);
+                bounded(&what, &[kept(ty).bytes(), u64::from(options.batch)]).map_err(|e| e.at(node.span))?;
+            }
+        }
+    }
+    for id in g.nodes() {
+        let node = g.node(id);
+        // A weight family's leading dimension is its member count; a state's
+        // `ctx` is sized at run time.
+        let family = matches!(&node.kind, NodeKind::Weight(w) if w.family.is_some());
+        for ty in &node.outputs {
+            let dims = &ty.shape[usize::from(family).min(ty.shape.len())..];
+            if let Some(d) = dims.iter().find(|d| **d > MAX_DIM && **d != CTX) {
+                return Err(Error::new(
+                    ErrorKind::Limit,
+                    format!(
+                        "`{}` ({ty}) has a dimension of {d}, more than the planner's bound of {MAX_DIM}",
+                        node.name
+                    ),
+                )
+                .at(node.span)
+                .label(format!("a dimension of {d}")));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn align(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
@@ -160,6 +230,7 @@ fn op_kind(g: &Graph, n: NodeId) -> Option<OpKind> {
 
 struct Layout<'a> {
     g: &'a Graph,
+    fusion: &'a Fusion,
     tiling: &'a Tiling,
     batch: u64,
     slots: Vec<ArenaSlot>,
@@ -182,20 +253,49 @@ impl Layout<'_> {
         let region = &self.tiling.regions[r];
         let at = self.region_bytes[r];
         let end = at.checked_add(bytes).ok_or_else(|| bug(format!("region {r} overflows")))?;
-        self.region_bytes[r] = align(end, 16);
+        let end = bounded(&|| format!("the arena region of {}", self.stage_name(stage)), &[align(end, 16)])
+            .map_err(|e| e.at(self.stage_span(stage)))?;
+        self.region_bytes[r] = end;
         self.slots.push(ArenaSlot { what, region: r, buffer: region.buffer, offset: at, bytes, writer: stage });
+        Ok(())
+    }
+
+    /// The fused operation `stage` belongs to, by name.
+    fn stage_name(&self, stage: usize) -> String {
+        let op = &self.fusion.ops[self.tiling.stages[stage].op];
+        format!("stage {stage} ({})", op.name)
+    }
+
+    /// The graph line of `stage`'s fused operation (its first node).
+    fn stage_span(&self, stage: usize) -> crate::diag::Span {
+        let op = &self.fusion.ops[self.tiling.stages[stage].op];
+        self.g.node(NodeId::at(op.nodes[0])).span
+    }
+
+    /// `factors` multiplied for `stage`, bounded by [`MAX_ARENA_BYTES`].
+    fn size(&self, stage: usize, what: &str, factors: &[u64]) -> Result<u64> {
+        bounded(&|| format!("{what} of {}", self.stage_name(stage)), factors).map_err(|e| e.at(self.stage_span(stage)))
+    }
+
+    /// Raises the per-SM staging to `floats`, bounded by [`MAX_ARENA_BYTES`]
+    /// for all SMs together (4 bytes a float; the SM count is at most 1024).
+    fn stage_floats(&mut self, stage: usize, floats: u64) -> Result<()> {
+        self.size(stage, "the fp32 staging of all SMs", &[floats, 4, 1024])?;
+        self.staging = self.staging.max(floats);
         Ok(())
     }
 
     /// Stages `k` input floats past an output tile of `tile` floats when they
     /// do not fit the shared-memory staging.
-    fn spill(&mut self, stage: usize, tile: u64, k: u64) {
-        if self.batch * k * 4 <= ACTIVATION_BYTES {
-            return;
+    fn spill(&mut self, stage: usize, tile: u64, k: u64) -> Result<()> {
+        let floats = self.size(stage, "the staged input", &[self.batch, k])?;
+        if floats * 4 <= ACTIVATION_BYTES {
+            return Ok(());
         }
         let at = align(tile, 32);
-        self.staging = self.staging.max(at + self.batch * k);
+        self.stage_floats(stage, at + floats)?;
         self.spills[stage] = Some(at);
+        Ok(())
     }
 
     /// Gives every value of `op` read outside it a block in `stage`'s region
@@ -209,7 +309,7 @@ impl Layout<'_> {
                 self.writes.insert(v, stage);
                 let outside = g.readers(v).any(|u| !op.nodes.contains(&u.index()));
                 if outside && !g.outputs.iter().any(|(_, ov)| *ov == v) {
-                    let bytes = kept(ty).bytes() * self.batch;
+                    let bytes = self.size(stage, &format!("`{}`", g.node(id).name), &[kept(ty).bytes(), self.batch])?;
                     self.reserve(stage, Block::Value { node: n, output: o as u16 }, bytes)?;
                 }
             }
@@ -233,13 +333,13 @@ impl Layout<'_> {
     }
 
     /// The largest output tile of a stage of row tasks, in floats at the batch.
-    fn tile_floats(&self, stage: usize) -> u64 {
+    fn tile_floats(&self, stage: usize) -> Result<u64> {
         let rows = self.tiling.stages[stage].tasks.iter().map(|t| match self.tiling.tasks[*t].args {
-            TaskArgs::Rows { up, r0, r1, .. } => u64::from(r1 - r0) * if up.is_some() { 2 } else { 1 },
-            TaskArgs::ExpertRows { r0, r1, .. } => u64::from(r1 - r0),
+            TaskArgs::Rows { up, r0, r1, .. } => u64::from(r1.saturating_sub(r0)) * if up.is_some() { 2 } else { 1 },
+            TaskArgs::ExpertRows { r0, r1, .. } => u64::from(r1.saturating_sub(r0)),
             _ => 0,
         });
-        rows.max().unwrap_or(0) * self.batch
+        self.size(stage, "the output tile", &[rows.max().unwrap_or(0), self.batch])
     }
 
     fn op(&mut self, op: &FusedOp) -> Result<()> {
@@ -253,8 +353,8 @@ impl Layout<'_> {
         let reads = self.outside_reads(op);
         match op.kind {
             FusedKind::Projection | FusedKind::LmHead => {
-                let rows = self.tile_floats(first);
-                self.staging = self.staging.max(rows);
+                let rows = self.tile_floats(first)?;
+                self.stage_floats(first, rows)?;
                 // The shared input: gated (a gated norm or a multiply inside the
                 // operation) or read by FP8 rows is staged whole.
                 let linear = op
@@ -268,12 +368,13 @@ impl Layout<'_> {
                         && matches!(op_kind(g, x.node), Some(OpKind::GatedRmsNorm | OpKind::Mul));
                     let fp8 = g.value_type(g.operands(l)[1]).dtype == DType::Fp8E4m3;
                     if gated || fp8 {
-                        self.spill(first, rows, g.value_type(x).elements());
+                        self.spill(first, rows, g.value_type(x).elements())?;
                     }
                 }
                 if op.nodes.iter().any(|n| op_kind(g, NodeId::at(*n)) == Some(OpKind::Argmax)) {
                     let tiles = self.tiling.stages[first].tasks.len() as u64;
-                    self.reserve(first, Block::TileMax, self.batch * tiles * 8)?;
+                    let bytes = self.size(first, "the tile maxima", &[self.batch, tiles, 8])?;
+                    self.reserve(first, Block::TileMax, bytes)?;
                 }
                 self.reads[first] = reads;
             }
@@ -290,7 +391,9 @@ impl Layout<'_> {
                 let Some((_, _, splits)) = self.tiling.stages[first].mla_split else {
                     return Err(bug(format!("fused operation {} has an MLA split the tiling did not shape", op.id)));
                 };
-                self.reserve(first, Block::MlaPartials, self.batch * heads * splits * (c + 2) * 4)?;
+                let bytes =
+                    self.size(first, "the MLA partials", &[self.batch, heads, splits, c.saturating_add(2), 4])?;
+                self.reserve(first, Block::MlaPartials, bytes)?;
                 self.reads[first] = reads;
             }
             FusedKind::Moe => {
@@ -307,14 +410,16 @@ impl Layout<'_> {
                 let w = g.value_type(ops[3]);
                 let (e, i, d) = (w.shape[0], w.shape[1], w.shape[2]);
                 let k = g.value_type(ops[1]).elements();
-                let slots = (self.batch * k).min(e);
-                self.reserve(up, Block::ExpertAct, self.batch * slots * i * 4)?;
-                self.reserve(down, Block::ExpertDown, self.batch * slots * d * 4)?;
+                let slots = self.batch.saturating_mul(k).min(e);
+                let act = self.size(up, "the experts' activations", &[self.batch, slots, i, 4])?;
+                self.reserve(up, Block::ExpertAct, act)?;
+                let rows = self.size(down, "the experts' down rows", &[self.batch, slots, d, 4])?;
+                self.reserve(down, Block::ExpertDown, rows)?;
                 for (stage, input, width) in [(up, d, 2), (down, i, 1)] {
-                    let tile = self.tile_floats(stage) * width;
-                    self.staging = self.staging.max(tile);
+                    let tile = self.tile_floats(stage)? * width;
+                    self.stage_floats(stage, tile)?;
                     if matches!(w.dtype, DType::Mxfp4 | DType::Fp8E4m3) {
-                        self.spill(stage, tile, input);
+                        self.spill(stage, tile, input)?;
                     }
                 }
                 // The gate/up stage reads the input (and its norm's input) and
@@ -328,7 +433,8 @@ impl Layout<'_> {
                 let NodeKind::Op { attrs, .. } = &g.node(anchor).kind else { unreachable!("an op") };
                 let top_k = attrs.int("top_k") as u64;
                 self.routers.push(RouteRows { node: g.node(anchor).name.clone(), top_k, offset: self.route_log_bytes });
-                self.route_log_bytes += self.batch * top_k * 4;
+                let bytes = self.size(first, "the routing log", &[self.batch, top_k, 4])?;
+                self.route_log_bytes = self.size(first, "the routing log", &[self.route_log_bytes + bytes])?;
                 self.reads[first] = reads;
             }
             FusedKind::KdaDecode | FusedKind::AttnRes | FusedKind::Embedding | FusedKind::Elementwise => {
@@ -347,6 +453,7 @@ pub fn layout(g: &Graph, fusion: &Fusion, tiling: &Tiling, options: Options) -> 
     }
     let mut l = Layout {
         g,
+        fusion,
         tiling,
         batch: u64::from(options.batch),
         slots: vec![],
@@ -369,13 +476,15 @@ pub fn layout(g: &Graph, fusion: &Fusion, tiling: &Tiling, options: Options) -> 
     }
     let mut buffers = vec![];
     let mut at = 0u64;
+    // Each term is at most MAX_ARENA_BYTES, so no sum below wraps.
+    let arena = || "the arena".to_string();
     for s in sizes {
         buffers.push((at, s));
-        at = at.checked_add(s).map(|e| align(e, 256)).ok_or_else(|| bug("the arena overflows".into()))?;
+        at = bounded(&arena, &[align(at + s, 256)])?;
     }
     let route_log = at;
     let routers = l.routers.into_iter().map(|r| RouteRows { offset: route_log + r.offset, ..r }).collect();
-    at = align(at + l.route_log_bytes, 256);
+    at = bounded(&arena, &[align(at + l.route_log_bytes, 256)])?;
     let slots: Vec<ArenaSlot> =
         l.slots.into_iter().map(|s| ArenaSlot { offset: buffers[s.buffer].0 + s.offset, ..s }).collect();
     let index = slots.iter().enumerate().map(|(i, s)| ((s.writer, s.what), i)).collect();

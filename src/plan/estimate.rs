@@ -132,7 +132,7 @@ pub fn render_structure(plan: &Plan) -> String {
         grouped(p.reads as u64),
         grouped(p.reuses as u64),
         plan.tiling.buffers.len(),
-        bytes(plan.tiling.buffers.iter().sum())
+        bytes(plan.tiling.buffers.iter().sum::<u64>())
     );
     s
 }

@@ -105,6 +105,7 @@ pub struct Plan {
 pub fn plan(graph: &Validated, target: &Target, options: Options) -> Result<Plan> {
     let planned = recompute::recompute_shared_norms(graph)?;
     let graph = &planned;
+    arena::bound(graph.graph(), options)?;
     let fusion = fuse::fuse(graph)?;
     let tiling = tile::tile(graph, &fusion, target, options)?;
     limits::check(graph.graph(), &fusion, &tiling, options)?;

@@ -412,7 +412,9 @@ impl Builder<'_> {
                 let r1 = (r0 + tile).min(*rows);
                 let n = r1 - r0;
                 let mult = if *pair { 2 } else { 1 };
-                let out = out_total * n / segments.iter().map(|s| s.1).sum::<u64>().max(1);
+                // In 128 bits: a share of the outputs, never more than `out_total`.
+                let all_rows = segments.iter().map(|s| u128::from(s.1)).sum::<u128>().max(1);
+                let out = (u128::from(out_total) * u128::from(n) / all_rows) as u64;
                 parts.push((
                     format!("{label}[{r0}..{r1}]"),
                     n * row_bytes,

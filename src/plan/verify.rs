@@ -202,16 +202,24 @@ pub fn verify(fusion: &Fusion, tiling: &Tiling, schedule: &Schedule) -> Result<P
 /// region overlap, the buffers and the routing log are disjoint and inside
 /// the arena, and every stage reading a value another stage writes depends
 /// on that stage (so the region lists it as a reader, and the orderings and
-/// buffer reuses proved above cover the read). Returns the reads checked.
+/// buffer reuses proved above cover the read), and the arena and the staging
+/// of all SMs are within [`MAX_ARENA_BYTES`](super::arena::MAX_ARENA_BYTES).
+/// Returns the reads checked.
 pub fn arena(g: &Graph, tiling: &Tiling, arena: &Arena) -> Result<usize> {
+    // The bound first: every offset and size below is then far from 64 bits.
+    let staging = || "the fp32 staging of all SMs".to_string();
+    super::arena::bounded(&staging, &[arena.staging_floats, 4, 1024])?;
+    super::arena::bounded(&|| "the arena".to_string(), &[arena.bytes])?;
     let mut end = 0;
     for (b, &(at, bytes)) in arena.buffers.iter().enumerate() {
         if at < end {
             return Err(bug(format!("arena buffer {b} at {at} overlaps the one before (ending at {end})")));
         }
-        end = at + bytes;
+        end = at.checked_add(bytes).filter(|e| *e <= arena.bytes).ok_or_else(|| {
+            bug(format!("arena buffer {b} ({bytes} bytes at {at}) passes the arena's end {}", arena.bytes))
+        })?;
     }
-    if arena.route_log < end || arena.route_log + arena.route_log_bytes > arena.bytes {
+    if arena.route_log < end || arena.route_log.saturating_add(arena.route_log_bytes) > arena.bytes {
         return Err(bug(format!(
             "the routing log at {} ({} bytes) is not between the buffers' end {end} and the arena's end {}",
             arena.route_log, arena.route_log_bytes, arena.bytes
@@ -227,7 +235,7 @@ pub fn arena(g: &Graph, tiling: &Tiling, arena: &Arena) -> Result<usize> {
                 s.what, s.writer, r.writer, r.id
             )));
         }
-        if s.offset < at || s.offset + s.bytes > at + bytes {
+        if s.offset < at || s.offset.saturating_add(s.bytes) > at + bytes {
             return Err(bug(format!(
                 "{:?} of stage {} ({} bytes at {}) is outside its buffer {} ({bytes} bytes at {at})",
                 s.what, s.writer, s.bytes, s.offset, s.buffer
@@ -238,7 +246,7 @@ pub fn arena(g: &Graph, tiling: &Tiling, arena: &Arena) -> Result<usize> {
     for slots in &mut by_region {
         slots.sort_by_key(|s| s.offset);
         for w in slots.windows(2) {
-            if w[0].offset + w[0].bytes > w[1].offset {
+            if w[0].offset.saturating_add(w[0].bytes) > w[1].offset {
                 return Err(bug(format!("{:?} and {:?} of stage {} overlap", w[0].what, w[1].what, w[0].writer)));
             }
         }
