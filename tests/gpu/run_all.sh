@@ -14,6 +14,8 @@
 #                                   ones; at batch 4 seed 0 over 32 steps)
 #   tests/gpu/run_all.sh bisect     where the K3 programs part from the reference, and the noise
 #                                   floor (k3_bisect, tiny and per-layer dims)
+#   tests/gpu/run_all.sh soak       10,000 steps of K3 tiny at batch 4 with the e8m0-255 and truncated
+#                                   checkpoints, 2,000 of K2 per-layer dims (tests/gpu/soak.py)
 # Logs under $OUT; a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,6 +23,17 @@ out=${OUT:-/tmp/mkc_out}
 mkdir -p "$out"
 case "${1:-}" in
   check) exec tests/gpu/check_and_bench.sh ;;
+  soak)
+    rc=0
+    timeout 420 python3 tests/gpu/soak.py --lib target/models/kimi_k3_tiny_b4_h200/libkimi_k3_tiny_b4_h200.so \
+      --config model_graphs/kimi_k3/tiny.json --arch k3 --steps 10000 --checks --json "$out/soak_k3.json" \
+      > "$out/soak_k3.log" 2>&1 || rc=1
+    timeout 150 python3 tests/gpu/soak.py --lib target/models/kimi_k2_dims_2l16e_h200/libkimi_k2_dims_2l16e_h200.so \
+      --config model_graphs/kimi_k2/test_2l16e.json --arch deepseek_v3 --steps 2000 --json "$out/soak_k2.json" \
+      > "$out/soak_k2.log" 2>&1 || rc=1
+    tail -n 4 "$out/soak_k3.log" "$out/soak_k2.log"
+    exit $rc
+    ;;
   sanitize)
     lib=target/models/kimi_k2_tiny_h200/libkimi_k2_tiny_h200.so
     summary=()
