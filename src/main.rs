@@ -17,6 +17,17 @@ use mkc::{checkpoint, diag, dot, emit, plan, report, Error};
 /// planner refuses, by name, each operation whose scratch a batch outgrows.
 const MAX_BATCH: i64 = 64;
 
+/// The most positions per sequence in a speculative verify step.
+const MAX_SPECULATIVE: i64 = 8;
+
+/// `--acceptance`: a probability.
+fn acceptance(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(a) if (0.0..=1.0).contains(&a) => Ok(a),
+        _ => Err(format!("`{s}` is not a probability between 0 and 1")),
+    }
+}
+
 /// The largest `--context`: 16M tokens, so every per-sequence size (tokens
 /// times bytes per token) stays far from 64-bit overflow.
 const MAX_CONTEXT: u64 = mkc::ir::MAX_CONTEXT;
@@ -110,6 +121,15 @@ enum Command {
         /// writes it) to overlay on the --html page's schedule.
         #[arg(long, requires = "html")]
         trace: Option<PathBuf>,
+        /// With --estimate: speculative decoding, POSITIONS per sequence in a
+        /// verify step (the last token and POSITIONS - 1 drafts); prints
+        /// tokens/s per user with speculation beside plain decoding.
+        #[arg(long, value_name = "POSITIONS", requires = "estimate",
+              value_parser = clap::value_parser!(u32).range(1..=MAX_SPECULATIVE))]
+        speculative: Option<u32>,
+        /// With --speculative: the chance that a draft is accepted (0 to 1).
+        #[arg(long, default_value_t = 0.7, requires = "speculative", value_parser = acceptance)]
+        acceptance: f64,
     },
     /// Write program.cuh, model.cu, CMakeLists.txt and plan.mkcplan into a folder.
     ///
@@ -276,7 +296,21 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plan { graph, target, config, estimate, batch, context, expert_parallel, yaml, dot, html, trace } => {
+        Command::Plan {
+            graph,
+            target,
+            config,
+            estimate,
+            batch,
+            context,
+            expert_parallel,
+            yaml,
+            dot,
+            html,
+            trace,
+            speculative,
+            acceptance,
+        } => {
             let (v, source) = load(&graph, config.as_deref(), None)?;
             let target = Target::load(&target).map_err(|e| plain(&e))?;
             let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
@@ -298,6 +332,10 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                          dispatch/combine communication not modelled"
                     )?;
                 }
+                let spec = speculative.map(|tokens| plan::estimate::Speculation { tokens, acceptance });
+                if spec.is_some() {
+                    writeln!(out, "{}", plan::estimate::SPECULATION_ASSUMPTIONS)?;
+                }
                 for b in [1, 8] {
                     let p = if b == batch {
                         main.clone()
@@ -305,7 +343,24 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                         plan::plan(&v, &target, plan::Options { batch: b, context, expert_parallel })
                             .map_err(|e| render(&e))?
                     };
-                    write!(out, "{}", plan::estimate::render(&plan::estimate::estimate(&p), target.read_bandwidth()))?;
+                    let plain = plan::estimate::estimate(&p);
+                    write!(out, "{}", plan::estimate::render(&plain, target.read_bandwidth()))?;
+                    if let Some(s) = spec {
+                        // The verify step: b sequences of s.tokens positions each, planned as b x s.tokens tokens.
+                        let positions = b * s.tokens;
+                        let verify = if positions > MAX_BATCH as u32 {
+                            Err(format!("past the planner's {MAX_BATCH} tokens per step"))
+                        } else {
+                            plan::plan(&v, &target, plan::Options { batch: positions, context, expert_parallel })
+                                .map(|p| plan::estimate::estimate(&p))
+                                .map_err(|e| format!("beyond the device library: {}", e.reason))
+                        };
+                        write!(
+                            out,
+                            "{}",
+                            plan::estimate::render_speculative(&plain, verify.as_ref().map_err(|e| e.clone()), s)
+                        )?;
+                    }
                 }
             }
             if let Some(path) = yaml {

@@ -176,3 +176,47 @@ fn each_error_is_printed_once() {
     assert_eq!(err.matches("needs attribute `group`").count(), 1, "{err}");
     assert!(err.contains("╰── add `group: ...`"), "the frame stays:\n{err}");
 }
+
+/// `--speculative T --acceptance A` estimates a verify step of T positions per
+/// sequence beside plain decoding: the expected tokens per step are
+/// 1 + A + ... + A^(T-1), tokens/s per user is that over the verify step's
+/// time; a verify step the device cannot hold is named, not estimated; a
+/// probability outside [0, 1] is refused.
+#[test]
+fn speculative_decoding_is_estimated() {
+    let dims = root("model_graphs/kimi_k2/bench_4l64e.json").display().to_string();
+    let graph = root("model_graphs/kimi_k2/graph.mkc").display().to_string();
+    let o = run(&[
+        "plan",
+        &graph,
+        "--config",
+        &dims,
+        "--target",
+        "h200",
+        "--estimate",
+        "--speculative",
+        "4",
+        "--acceptance",
+        "0.5",
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.contains("assumptions (speculative)"), "{out}");
+    let line = out.lines().find(|l| l.starts_with("batch 1, speculative 4 positions")).expect("a batch-1 line");
+    // 1 + 0.5 + 0.25 + 0.125
+    assert!(line.contains("1.88 tokens per verify step"), "{line}");
+    let number = |after: &str| -> f64 {
+        let rest = &line[line.find(after).unwrap() + after.len()..];
+        rest.trim_start().split(' ').next().unwrap().parse().unwrap()
+    };
+    let (step_us, per_user) = (number("verify step predicted"), number("us (4 positions),"));
+    assert!((per_user - 1.875e6 / step_us).abs() < 0.1, "{line}");
+    assert!(out.lines().any(|l| l.starts_with("batch 8, speculative 4 positions")), "{out}");
+    let o = run(&["plan", &graph, "--target", "h200", "--estimate", "--speculative", "4", "--acceptance", "1.5"]);
+    assert!(!o.status.success() && stderr(&o).contains("not a probability"), "{}", stderr(&o));
+    // Plain decoding's numbers are unchanged by the option.
+    let plain = stdout(&run(&["plan", &graph, "--config", &dims, "--target", "h200", "--estimate"]));
+    for l in plain.lines().filter(|l| l.starts_with("batch 1:")) {
+        assert!(out.contains(l), "{l}");
+    }
+}

@@ -161,3 +161,68 @@ pub fn render(e: &Estimate, bandwidth: f64) -> String {
     );
     s
 }
+
+/// Speculative decoding as the estimate models it: a verify step takes
+/// `tokens` positions of each sequence (its last accepted token and
+/// `tokens - 1` drafts) and keeps the longest run of drafts equal to the
+/// model's argmax plus the model's next token; each draft is accepted with
+/// probability `acceptance`, independently, until the first rejection.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Speculation {
+    /// Positions per sequence in a verify step (1: plain decoding).
+    pub tokens: u32,
+    /// The chance that a draft equals the model's token.
+    pub acceptance: f64,
+}
+
+impl Speculation {
+    /// Tokens a sequence gains per verify step, in expectation:
+    /// `1 + a + a^2 + ... + a^(T-1)` (the model's own token, then each draft
+    /// kept only if every draft before it was).
+    pub fn expected_tokens(&self) -> f64 {
+        (0..self.tokens).map(|i| self.acceptance.powi(i as i32)).sum()
+    }
+}
+
+/// The lines `--speculative` adds for one batch: the verify step (estimated
+/// as a step of `batch x tokens` positions, `verify`) against the plain step
+/// (`plain`), in tokens/s per user.
+pub fn render_speculative(plain: &Estimate, verify: std::result::Result<&Estimate, String>, s: Speculation) -> String {
+    let gain = s.expected_tokens();
+    let mut out = String::new();
+    match verify {
+        Ok(v) => {
+            let per_user = if v.step_us > 0.0 { gain * 1e6 / v.step_us } else { 0.0 };
+            let _ = writeln!(
+                out,
+                "batch {}, speculative {} positions at acceptance {:.2}: {:.2} tokens per verify step, verify step \
+                 predicted {:.1} us ({} positions), {:.1} tokens/s per user ({:.2}x the {:.1} of plain decoding)",
+                plain.batch,
+                s.tokens,
+                s.acceptance,
+                gain,
+                v.step_us,
+                v.batch,
+                per_user,
+                if plain.tokens_per_s > 0.0 { per_user / plain.tokens_per_s } else { 0.0 },
+                plain.tokens_per_s
+            );
+        }
+        Err(why) => {
+            let _ = writeln!(
+                out,
+                "batch {}, speculative {} positions: not estimated: a verify step of {} positions is {why}",
+                plain.batch,
+                s.tokens,
+                u64::from(plain.batch) * u64::from(s.tokens)
+            );
+        }
+    }
+    out
+}
+
+/// What the speculative estimate assumes, printed once.
+pub const SPECULATION_ASSUMPTIONS: &str = "assumptions (speculative): a verify step is costed as a decode step of \
+batch x positions tokens: the weights read once, every position's state traffic counted (an upper bound: a sequence's \
+KV cache and recurrent state serve its positions in one pass); drafts accepted independently at the stated rate until \
+the first rejection; drafting (prompt lookup on the host) and the acceptance test not costed";
