@@ -127,6 +127,12 @@ enum Command {
         #[arg(long, value_name = "POSITIONS", requires = "estimate",
               value_parser = clap::value_parser!(u32).range(1..=MAX_SPECULATIVE))]
         speculative: Option<u32>,
+        /// With --estimate: GPUs of one NVLink domain, the routed experts
+        /// sharded over them and everything else replicated; prints one GPU's
+        /// step with the all-reduce of each MoE layer (sets --expert-parallel).
+        #[arg(long, requires = "estimate", conflicts_with = "expert_parallel",
+              value_parser = clap::value_parser!(u32).range(1..=MAX_EXPERT_PARALLEL as i64))]
+        gpus: Option<u32>,
         /// With --speculative: the chance that a draft is accepted (0 to 1).
         #[arg(long, default_value_t = 0.7, requires = "speculative", value_parser = acceptance)]
         acceptance: f64,
@@ -310,7 +316,9 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             trace,
             speculative,
             acceptance,
+            gpus,
         } => {
+            let expert_parallel = gpus.unwrap_or(expert_parallel);
             let (v, source) = load(&graph, config.as_deref(), None)?;
             let target = Target::load(&target).map_err(|e| plain(&e))?;
             let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
@@ -331,6 +339,20 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                          under uniform routing); every other weight and all state replicated on each GPU; expert \
                          dispatch/combine communication not modelled"
                     )?;
+                }
+                if let Some(g) = gpus {
+                    writeln!(out, "{}", plan::multi::assumptions(&target, g))?;
+                    for b in [1, 8] {
+                        let m = plan::multi::estimate_on(&v, &target, b, context, g).map_err(|e| plain(&e))?;
+                        write!(out, "{}", plan::multi::render(&m))?;
+                    }
+                    if target.name == "gb300" && g == 72 {
+                        writeln!(
+                            out,
+                            "for comparison: NVIDIA's hand-written K3 decode megakernel, 423 tokens/s per user on a GB300 \
+                             NVL72 (its speculative decoding not stated; this estimate has none)"
+                        )?;
+                    }
                 }
                 let spec = speculative.map(|tokens| plan::estimate::Speculation { tokens, acceptance });
                 if spec.is_some() {

@@ -65,10 +65,25 @@ pub struct Target {
     pub hbm_bandwidth: Bandwidth,
     /// NVLink bandwidth per GPU, one direction.
     pub nvlink_bandwidth: f64,
+    /// GPUs one NVLink domain joins (all-to-all through NVSwitch); 1: none.
+    #[serde(default = "one")]
+    pub nvlink_domain_gpus: u32,
+    /// Latency of one exchange between GPUs of the domain: a write to another
+    /// GPU's memory and its signal seen there (an assumption where not measured).
+    #[serde(default = "exchange_latency")]
+    pub nvlink_latency_ns: f64,
     /// Math rates.
     pub flops: Flops,
     /// Latency of one dependency hand-off through a global counter.
     pub sync_latency_ns: f64,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn exchange_latency() -> f64 {
+    2000.0
 }
 
 impl Target {
@@ -153,8 +168,9 @@ type IntBound = (&'static str, fn(&Target) -> u64, u64, u64);
 /// The physical ranges of the whole-number fields: generous around today's
 /// parts, tight enough that nothing sized from them (per-SM tables, the
 /// schedule) can exhaust memory or overflow.
-const INT_BOUNDS: [IntBound; 8] = [
+const INT_BOUNDS: [IntBound; 9] = [
     ("sms", |t| t.sms.into(), 1, 1024),
+    ("nvlink_domain_gpus", |t| t.nvlink_domain_gpus.into(), 1, 1024),
     ("smem_per_sm", |t| t.smem_per_sm, 1 << 10, 4 << 20),
     ("smem_per_block", |t| t.smem_per_block, 1 << 10, 4 << 20),
     ("regs_per_sm", |t| t.regs_per_sm.into(), 1 << 10, 1 << 20),
@@ -169,11 +185,12 @@ type RealBound = (&'static str, fn(&Target) -> Option<f64>, f64, f64);
 
 /// The ranges of the real-valued fields: finite, and positive where the cost
 /// model divides by them (a zero `fp4_tensor` means no native FP4 MMA).
-const REAL_BOUNDS: [RealBound; 9] = [
+const REAL_BOUNDS: [RealBound; 10] = [
     ("clock_ghz", |t| Some(t.clock_ghz), 0.1, 10.0),
     ("hbm_bandwidth.datasheet", |t| Some(t.hbm_bandwidth.datasheet), 1e9, 1e15),
     ("hbm_bandwidth.measured", |t| t.hbm_bandwidth.measured, 1e9, 1e15),
     ("nvlink_bandwidth", |t| Some(t.nvlink_bandwidth), 0.0, 1e15),
+    ("nvlink_latency_ns", |t| Some(t.nvlink_latency_ns), 0.0, 1e6),
     ("flops.bf16_tensor", |t| Some(t.flops.bf16_tensor), 1e9, 1e18),
     ("flops.fp8_tensor", |t| Some(t.flops.fp8_tensor), 0.0, 1e18),
     ("flops.fp4_tensor", |t| Some(t.flops.fp4_tensor), 0.0, 1e18),

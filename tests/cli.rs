@@ -36,7 +36,18 @@ fn a_copy_of_the_binary_plans_k3_for_every_target() {
     let cwd = tempfile::tempdir().unwrap();
     let copy = bin_dir.path().join("mkc");
     std::fs::copy(env!("CARGO_BIN_EXE_mkc"), &copy).unwrap();
-    let mkc = |args: &[&str]| Command::new(&copy).current_dir(cwd.path()).args(args).output().unwrap();
+    // A test running beside this one may fork while the copy is still open for writing here; its
+    // child holds the file open until it execs, and running the copy then fails with "text file
+    // busy" (ETXTBSY) for that moment: try again.
+    let mkc = |args: &[&str]| {
+        for _ in 0..50 {
+            match Command::new(&copy).current_dir(cwd.path()).args(args).output() {
+                Err(e) if e.raw_os_error() == Some(26) => std::thread::sleep(std::time::Duration::from_millis(20)),
+                r => return r.unwrap(),
+            }
+        }
+        panic!("{} stayed busy", copy.display())
+    };
     let list = mkc(&["targets"]);
     assert!(list.status.success(), "{}", stderr(&list));
     for name in ["b200", "gb300", "h200"] {

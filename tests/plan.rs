@@ -814,3 +814,30 @@ fn the_verifier_bounds_the_arena() {
     wrapped.buffers[0].1 = u64::MAX;
     assert!(verify::arena(g, &p.tiling, &wrapped).is_err(), "a buffer past the arena's end");
 }
+
+/// Several GPUs of one NVLink domain: the routed experts sharded G ways cost
+/// one all-reduce per MoE layer at the target's NVLink bandwidth and latency;
+/// one GPU is the single-GPU estimate with no exchange; a count past the
+/// domain is refused; the tensor-parallel estimate is never below its
+/// stages' fixed costs.
+#[test]
+fn several_gpus_are_estimated_with_their_exchanges() {
+    let v = compile("kimi_k3", "config.json");
+    let t = Target::load("gb300").unwrap();
+    let m = plan::multi::estimate_on(&v, &t, 1, 4096, 72).unwrap();
+    assert_eq!(m.moe_layers, 92, "K3: every layer but the first is MoE");
+    // K3's experts work in its 3584-wide latent: one exchange of (72 - 1) x 3584 fp32 out of each
+    // GPU beats two of 2 x 71/72 of it at batch 1.
+    assert_eq!((m.exchanges, m.exchange_bytes), (1, 71 * 3584 * 4));
+    let per_layer_ns = t.nvlink_latency_ns + m.exchange_bytes as f64 / t.nvlink_bandwidth * 1e9;
+    assert!((m.comm_us - 92.0 * per_layer_ns / 1e3).abs() < 1e-6);
+    assert!((m.step_us - m.per_gpu.step_us - m.comm_us).abs() < 1e-6);
+    let tp = &m.tensor_parallel;
+    assert!(tp.step_us >= tp.chain_us + tp.comm_us - 1e-6 && tp.step_us < m.step_us);
+    let one = plan::multi::estimate_on(&v, &t, 1, 4096, 1).unwrap();
+    assert_eq!((one.comm_us, one.exchanges), (0.0, 0));
+    let single = estimate::estimate(&plan::plan(&v, &t, Options::default()).unwrap());
+    assert_eq!(one.per_gpu.step_us, single.step_us);
+    let err = plan::multi::estimate_on(&v, &Target::load("h200").unwrap(), 1, 4096, 16).unwrap_err();
+    assert!(err.reason.contains("joins 8 GPUs"), "{}", err.reason);
+}

@@ -33,6 +33,7 @@ pub mod estimate;
 pub mod fuse;
 pub mod html;
 pub mod limits;
+pub mod multi;
 pub mod recompute;
 pub mod schedule;
 pub mod specialize;

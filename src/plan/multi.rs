@@ -1,0 +1,248 @@
+//! Several GPUs of one NVLink domain (`mkc plan --gpus G --estimate`): the
+//! estimate of one placement, the routed experts sharded G ways and
+//! everything else replicated.
+//!
+//! Each GPU holds `E / G` of every MoE layer's routed experts and a copy of
+//! every other weight; every GPU runs every sequence's attention, dense
+//! layers, shared experts and router (the same tokens everywhere, so no
+//! dispatch), its own experts' share of the routed tokens, and adds its
+//! partial routed output to the others' in one all-reduce per MoE layer: the
+//! step's only exchange. One GPU's work is the plan at `--expert-parallel G`
+//! (its experts and the expected share of the distinct ones a step selects);
+//! the all-reduce costs, per MoE layer, the cheaper of one exchange that
+//! sends the partial sums to every other GPU (`(G - 1) x batch x width` fp32
+//! out of each GPU) and a reduce-scatter and all-gather (two exchanges of `2
+//! (G - 1) / G x batch x width` fp32; the width is the experts' output, K3's
+//! latent), at the target's NVLink bandwidth and
+//! latency per exchange.
+//!
+//! Beside it, the tensor-parallel placement ([`TensorParallel`]) from bytes
+//! alone: the planner does not split an operation's heads or rows over GPUs
+//! yet, so its time is one GPU's share of the bytes at the efficiency the
+//! replicated plan reaches, plus two all-reduces a layer. Not modelled: the
+//! batch split over GPUs, and overlap of the exchanges with the weights.
+
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use super::estimate::{estimate, Estimate};
+use super::fuse::FusedKind;
+use super::schedule::TASK_OVERHEAD_NS;
+use super::tile::TaskKind;
+use super::{plan, Options};
+use crate::diag::{Error, ErrorKind, Result};
+use crate::target::Target;
+use crate::valid::Validated;
+
+/// The estimate of one batch on `gpus` GPUs.
+#[derive(Debug, Clone, Serialize)]
+pub struct MultiEstimate {
+    /// GPUs the routed experts are sharded over.
+    pub gpus: u32,
+    /// One GPU's step without the exchanges.
+    pub per_gpu: Estimate,
+    /// MoE layers: one all-reduce each.
+    pub moe_layers: u64,
+    /// Bytes each all-reduce moves out of one GPU, the cheaper form's.
+    pub exchange_bytes: u64,
+    /// Exchanges (latencies) each all-reduce takes, the cheaper form's.
+    pub exchanges: u64,
+    /// The exchanges of a step.
+    pub comm_us: f64,
+    /// One GPU's step with its exchanges.
+    pub step_us: f64,
+    /// Tokens per second per user.
+    pub tokens_per_s: f64,
+    /// The same GPUs with attention, dense layers and shared experts split
+    /// (estimated from bytes, not planned).
+    pub tensor_parallel: TensorParallel,
+}
+
+/// Plans one GPU of `gpus` at `batch` and adds the exchanges.
+pub fn estimate_on(v: &Validated, target: &Target, batch: u32, context: u64, gpus: u32) -> Result<MultiEstimate> {
+    if gpus > target.nvlink_domain_gpus {
+        return Err(Error::new(
+            ErrorKind::Limit,
+            format!(
+                "--gpus {gpus}: one NVLink domain of {} joins {} GPUs (nvlink_domain_gpus)",
+                target.name, target.nvlink_domain_gpus
+            ),
+        ));
+    }
+    let p = plan(v, target, Options { batch, context, expert_parallel: gpus })?;
+    let per_gpu = estimate(&p);
+    let g = p.graph.graph();
+    let mut moe_layers = 0u64;
+    let mut hidden = 0u64;
+    for op in &p.fusion.ops {
+        if op.kind == FusedKind::Moe {
+            moe_layers += 1;
+            let anchor = op.anchor(g);
+            hidden = hidden.max(g.node(anchor).outputs.first().map_or(0, |t| t.elements()));
+        }
+    }
+    let layers =
+        p.fusion.ops.iter().filter(|o| matches!(o.kind, FusedKind::MlaDecode | FusedKind::KdaDecode)).count() as u64;
+    let (mut routed, mut other) = (0u64, 0u64);
+    for t in &p.tiling.tasks {
+        match p.tiling.stages[t.stage].kind {
+            TaskKind::ExpertUp | TaskKind::ExpertDown => routed += t.weight_bytes,
+            _ => other += t.weight_bytes,
+        }
+    }
+    let values = u64::from(batch) * hidden * 4;
+    let (bytes, exchanges) = if gpus <= 1 {
+        (0, 0)
+    } else {
+        let g = u64::from(gpus);
+        let one_shot = ((g - 1) * values, 1);
+        let two_step = ((2 * (g - 1) * values).div_ceil(g), 2);
+        let time = |(b, n): (u64, u64)| n as f64 * target.nvlink_latency_ns + b as f64 / target.nvlink_bandwidth * 1e9;
+        if time(one_shot) <= time(two_step) {
+            one_shot
+        } else {
+            two_step
+        }
+    };
+    let per_layer_ns = if exchanges == 0 {
+        0.0
+    } else {
+        exchanges as f64 * target.nvlink_latency_ns + bytes as f64 / target.nvlink_bandwidth * 1e9
+    };
+    let comm_us = moe_layers as f64 * per_layer_ns / 1e3;
+    let step_us = per_gpu.step_us + comm_us;
+    let mut m = MultiEstimate {
+        gpus,
+        per_gpu,
+        moe_layers,
+        exchange_bytes: bytes,
+        exchanges,
+        comm_us,
+        step_us,
+        tokens_per_s: if step_us > 0.0 { 1e6 / step_us } else { 0.0 },
+        tensor_parallel: TensorParallel {
+            bytes: 0,
+            efficiency: 0.0,
+            chain_us: 0.0,
+            layers,
+            comm_us: 0.0,
+            step_us: 0.0,
+            tokens_per_s: 0.0,
+        },
+    };
+    m.tensor_parallel = tensor_parallel(&m, target, (hidden, layers, p.tiling.stages.len() as u64), routed, other);
+    Ok(m)
+}
+
+/// The tensor-parallel placement's estimate from bytes (not planned): every
+/// weight but the routed experts', and the state, split `gpus` ways (heads,
+/// rows, the LM head's vocabulary), the routed experts sharded as in
+/// [`estimate_on`]; one GPU's bytes over the bandwidth at the efficiency its
+/// replicated plan reaches (`per_gpu.fraction_of_floor`), but no less than
+/// the chain of the plan's stages at one task's fixed cost and one hand-off
+/// each, plus two all-reduces of `batch x hidden` fp32 per layer (attention
+/// output, then the MLP's or the experts' and shared experts' output).
+#[derive(Debug, Clone, Serialize)]
+pub struct TensorParallel {
+    /// One GPU's bytes per step: its share of the weights and state.
+    pub bytes: u64,
+    /// The efficiency taken from the replicated plan.
+    pub efficiency: f64,
+    /// The floor of the dependent stages: each at least one task's fixed cost
+    /// and one hand-off, however small its share.
+    pub chain_us: f64,
+    /// Layers: two all-reduces each.
+    pub layers: u64,
+    /// The exchanges of a step.
+    pub comm_us: f64,
+    /// One GPU's step with its exchanges.
+    pub step_us: f64,
+    /// Tokens per second per user.
+    pub tokens_per_s: f64,
+}
+
+/// The tensor-parallel estimate beside `m` (the replicated placement's plan).
+pub fn tensor_parallel(
+    m: &MultiEstimate,
+    target: &Target,
+    shape: (u64, u64, u64),
+    routed: u64,
+    other: u64,
+) -> TensorParallel {
+    let (hidden, layers, stages) = shape;
+    let g = u64::from(m.gpus.max(1));
+    let e = &m.per_gpu;
+    let bytes = routed + other.div_ceil(g) + e.state_bytes.div_ceil(g);
+    let efficiency = e.fraction_of_floor.clamp(0.01, 1.0);
+    let chain_us = stages as f64 * (TASK_OVERHEAD_NS + target.sync_latency_ns) / 1e3;
+    let compute_us = (bytes as f64 / target.read_bandwidth() * 1e6 / efficiency).max(chain_us);
+    let values = u64::from(e.batch) * hidden * 4;
+    let per_reduce_ns = if g <= 1 {
+        0.0
+    } else {
+        let one_shot = target.nvlink_latency_ns + ((g - 1) * values) as f64 / target.nvlink_bandwidth * 1e9;
+        let two_step =
+            2.0 * target.nvlink_latency_ns + (2 * (g - 1) * values).div_ceil(g) as f64 / target.nvlink_bandwidth * 1e9;
+        one_shot.min(two_step)
+    };
+    let comm_us = 2.0 * layers as f64 * per_reduce_ns / 1e3;
+    let step_us = compute_us + comm_us;
+    let tokens_per_s = if step_us > 0.0 { 1e6 / step_us } else { 0.0 };
+    TensorParallel { bytes, efficiency, chain_us, layers, comm_us, step_us, tokens_per_s }
+}
+
+/// What the estimate assumes, printed once.
+pub fn assumptions(target: &Target, gpus: u32) -> String {
+    format!(
+        "assumptions ({gpus} GPUs of one {} NVLink domain): each MoE layer's routed experts sharded {gpus} ways; every \
+         other weight, all state and every sequence's attention, dense layers, shared experts and router on every GPU; \
+         one all-reduce of the routed experts' partial sums per MoE layer at {:.0} GB/s per GPU and {:.1} us per \
+         exchange (nvlink_bandwidth, nvlink_latency_ns); tensor parallelism, the batch split and overlap of the \
+         exchanges with the weights not modelled; no speculative decoding",
+        target.name,
+        target.nvlink_bandwidth / 1e9,
+        target.nvlink_latency_ns / 1e3
+    )
+}
+
+/// The lines of one batch.
+pub fn render(m: &MultiEstimate) -> String {
+    let mut s = String::new();
+    let e = &m.per_gpu;
+    let _ = writeln!(
+        s,
+        "batch {} on {} GPUs: one GPU's step {:.1} us ({:.0}% of its floor {:.1} us) + {} all-reduces of {} \
+         ({} exchange{} each) {:.1} us = {:.1} us, {:.1} tokens/s per user",
+        e.batch,
+        m.gpus,
+        e.step_us,
+        100.0 * e.fraction_of_floor,
+        e.floor_us,
+        m.moe_layers,
+        crate::report::bytes(m.exchange_bytes),
+        m.exchanges,
+        if m.exchanges == 1 { "" } else { "s" },
+        m.comm_us,
+        m.step_us,
+        m.tokens_per_s
+    );
+    let t = &m.tensor_parallel;
+    let _ = writeln!(
+        s,
+        "batch {} on {} GPUs, tensor parallel (from bytes, not planned): {} a GPU at {:.0}% of the bandwidth, \
+         at least {:.1} us for the dependent stages: {:.1} us + {} all-reduces {:.1} us = {:.1} us, {:.1} tokens/s \
+         per user",
+        e.batch,
+        m.gpus,
+        crate::report::bytes(t.bytes),
+        100.0 * t.efficiency,
+        t.chain_us,
+        t.step_us - t.comm_us,
+        2 * t.layers,
+        t.comm_us,
+        t.step_us,
+        t.tokens_per_s
+    );
+    s
+}
