@@ -16,11 +16,12 @@ pattern=${1:-*}
 cargo build --release --locked --quiet
 scripts/toolchain.sh > /dev/null
 rm -rf .carry && mkdir -p .carry/gen
-codegen() {  # mkc list-file pattern out-dir
+codegen() {  # mkc list-file pattern out-dir [configs-root]: the graph of the current folder, the configs of
+  # configs-root (this checkout's, so that another commit runs the same configs)
   grep -v '^#' "$2" | while IFS=: read -r model name config batch; do
     # shellcheck disable=SC2254
     case "$name" in $3) ;; *) continue ;; esac
-    "$1" codegen "model_graphs/$model/graph.mkc" --config "model_graphs/$model/$config" \
+    "$1" codegen "model_graphs/$model/graph.mkc" --config "${5:-.}/model_graphs/$model/$config" \
       --target h200 --batch "$batch" -o "$4/$name" > /dev/null
   done
 }
@@ -34,7 +35,7 @@ if [ -n "$old" ]; then
   mkdir -p .carry/old/gen
   # The benchmark libraries, as that commit's mkc writes them (its list: this one's names).
   for bench in 'kimi_k2_bench*' 'kimi_k3_dims*'; do
-    (cd "$tree" && codegen "$tree/target/release/mkc" "$OLDPWD/scripts/gpu_libs.txt" "$bench" "$OLDPWD/.carry/old/gen")
+    (cd "$tree" && codegen "$tree/target/release/mkc" "$OLDPWD/scripts/gpu_libs.txt" "$bench" "$OLDPWD/.carry/old/gen" "$OLDPWD")
   done
   git worktree remove --force "$tree"
 fi

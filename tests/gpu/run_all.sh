@@ -70,7 +70,8 @@ case "${1:-}" in
         seeds=(0 1 2) gen=()
         case "$name" in *_b[0-9]*) seeds=(0) gen=(--gen "${MKC_DIMS_B4_GEN:-25}") ;; esac
         for seed in "${seeds[@]}"; do
-          timeout "${MKC_LIB_TIMEOUT:-260}" python3 tests/gpu/k3_decode.py --config model_graphs/kimi_k3/test_8l96e.json \
+          dims=${name#kimi_k3_dims_}
+          timeout "${MKC_LIB_TIMEOUT:-260}" python3 tests/gpu/k3_decode.py --config "model_graphs/kimi_k3/test_${dims%%_*}.json" \
             --lib "$dir/lib$name.so" --seeds $seed "${gen[@]}" --json "$out/libs/${name}_s$seed.json" \
             > "$out/libs/${name}_s$seed.log" 2>&1
           echo "$name seed $seed rc=$?" >> "$out/libs/rc.txt"

@@ -26,7 +26,8 @@ for dir in target/models/*/; do
   esac
   script=tests/gpu/deepseek_v3_decode.py
   case "$name" in
-    kimi_k3_dims*) script=tests/gpu/k3_decode.py; config=model_graphs/kimi_k3/test_8l96e.json; extra=() ;;
+    kimi_k3_dims*) dims=${name#kimi_k3_dims_}; script=tests/gpu/k3_decode.py
+      config=model_graphs/kimi_k3/test_${dims%%_*}.json; extra=() ;;
     kimi_k3_*) script=tests/gpu/k3_decode.py; config=model_graphs/kimi_k3/tiny.json; extra=() ;;
   esac
   if [ "$script" = tests/gpu/k3_decode.py ]; then
