@@ -41,6 +41,21 @@ pub fn write_folder(folder: &Path, files: &[(String, Vec<u8>)]) -> Result<Vec<Pa
     files.iter().map(|(name, bytes)| write_one(folder, name, bytes)).collect()
 }
 
+/// Writes one file at `path` as [`write_folder`] does: refused if a link or
+/// anything but a regular file is there, written to a temporary file beside
+/// it and renamed into place.
+pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    check_output(path)?;
+    let name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
+        Error::new(ErrorKind::Io, format!("cannot write {}: not a file name mkc can write", path.display()))
+    })?;
+    let folder = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    write_one(folder, name, bytes).map(|_| ())
+}
+
 fn write_one(folder: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf> {
     let path = folder.join(name);
     let tmp = folder.join(format!(".{name}.{}.tmp", std::process::id()));
@@ -76,6 +91,9 @@ pub enum Input {
     /// A checkpoint's `model.safetensors.index.json`: at most 256 MiB (a
     /// large sharded checkpoint's index is a few MB).
     Index,
+    /// A measured step's Chrome trace (`plan --trace`): at most 1 GiB (the
+    /// full K3's is about 20 MB).
+    Trace,
 }
 
 impl Input {
@@ -86,6 +104,7 @@ impl Input {
             Input::Config => 64 << 20,
             Input::Target => 1 << 20,
             Input::Index => 256 << 20,
+            Input::Trace => 1 << 30,
         }
     }
 
@@ -96,6 +115,7 @@ impl Input {
             Input::Config => "config",
             Input::Target => "target",
             Input::Index => "checkpoint index",
+            Input::Trace => "trace",
         }
     }
 }

@@ -387,13 +387,12 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             }
             if let Some(path) = yaml {
                 let text = serde_yaml::to_string(&main).map_err(|e| format!("error: cannot write YAML: {e}\n"))?;
-                std::fs::write(&path, text).map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
+                mkc::files::write_file(&path, text.as_bytes()).map_err(|e| plain(&e))?;
             }
             if let Some(path) = html {
                 let measured = match trace {
                     Some(t) => {
-                        let text = std::fs::read_to_string(&t)
-                            .map_err(|e| format!("error: cannot read {}: {e}\n", t.display()))?;
+                        let text = mkc::files::read_input(&t, mkc::files::Input::Trace).map_err(|e| plain(&e))?;
                         Some(
                             plan::html::trace::parse(&text, &main)
                                 .map_err(|e| format!("error: trace {}: {e}\n", t.display()))?,
@@ -401,12 +400,11 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                     }
                     None => None,
                 };
-                std::fs::write(&path, plan::html::to_html_measured(&main, measured.as_ref()))
-                    .map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
+                mkc::files::write_file(&path, plan::html::to_html_measured(&main, measured.as_ref()).as_bytes())
+                    .map_err(|e| plain(&e))?;
             }
             if let Some(path) = dot {
-                std::fs::write(&path, plan::dot::to_dot(&main))
-                    .map_err(|e| format!("error: cannot write {}: {e}\n", path.display()))?;
+                mkc::files::write_file(&path, plan::dot::to_dot(&main).as_bytes()).map_err(|e| plain(&e))?;
             }
             Ok(ExitCode::SUCCESS)
         }

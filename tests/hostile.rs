@@ -112,6 +112,34 @@ fn codegen_refuses_symbolic_links_in_the_output_folder() {
     }
 }
 
+/// `plan`'s pictures (`--yaml`, `--dot`, `--html`) are written the same way:
+/// a symbolic link where one goes is refused by name and its target left
+/// alone; a plain path gets the file and no temporary beside it.
+#[test]
+fn plan_pictures_refuse_symbolic_links() {
+    let graph = root("model_graphs/kimi_k2/graph.mkc").display().to_string();
+    let config = root("model_graphs/kimi_k2/tiny.json").display().to_string();
+    for flag in ["--yaml", "--dot", "--html"] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let victim = dir.path().join("victim.txt");
+        std::fs::write(&victim, "precious").expect("victim");
+        let link = dir.path().join("picture");
+        std::os::unix::fs::symlink("victim.txt", &link).expect("link");
+        let link_s = link.display().to_string();
+        refuses(
+            &["plan", &graph, "--config", &config, "--target", "h200", flag, &link_s],
+            &[&format!("{link_s}: it is a symbolic link")],
+        );
+        assert_eq!(std::fs::read_to_string(&victim).expect("victim"), "precious", "{flag}");
+        let plain = dir.path().join("plain");
+        let plain_s = plain.display().to_string();
+        let out = run(&["plan", &graph, "--config", &config, "--target", "h200", flag, &plain_s]);
+        assert!(out.status.success(), "{flag}: {}", text(&out.stderr));
+        assert!(std::fs::metadata(&plain).expect("written").len() > 0, "{flag}");
+        assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 3, "{flag}: no temporary left");
+    }
+}
+
 /// A plain run writes every file, replacing what was there, and leaves no
 /// temporary file behind.
 #[test]
