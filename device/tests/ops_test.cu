@@ -197,6 +197,51 @@ struct MxCase {
 };
 __device__ MxCase g_mx;
 
+// A rows case's shape: rows [r0, r1) of n_rows (and of the paired matrix:
+// tile columns [n, 2n)), k columns.
+struct RowsShape {
+  uint32_t n_rows, r0, r1, k;
+  bool pair;
+};
+
+// Checks every output of a case of codes and scales (MXFP4, FP8): out [B,
+// cols] against y = x' W^T in double precision, x' = x or RMSNorm(x) * g,
+// W's element given by weight(tile column, matrix row, column); reports the
+// worst error over the sum of the terms' magnitudes (1e-5 at most).
+template <int B, class W>
+static void coded_rows_report(const char* name, const std::vector<float>& out, const std::vector<float>& x,
+                              const std::vector<__nv_bfloat16>& g, bool norm, RowsShape s, bool spill, W weight) {
+  const uint32_t k = s.k, n = s.r1 - s.r0, cols = n * (s.pair ? 2 : 1);
+  double worst = 0;
+  bool finite = true;
+  for (int b = 0; b < B; ++b) {
+    double sc = 1;
+    if (norm) {
+      double ss = 0;
+      for (uint32_t e = 0; e < k; ++e) ss += double(x[b * k + e]) * x[b * k + e];
+      sc = 1 / std::sqrt(ss / k + 1e-6);
+    }
+    for (uint32_t j = 0; j < cols; ++j) {
+      const size_t row = s.r0 + (j < n ? j : j - n);
+      double ref = 0, mag = 0;
+      for (uint32_t e = 0; e < k; ++e) {
+        const double w = weight(j, row, e);
+        const double xe = double(x[b * k + e]) * (norm ? sc * double(__bfloat162float(g[e])) : 1.0);
+        ref += w * xe;
+        mag += std::abs(w * xe);
+      }
+      const float got = out[size_t(b) * cols + j];
+      finite &= std::isfinite(got);
+      worst = std::max(worst, std::abs(got - ref) / (mag + 1e-30));
+    }
+  }
+  char detail[160];
+  std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s%s: max error / sum|terms| %.2e", B, s.r0,
+                s.r1, s.n_rows, k, s.pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "",
+                spill ? ", input staged in global memory" : "", worst);
+  report(name, finite && worst < 1e-5, detail);
+}
+
 template <int B>
 __global__ void __launch_bounds__(mkc::kConsumerThreads + 32, 1) mx_kernel() {
   mkc::Ring& ring = *mkc::ring_ptr();
@@ -264,38 +309,15 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
   CHECK(cudaMemcpyToSymbol(g_mx, &c, sizeof c));
   launch_with_loader(mx_kernel<B>);
   const auto out = download(c.out, size_t(B) * cols);
-  double worst = 0;
-  bool finite = true;
-  for (int b = 0; b < B; ++b) {
-    double sc = 1;
-    if (norm) {
-      double ss = 0;
-      for (uint32_t e = 0; e < k; ++e) ss += double(x[b * k + e]) * x[b * k + e];
-      sc = 1 / std::sqrt(ss / k + 1e-6);
-    }
-    for (uint32_t j = 0; j < cols; ++j) {
-      const auto& cv = j < n ? c0 : c1;
-      const auto& sv = j < n ? s0 : s1;
-      const size_t row = r0 + (j < n ? j : j - n);
-      double ref = 0, mag = 0;
-      for (uint32_t e = 0; e < k; ++e) {
-        const int code = (cv[row * k / 2 + e / 2] >> (4 * (e % 2))) & 15;
-        const int sb = sv[row * k / 32 + e / 32];
-        const double w = e2m1_ref(code) * (sb == 255 ? 0.0 : std::ldexp(1.0, sb - 127));
-        const double xe = double(x[b * k + e]) * (norm ? sc * double(__bfloat162float(g[e])) : 1.0);
-        ref += w * xe;
-        mag += std::abs(w * xe);
-      }
-      const float got = out[size_t(b) * cols + j];
-      finite &= std::isfinite(got);
-      worst = std::max(worst, std::abs(got - ref) / (mag + 1e-30));
-    }
-  }
-  char detail[160];
-  std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s%s: max error / sum|terms| %.2e", B, r0,
-                r1, n_rows, k, pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "",
-                spill ? ", input staged in global memory" : "", worst);
-  report("MXFP4 rows through the page ring", finite && worst < 1e-5, detail);
+  const RowsShape rows{n_rows, r0, r1, k, pair};
+  coded_rows_report<B>("MXFP4 rows through the page ring", out, x, g, norm, rows, spill,
+                       [&](uint32_t j, size_t row, uint32_t e) {
+    const auto& cv = j < n ? c0 : c1;
+    const auto& sv = j < n ? s0 : s1;
+    const int code = (cv[row * k / 2 + e / 2] >> (4 * (e % 2))) & 15;
+    const int sb = sv[row * k / 32 + e / 32];
+    return e2m1_ref(code) * (sb == 255 ? 0.0 : std::ldexp(1.0, sb - 127));
+  });
   for (const void* p : {(const void*)c.rows.c0, (const void*)c.rows.s0, (const void*)c.rows.c1,
                         (const void*)c.rows.s1, (const void*)c.x, (const void*)c.norm, (const void*)c.out,
                         (const void*)c.spill})
@@ -372,36 +394,13 @@ static void test_fp8(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r
   CHECK(cudaMemcpyToSymbol(g_fp8, &c, sizeof c));
   launch_with_loader(fp8_kernel<B>);
   const auto out = download(c.out, size_t(B) * cols);
-  double worst = 0;
-  bool finite = true;
-  for (int b = 0; b < B; ++b) {
-    double sc = 1;
-    if (norm) {
-      double ss = 0;
-      for (uint32_t e = 0; e < k; ++e) ss += double(x[b * k + e]) * x[b * k + e];
-      sc = 1 / std::sqrt(ss / k + 1e-6);
-    }
-    for (uint32_t j = 0; j < cols; ++j) {
-      const auto& cv = j < n ? c0 : c1;
-      const auto& sv = j < n ? s0 : s1;
-      const size_t row = r0 + (j < n ? j : j - n);
-      double ref = 0, mag = 0;
-      for (uint32_t e = 0; e < k; ++e) {
-        const double w = e4m3_ref(cv[row * k + e]) * sv[row / 128 * bk + e / 128];
-        const double xe = double(x[b * k + e]) * (norm ? sc * double(__bfloat162float(g[e])) : 1.0);
-        ref += w * xe;
-        mag += std::abs(w * xe);
-      }
-      const float got = out[size_t(b) * cols + j];
-      finite &= std::isfinite(got);
-      worst = std::max(worst, std::abs(got - ref) / (mag + 1e-30));
-    }
-  }
-  char detail[160];
-  std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s%s: max error / sum|terms| %.2e", B, r0,
-                r1, n_rows, k, pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "",
-                spill ? ", input staged in global memory" : "", worst);
-  report("FP8 rows through the page ring", finite && worst < 1e-5, detail);
+  const RowsShape rows{n_rows, r0, r1, k, pair};
+  coded_rows_report<B>("FP8 rows through the page ring", out, x, g, norm, rows, spill,
+                       [&](uint32_t j, size_t row, uint32_t e) {
+    const auto& cv = j < n ? c0 : c1;
+    const auto& sv = j < n ? s0 : s1;
+    return e4m3_ref(cv[row * k + e]) * double(sv[row / 128 * bk + e / 128]);
+  });
   for (const void* p : {(const void*)c.rows.w0, (const void*)c.rows.s0, (const void*)c.rows.w1,
                         (const void*)c.rows.s1, (const void*)c.x, (const void*)c.norm, (const void*)c.out,
                         (const void*)c.spill})

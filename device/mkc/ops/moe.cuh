@@ -189,41 +189,36 @@ __device__ inline Rows expert_rows(ExpertRows a) {
               r0, r1, s.hidden};
 }
 
-// The MXFP4 rows of an expert task (as expert_rows, of the same arguments).
-template <int B>
-__device__ inline MxRows expert_mx_rows(ExpertRows a) {
-  const MoeShape& s = a.shape;
-  const uint32_t slot = a.slot, r0 = a.r0, r1 = a.r1;
-  void* const* w = a.w;
-  const int32_t* ids = a.ids;
-  const bool down = a.down;
-  const int e = slot_expert<B>(ids, B * s.top_k, slot);
-  auto u8 = [&](uint32_t i) { return static_cast<const uint8_t*>(w[i]); };
-  if (e < 0) return MxRows{nullptr, nullptr, nullptr, nullptr, 0, 0, down ? s.inter : s.hidden};
-  if (down) {
-    const uint32_t i = s.down_base + s.stride * uint32_t(e);
-    return MxRows{u8(i), u8(i + 1), nullptr, nullptr, r0, r1, s.inter};
-  }
-  const uint32_t g = s.gate_base + s.stride * uint32_t(e), u = s.up_base + s.stride * uint32_t(e);
-  return MxRows{u8(g), u8(g + 1), u8(u), u8(u + 1), r0, r1, s.hidden};
-}
-
-// The FP8 rows of an expert task (as expert_rows, of the same arguments): an
-// expert's e4m3 codes then its block scales in the weight table, experts
-// `stride` (2) apart.
-template <int B>
-__device__ inline Fp8Rows expert_fp8_rows(ExpertRows a) {
+// The rows of an expert task whose weights are codes and scales (as
+// expert_rows, of the same arguments): each expert's codes then its scales in
+// the weight table, experts `stride` (2) apart. R is the row type (MxRows,
+// Fp8Rows: codes, scales, the paired matrix's codes and scales, rows, k), S
+// its scales' element type.
+template <class R, class S, int B>
+__device__ inline R expert_coded_rows(ExpertRows a) {
   const MoeShape& s = a.shape;
   const int e = slot_expert<B>(a.ids, B * s.top_k, a.slot);
-  auto u8 = [&](uint32_t i) { return static_cast<const uint8_t*>(a.w[i]); };
-  auto f32 = [&](uint32_t i) { return static_cast<const float*>(a.w[i]); };
-  if (e < 0) return Fp8Rows{nullptr, nullptr, nullptr, nullptr, 0, 0, a.down ? s.inter : s.hidden};
+  auto codes = [&](uint32_t i) { return static_cast<const uint8_t*>(a.w[i]); };
+  auto scales = [&](uint32_t i) { return static_cast<const S*>(a.w[i]); };
+  if (e < 0) return R{nullptr, nullptr, nullptr, nullptr, 0, 0, a.down ? s.inter : s.hidden};
   if (a.down) {
     const uint32_t i = s.down_base + s.stride * uint32_t(e);
-    return Fp8Rows{u8(i), f32(i + 1), nullptr, nullptr, a.r0, a.r1, s.inter};
+    return R{codes(i), scales(i + 1), nullptr, nullptr, a.r0, a.r1, s.inter};
   }
   const uint32_t g = s.gate_base + s.stride * uint32_t(e), u = s.up_base + s.stride * uint32_t(e);
-  return Fp8Rows{u8(g), f32(g + 1), u8(u), f32(u + 1), a.r0, a.r1, s.hidden};
+  return R{codes(g), scales(g + 1), codes(u), scales(u + 1), a.r0, a.r1, s.hidden};
+}
+
+// The MXFP4 rows of an expert task: e2m1 codes and e8m0 scale bytes, tiled.
+template <int B>
+__device__ inline MxRows expert_mx_rows(ExpertRows a) {
+  return expert_coded_rows<MxRows, uint8_t, B>(a);
+}
+
+// The FP8 rows of an expert task: e4m3 codes and fp32 block scales, as stored.
+template <int B>
+__device__ inline Fp8Rows expert_fp8_rows(ExpertRows a) {
+  return expert_coded_rows<Fp8Rows, float, B>(a);
 }
 
 // routed[b, d] = sum_j weight[b, j] out[slot(ids[b, j]), b, d], for column
