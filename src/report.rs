@@ -36,7 +36,7 @@ pub struct Summary {
     pub total_params: u128,
     /// Parameters one token uses.
     pub active_params: u128,
-    /// Bytes of all weights, scales included (resident on one GPU).
+    /// Bytes of all weights as the GPU holds them, scales included (resident on one GPU).
     pub weight_bytes: u128,
     /// (batch, weight bytes read per decode step: moved).
     pub bytes_per_step: Vec<(u64, u64)>,
@@ -64,7 +64,7 @@ pub fn summarize(v: &Validated, context: u64, batches: &[u64]) -> Summary {
                 tensors += n * if w.scale_key.is_some() { 2 } else { 1 };
                 let elems = u128::from(w.ty.elements());
                 total += u128::from(n) * elems;
-                weight_bytes += u128::from(n) * u128::from(w.ty.bytes());
+                weight_bytes += u128::from(n) * u128::from(crate::sizes::device_bytes(g, id));
                 match crate::sizes::weight_use(g, id) {
                     WeightUse::Experts { top_k } => active += u128::from(top_k.min(n)) * elems,
                     WeightUse::Whole => active += u128::from(n) * elems,

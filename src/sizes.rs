@@ -22,7 +22,7 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use crate::ir::{Graph, NodeId, NodeKind};
+use crate::ir::{DType, Graph, NodeId, NodeKind};
 use crate::ops::OpKind;
 use crate::plan::Plan;
 use crate::report::{bytes, expected_distinct_experts};
@@ -90,6 +90,18 @@ pub fn weight_use(g: &Graph, id: NodeId) -> WeightUse {
     }
 }
 
+/// The bytes one member of weight `id` takes on the GPU: as stored (scales
+/// included), except an FP8 matrix the device reads as bf16 (the MLA's kv_b),
+/// which the runtime makes bf16 on upload.
+pub fn device_bytes(g: &Graph, id: NodeId) -> u64 {
+    let NodeKind::Weight(w) = &g.node(id).kind else { return 0 };
+    if w.ty.dtype == DType::Fp8E4m3 && crate::checkpoint::read_as_bf16(g, id) {
+        w.ty.elements() * 2
+    } else {
+        w.ty.bytes()
+    }
+}
+
 /// The sizes of `v` at `batch` sequences, `context` tokens and `ep` GPUs
 /// sharing the routed experts.
 pub fn graph_sizes(v: &Validated, batch: u64, context: u64, ep: u64) -> GraphSizes {
@@ -100,7 +112,7 @@ pub fn graph_sizes(v: &Validated, batch: u64, context: u64, ep: u64) -> GraphSiz
         match &g.node(id).kind {
             NodeKind::Weight(w) => {
                 let n = w.count();
-                let each = w.ty.bytes();
+                let each = device_bytes(g, id);
                 let read_by = weight_use(g, id);
                 if let WeightUse::Experts { top_k: k } = read_by {
                     let local = n.div_ceil(ep);

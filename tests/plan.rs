@@ -785,6 +785,14 @@ fn fp8_k2_plans_by_weight_type() {
             assert!(s.tasks.len() > 1, "stage {} ({} bytes of weights) is one task", s.id, bytes);
         }
     }
+    // kv_b is held as bf16 on the GPU: its bytes there, and every size that counts them (what `check`
+    // and `plan` print as resident), are bf16's.
+    let g = v.graph();
+    let kvb = g.nodes().find(|n| g.node(*n).name.ends_with("w_kvb")).expect("a kv_b weight");
+    let mkc::ir::NodeKind::Weight(w) = &g.node(kvb).kind else { unreachable!("a weight") };
+    assert_eq!(mkc::sizes::device_bytes(g, kvb), w.ty.elements() * 2);
+    let resident = mkc::sizes::graph_sizes(&v, 1, 4096, 1).weights_resident;
+    assert_eq!(mkc::report::summarize(&v, 4096, &[1]).weight_bytes, u128::from(resident));
     // An FP8 width the ring cannot stream in 16-byte runs.
     let (v, _) = compile_edited("kimi_k2", "tiny.json", |c| {
         fp8(c);

@@ -22,7 +22,7 @@ mod safetensors;
 
 pub use index::{INDEX, MAX_INDEX};
 pub use problem::Problem;
-pub use requirement::{requirements, weight_groups, GpuLayout, Requirement, WeightGroup};
+pub use requirement::{read_as_bf16, requirements, weight_groups, GpuLayout, Requirement, WeightGroup};
 pub use safetensors::{byte_size, dtype_bits, dtype_size, read_header, Header, TensorInfo, MAX_HEADER};
 
 use std::collections::{BTreeMap, HashSet};

@@ -93,7 +93,7 @@ impl WeightGroup {
 /// Whether the device reads weight `w` as bf16 whatever its stored type:
 /// the MLA's up-projection (kv_b), whose split and combine stream W_UK and
 /// W_UV as bf16 rows.
-fn read_as_bf16(g: &crate::ir::Graph, w: crate::ir::NodeId) -> bool {
+pub fn read_as_bf16(g: &crate::ir::Graph, w: crate::ir::NodeId) -> bool {
     let v = crate::ir::ValueRef { node: w, output: 0 };
     g.readers(v).any(|r| matches!(g.op(r), Some((crate::ops::OpKind::MlaDecode, _))))
 }
