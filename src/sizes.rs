@@ -236,11 +236,9 @@ impl Resident {
                 bytes(hbm_bytes)
             );
         }
-        let advice = match self.smallest_expert_parallel(v, hbm_bytes) {
-            Some(n) if self.graph.routed_resident > 0 => {
-                format!("; the smallest expert-parallel degree that fits is {n} (--expert-parallel {n})")
-            }
-            _ => {
+        let advice = match self.expert_parallel_that_fits(v, hbm_bytes) {
+            Some(n) => format!("; the smallest expert-parallel degree that fits is {n} (--expert-parallel {n})"),
+            None => {
                 "; no expert-parallel degree fits (the weights outside the routed experts and the state are too large)"
                     .to_string()
             }
@@ -250,6 +248,12 @@ impl Resident {
             bytes(self.total()),
             bytes(hbm_bytes)
         )
+    }
+
+    /// The smallest expert-parallel degree at which one GPU holds its share,
+    /// if sharding the routed experts can make it fit at all.
+    pub fn expert_parallel_that_fits(&self, v: &Validated, hbm_bytes: u64) -> Option<u32> {
+        self.smallest_expert_parallel(v, hbm_bytes).filter(|_| self.graph.routed_resident > 0)
     }
 
     /// The parts, one a line, each with its term.
