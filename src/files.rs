@@ -79,6 +79,56 @@ fn write_one(folder: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// Why [`open_regular`] refused a path.
+#[derive(Debug)]
+pub enum OpenError {
+    /// There is no such file.
+    NotFound(std::io::Error),
+    /// It could not be opened.
+    Io(std::io::Error),
+    /// It was opened and could not be examined (`fstat`).
+    Stat(std::io::Error),
+    /// It is there, and not a regular file.
+    NotRegular(std::fs::FileType),
+}
+
+/// Opens `path` for reading if it is a regular file (a symbolic link to one
+/// is followed); returns it and its length. It is opened non-blocking, so a
+/// FIFO with no writer does not hang the open, and examined with `fstat` on
+/// the open file before a byte is read. Every input mkc reads, checkpoints
+/// included, is opened here.
+pub fn open_regular(path: &Path) -> std::result::Result<(std::fs::File, u64), OpenError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = match OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(OpenError::NotFound(e)),
+        Err(e) => return Err(OpenError::Io(e)),
+    };
+    let meta = file.metadata().map_err(OpenError::Stat)?;
+    if !meta.is_file() {
+        return Err(OpenError::NotRegular(meta.file_type()));
+    }
+    Ok((file, meta.len()))
+}
+
+/// What a file that is not a regular one is, in messages ("a FIFO").
+pub fn file_kind(ty: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if ty.is_dir() {
+        "a directory"
+    } else if ty.is_fifo() {
+        "a FIFO"
+    } else if ty.is_char_device() {
+        "a character device"
+    } else if ty.is_block_device() {
+        "a block device"
+    } else if ty.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    }
+}
+
 /// The kinds of file mkc reads, each with the largest size it accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Input {
@@ -88,9 +138,6 @@ pub enum Input {
     Config,
     /// A target file: at most 1 MiB (targets are 2 KB).
     Target,
-    /// A checkpoint's `model.safetensors.index.json`: at most 256 MiB (a
-    /// large sharded checkpoint's index is a few MB).
-    Index,
     /// A measured step's Chrome trace (`plan --trace`): at most 1 GiB (the
     /// full K3's is about 20 MB).
     Trace,
@@ -103,7 +150,6 @@ impl Input {
             Input::Graph => 16 << 20,
             Input::Config => 64 << 20,
             Input::Target => 1 << 20,
-            Input::Index => 256 << 20,
             Input::Trace => 1 << 30,
         }
     }
@@ -114,7 +160,6 @@ impl Input {
             Input::Graph => "graph",
             Input::Config => "config",
             Input::Target => "target",
-            Input::Index => "checkpoint index",
             Input::Trace => "trace",
         }
     }
@@ -129,39 +174,19 @@ impl Input {
 /// memory either.
 pub fn read_input(path: &Path, kind: Input) -> Result<String> {
     use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
     let what = kind.what();
     let fail = |why: String| Error::new(ErrorKind::Io, format!("cannot read {what} {}: {why}", path.display()));
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)
-        .map_err(|e| fail(e.to_string()))?;
-    let meta = file.metadata().map_err(|e| fail(e.to_string()))?;
-    if !meta.is_file() {
-        let ty = meta.file_type();
-        let is = if ty.is_dir() {
-            "a directory"
-        } else if std::os::unix::fs::FileTypeExt::is_fifo(&ty) {
-            "a FIFO"
-        } else if std::os::unix::fs::FileTypeExt::is_char_device(&ty) {
-            "a character device"
-        } else if std::os::unix::fs::FileTypeExt::is_block_device(&ty) {
-            "a block device"
-        } else if std::os::unix::fs::FileTypeExt::is_socket(&ty) {
-            "a socket"
-        } else {
-            "not a regular file"
-        };
-        return Err(fail(format!("it is {is}; mkc reads regular files only")));
-    }
+    let (file, len) = open_regular(path).map_err(|e| match e {
+        OpenError::NotFound(e) | OpenError::Io(e) | OpenError::Stat(e) => fail(e.to_string()),
+        OpenError::NotRegular(ty) => fail(format!("it is {}; mkc reads regular files only", file_kind(ty))),
+    })?;
     let limit = kind.limit();
     let too_big =
         |size: u64| fail(format!("it is {size} bytes, more than the {} MiB a {what} file may be", limit >> 20));
-    if meta.len() > limit {
-        return Err(too_big(meta.len()));
+    if len > limit {
+        return Err(too_big(len));
     }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    let mut bytes = Vec::with_capacity(len as usize);
     file.take(limit + 1).read_to_end(&mut bytes).map_err(|e| fail(e.to_string()))?;
     if bytes.len() as u64 > limit {
         return Err(too_big(bytes.len() as u64));

@@ -8,13 +8,9 @@
 //! cache is made of them). The runtime does the same (`open_regular` in
 //! runtime/src/checkpoint.cpp).
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{ErrorKind, Read};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-
-/// Linux's `O_NONBLOCK` (asm-generic/fcntl.h), as `open(2)` takes it.
-const O_NONBLOCK: i32 = 0o4000;
 
 /// Why a file could not be opened.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,18 +41,16 @@ pub fn os_message(e: &std::io::Error) -> String {
     }
 }
 
-/// Opens `path` for reading if it is a regular file; returns it and its length.
+/// Opens `path` for reading if it is a regular file; returns it and its
+/// length ([`crate::files::open_regular`], with the messages the runtime's
+/// reader gives).
 pub fn open_regular(path: &Path) -> Result<(File, u64), OpenError> {
-    let file = match OpenOptions::new().read(true).custom_flags(O_NONBLOCK).open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == ErrorKind::NotFound => return Err(OpenError::NotFound),
-        Err(e) => return Err(OpenError::Other(format!("cannot open: {}", os_message(&e)))),
-    };
-    let meta = file.metadata().map_err(|e| OpenError::Other(format!("cannot stat: {}", os_message(&e))))?;
-    if !meta.is_file() {
-        return Err(OpenError::Other("not a regular file".into()));
-    }
-    Ok((file, meta.len()))
+    crate::files::open_regular(path).map_err(|e| match e {
+        crate::files::OpenError::NotFound(_) => OpenError::NotFound,
+        crate::files::OpenError::Io(e) => OpenError::Other(format!("cannot open: {}", os_message(&e))),
+        crate::files::OpenError::Stat(e) => OpenError::Other(format!("cannot stat: {}", os_message(&e))),
+        crate::files::OpenError::NotRegular(_) => OpenError::Other("not a regular file".into()),
+    })
 }
 
 /// Reads exactly `buf.len()` bytes, or says how many the file had.
