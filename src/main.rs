@@ -380,7 +380,7 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                         write!(
                             out,
                             "{}",
-                            plan::estimate::render_speculative(&plain, verify.as_ref().map_err(|e| e.clone()), s)
+                            plan::estimate::render_speculative(&plain, verify.as_ref().map_err(String::as_str), s)
                         )?;
                     }
                 }

@@ -187,7 +187,7 @@ impl Speculation {
 /// The lines `--speculative` adds for one batch: the verify step (estimated
 /// as a step of `batch x tokens` positions, `verify`) against the plain step
 /// (`plain`), in tokens/s per user.
-pub fn render_speculative(plain: &Estimate, verify: std::result::Result<&Estimate, String>, s: Speculation) -> String {
+pub fn render_speculative(plain: &Estimate, verify: std::result::Result<&Estimate, &str>, s: Speculation) -> String {
     let gain = s.expected_tokens();
     let mut out = String::new();
     match verify {

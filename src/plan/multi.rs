@@ -91,48 +91,66 @@ pub fn estimate_on(v: &Validated, target: &Target, batch: u32, context: u64, gpu
             _ => other += t.weight_bytes,
         }
     }
-    let values = u64::from(batch) * hidden * 4;
-    let (bytes, exchanges) = if gpus <= 1 {
-        (0, 0)
-    } else {
-        let g = u64::from(gpus);
-        let one_shot = ((g - 1) * values, 1);
-        let two_step = ((2 * (g - 1) * values).div_ceil(g), 2);
-        let time = |(b, n): (u64, u64)| n as f64 * target.nvlink_latency_ns + b as f64 / target.nvlink_bandwidth * 1e9;
-        if time(one_shot) <= time(two_step) {
-            one_shot
-        } else {
-            two_step
-        }
-    };
-    let per_layer_ns = if exchanges == 0 {
-        0.0
-    } else {
-        exchanges as f64 * target.nvlink_latency_ns + bytes as f64 / target.nvlink_bandwidth * 1e9
-    };
-    let comm_us = moe_layers as f64 * per_layer_ns / 1e3;
+    let reduce = all_reduce(target, gpus, u64::from(batch) * hidden * 4);
+    let comm_us = moe_layers as f64 * reduce.ns / 1e3;
     let step_us = per_gpu.step_us + comm_us;
-    let mut m = MultiEstimate {
+    let shape = Shape { gpus, hidden, layers, stages: p.tiling.stages.len() as u64, routed, other };
+    let tensor_parallel = tensor_parallel(&per_gpu, target, shape);
+    Ok(MultiEstimate {
         gpus,
         per_gpu,
         moe_layers,
-        exchange_bytes: bytes,
-        exchanges,
+        exchange_bytes: reduce.bytes,
+        exchanges: reduce.exchanges,
         comm_us,
         step_us,
         tokens_per_s: if step_us > 0.0 { 1e6 / step_us } else { 0.0 },
-        tensor_parallel: TensorParallel {
-            bytes: 0,
-            efficiency: 0.0,
-            chain_us: 0.0,
-            layers,
-            comm_us: 0.0,
-            step_us: 0.0,
-            tokens_per_s: 0.0,
-        },
+        tensor_parallel,
+    })
+}
+
+/// One all-reduce of `values` bytes over `gpus` GPUs, the cheaper of one
+/// exchange sending them to every other GPU and a reduce-scatter and
+/// all-gather (two exchanges of `2 (G - 1) / G` of them).
+struct AllReduce {
+    /// Bytes out of each GPU.
+    bytes: u64,
+    /// Exchanges, a latency each.
+    exchanges: u64,
+    /// Its time.
+    ns: f64,
+}
+
+fn all_reduce(target: &Target, gpus: u32, values: u64) -> AllReduce {
+    let g = u64::from(gpus);
+    if g <= 1 {
+        return AllReduce { bytes: 0, exchanges: 0, ns: 0.0 };
+    }
+    let form = |bytes: u64, exchanges: u64| AllReduce {
+        bytes,
+        exchanges,
+        ns: exchanges as f64 * target.nvlink_latency_ns + bytes as f64 / target.nvlink_bandwidth * 1e9,
     };
-    m.tensor_parallel = tensor_parallel(&m, target, (hidden, layers, p.tiling.stages.len() as u64), routed, other);
-    Ok(m)
+    let (one_shot, two_step) = (form((g - 1) * values, 1), form((2 * (g - 1) * values).div_ceil(g), 2));
+    if one_shot.ns <= two_step.ns {
+        one_shot
+    } else {
+        two_step
+    }
+}
+
+/// What the tensor-parallel estimate needs of the replicated plan.
+struct Shape {
+    gpus: u32,
+    /// The MoE output's width, the all-reduced values per token.
+    hidden: u64,
+    /// Attention layers: two all-reduces each.
+    layers: u64,
+    /// The plan's stages, each at least one task's fixed cost and one hand-off.
+    stages: u64,
+    /// One GPU's routed experts' bytes, and every other weight's.
+    routed: u64,
+    other: u64,
 }
 
 /// The tensor-parallel placement's estimate from bytes (not planned): every
@@ -162,34 +180,18 @@ pub struct TensorParallel {
     pub tokens_per_s: f64,
 }
 
-/// The tensor-parallel estimate beside `m` (the replicated placement's plan).
-pub fn tensor_parallel(
-    m: &MultiEstimate,
-    target: &Target,
-    shape: (u64, u64, u64),
-    routed: u64,
-    other: u64,
-) -> TensorParallel {
-    let (hidden, layers, stages) = shape;
-    let g = u64::from(m.gpus.max(1));
-    let e = &m.per_gpu;
-    let bytes = routed + other.div_ceil(g) + e.state_bytes.div_ceil(g);
-    let efficiency = e.fraction_of_floor.clamp(0.01, 1.0);
-    let chain_us = stages as f64 * (TASK_OVERHEAD_NS + target.sync_latency_ns) / 1e3;
+/// The tensor-parallel estimate beside the replicated placement's plan of one GPU.
+fn tensor_parallel(per_gpu: &Estimate, target: &Target, s: Shape) -> TensorParallel {
+    let g = u64::from(s.gpus.max(1));
+    let bytes = s.routed + s.other.div_ceil(g) + per_gpu.state_bytes.div_ceil(g);
+    let efficiency = per_gpu.fraction_of_floor.clamp(0.01, 1.0);
+    let chain_us = s.stages as f64 * (TASK_OVERHEAD_NS + target.sync_latency_ns) / 1e3;
     let compute_us = (bytes as f64 / target.read_bandwidth() * 1e6 / efficiency).max(chain_us);
-    let values = u64::from(e.batch) * hidden * 4;
-    let per_reduce_ns = if g <= 1 {
-        0.0
-    } else {
-        let one_shot = target.nvlink_latency_ns + ((g - 1) * values) as f64 / target.nvlink_bandwidth * 1e9;
-        let two_step =
-            2.0 * target.nvlink_latency_ns + (2 * (g - 1) * values).div_ceil(g) as f64 / target.nvlink_bandwidth * 1e9;
-        one_shot.min(two_step)
-    };
-    let comm_us = 2.0 * layers as f64 * per_reduce_ns / 1e3;
+    let reduce = all_reduce(target, s.gpus, u64::from(per_gpu.batch) * s.hidden * 4);
+    let comm_us = 2.0 * s.layers as f64 * reduce.ns / 1e3;
     let step_us = compute_us + comm_us;
     let tokens_per_s = if step_us > 0.0 { 1e6 / step_us } else { 0.0 };
-    TensorParallel { bytes, efficiency, chain_us, layers, comm_us, step_us, tokens_per_s }
+    TensorParallel { bytes, efficiency, chain_us, layers: s.layers, comm_us, step_us, tokens_per_s }
 }
 
 /// What the estimate assumes, printed once.
