@@ -4,6 +4,7 @@
 # own nvcc and the carried CuTe headers standing in for .toolchain/:
 #   .carry/gen/NAME -> target/models/NAME      (tests/gpu/*, bench/*)
 #   .carry/old/gen/NAME -> target/old/NAME     (bench/compare.sh target/old)
+#   device/tests/{ops_test,ring_bench}.cu -> target/device/*_sm90a  (as scripts/build_device.sh)
 # Logs under $OUT/build/; a line per library.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,14 +26,19 @@ toolchain() {  # a source tree: a .toolchain/ scripts/toolchain.sh accepts, of t
   sed -n 's/^pins="\(.*\)"$/\1/p' "$1/scripts/toolchain.sh" > "$1/.toolchain/.pins"
 }
 toolchain .
-jobs=()
+jobs=("tool ops_test" "tool ring_bench")
 for dir in .carry/gen/*/; do jobs+=("new $(basename "$dir")"); done
 if [ -d .carry/old ]; then
   toolchain .carry/old
   for dir in .carry/old/gen/*/; do jobs+=("old $(basename "$dir")"); done
 fi
 build() {  # new|old NAME
-  if [ "$1" = new ]; then
+  if [ "$1" = tool ]; then
+    mkdir -p target/device
+    .toolchain/site/nvidia/cu13/bin/nvcc -std=c++20 -O3 -Xcompiler -Wall -I device \
+      -I .toolchain/site/cutlass_library/source/include -gencode=arch=compute_90a,code=sm_90a \
+      -o "target/device/$2_sm90a" "device/tests/$2.cu" > "$out/$2.log" 2>&1
+  elif [ "$1" = new ]; then
     scripts/build_model.sh ".carry/gen/$2" "target/models/$2" > "$out/$2.log" 2>&1
   else
     (cd .carry/old && scripts/build_model.sh "gen/$2" "../../target/old/$2") > "$out/old_$2.log" 2>&1

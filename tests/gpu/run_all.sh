@@ -14,6 +14,10 @@
 #                                   ones; at batch 4 seed 0 over 32 steps)
 #   tests/gpu/run_all.sh bisect     where the K3 programs part from the reference, and the noise
 #                                   floor (k3_bisect, tiny and per-layer dims)
+#   tests/gpu/run_all.sh fp8        the FP8 cases of the device-function tests (ops_test), the FP8
+#                                   checkpoint writer's self-test, and every kimi_k2_*fp8* library
+#                                   against transformers on the dequantised checkpoint (seeds 0 1 2,
+#                                   the libraries side by side)
 #   tests/gpu/run_all.sh soak       10,000 steps of K3 tiny at batch 4 with the e8m0-255 and truncated
 #                                   checkpoints, 2,000 of K2 per-layer dims (tests/gpu/soak.py)
 # Logs under $OUT; a short table last.
@@ -33,6 +37,29 @@ case "${1:-}" in
       > "$out/soak_k2.log" 2>&1 || rc=1
     tail -n 4 "$out/soak_k3.log" "$out/soak_k2.log"
     exit $rc
+    ;;
+  fp8)
+    summary=()
+    timeout 120 target/device/ops_test_sm90a > "$out/ops_test.txt" 2>&1
+    summary+=("ops_test rc=$? $(grep -ciE '^fp8|fp8' "$out/ops_test.txt") fp8 lines")
+    timeout 120 python3 tests/gpu/fp8_checkpoint.py --self-test > "$out/fp8_self_test.txt" 2>&1
+    summary+=("fp8_checkpoint --self-test rc=$?")
+    mkdir -p "$out/fp8"
+    for dir in target/models/kimi_k2_*fp8*/; do
+      name=$(basename "$dir")
+      [ -f "$dir/lib$name.so" ] || continue
+      config=model_graphs/kimi_k2/tiny_fp8.json
+      case "$name" in kimi_k2_dims_fp8*) config=model_graphs/kimi_k2/test_2l16e_fp8.json ;; esac
+      ( timeout "${MKC_LIB_TIMEOUT:-400}" python3 tests/gpu/deepseek_v3_decode.py --lib "$dir/lib$name.so" --config "$config" \
+          --fp8 --seeds 0 1 2 --json "$out/fp8/$name.json" > "$out/fp8/$name.log" 2>&1
+        echo "$name rc=$?" > "$out/fp8/$name.rc" ) &
+    done
+    wait
+    grep -iE 'fp8|FAIL|PASS' "$out/ops_test.txt"
+    tail -n 3 "$out/fp8_self_test.txt"
+    for f in "$out"/fp8/*.log; do echo "== $(basename "$f")"; grep -v '^$' "$f" | tail -n 4; done
+    cat "$out"/fp8/*.rc
+    printf '%s\n' "${summary[@]}"
     ;;
   sanitize)
     lib=target/models/kimi_k2_tiny_h200/libkimi_k2_tiny_h200.so
@@ -109,5 +136,5 @@ case "${1:-}" in
     tail -n 12 "$out"/bisect_*.txt 2>/dev/null
     printf '%s\n' "${summary[@]}"
     ;;
-  *) echo "usage: tests/gpu/run_all.sh check|sanitize|k3|bisect" >&2; exit 2 ;;
+  *) echo "usage: tests/gpu/run_all.sh check|fp8|sanitize|k3|bisect|soak" >&2; exit 2 ;;
 esac
