@@ -48,6 +48,9 @@ class Model:
                                           ctypes.c_size_t]
         lib.mkc_model_profile_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
                                                ctypes.c_char_p, ctypes.c_size_t]
+        lib.mkc_model_generate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int32,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
+                                           ctypes.c_char_p, ctypes.c_size_t]
         lib.mkc_model_time_steps.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                              ctypes.POINTER(ctypes.c_float), ctypes.c_char_p, ctypes.c_size_t]
         self._err = ctypes.create_string_buffer(1 << 16)
@@ -81,6 +84,19 @@ class Model:
                                     len(self._err)) != 0:
             raise MkcError(self._err.value.decode())
         return nxt, logits
+
+    def generate(self, tokens, n, stop=-1):
+        """Greedy generation in one launch: up to n steps from tokens [batch], each step's next tokens fed
+        back, stopping early once every sequence has produced `stop`. Returns (tokens [steps, batch] int32,
+        length [batch] int32: the step, from 1, at which each sequence produced `stop`, or 0)."""
+        t = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(self.batch))
+        out = np.zeros((n, self.batch), dtype=np.int32)
+        length = np.zeros(self.batch, dtype=np.int32)
+        steps = ctypes.c_uint32()
+        if self._lib.mkc_model_generate(self._m, t.ctypes.data, n, stop, out.ctypes.data, length.ctypes.data,
+                                        ctypes.byref(steps), self._err, len(self._err)) != 0:
+            raise MkcError(self._err.value.decode())
+        return out[:steps.value], length
 
     def time_steps(self, tokens, warmup=10, n=100):
         """Milliseconds per step, n steps back to back at the current positions (CUDA events)."""

@@ -1,6 +1,7 @@
 // mkc device runtime: the persistent megakernel loop.
 //
-// One CTA per SM, launched once per decode step, laid out as the planner's
+// One CTA per SM, launched once per decode step (or once for a whole greedy
+// generation: generate_kernel), laid out as the planner's
 // warp plan says (src/plan/specialize.rs): two consumer warpgroups (warps 0-7)
 // and one producer warpgroup (warp 8 loader, 9 controller, 10 storer, 11 spare):
 //   controller: for each instruction of this SM's list, waits on its counters
@@ -59,16 +60,11 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// One step of this SM's instruction list [begin, end), each warp in its
+// role; `it` is the ring position, continuous across steps of one launch.
 template <class Tasks, bool kDebug>
-__global__ void __launch_bounds__(kThreads, 1) megakernel(Schedule p, typename Tasks::Params params, uint32_t step) {
-  Ring& ring = *ring_ptr();
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) ring_init(ring);
-  __syncthreads();
-  const uint32_t begin = p.sm_begin[blockIdx.x];
-  const uint32_t end = p.sm_begin[blockIdx.x + 1];
-  uint32_t it = 0;  // ring position, continuous across instructions
-
+__device__ __forceinline__ void run_step(const Schedule& p, const typename Tasks::Params& params, uint32_t step,
+                                         uint32_t begin, uint32_t end, int warp, uint32_t& it) {
   if (warp == kLoaderWarp) {
     for (uint32_t i = begin; i < end; ++i) {
       const Instruction ins = p.instructions[i];
@@ -112,6 +108,103 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Schedule p, typename T
       __threadfence();
       named_barrier(2, kBarrierThreads);
     }
+  }
+}
+
+// One decode step (`step` counts from 1 over the engine's life: the counters'
+// waits are multiples of it).
+template <class Tasks, bool kDebug>
+__global__ void __launch_bounds__(kThreads, 1) megakernel(Schedule p, typename Tasks::Params params, uint32_t step) {
+  Ring& ring = *ring_ptr();
+  if (threadIdx.x == 0) ring_init(ring);
+  __syncthreads();
+  uint32_t it = 0;
+  run_step<Tasks, kDebug>(p, params, step, p.sm_begin[blockIdx.x], p.sm_begin[blockIdx.x + 1], threadIdx.x / 32, it);
+}
+
+// ---------------------------------------------------------------------------
+// Greedy generation in one launch (mkc_model_generate): step after step, each
+// step's next tokens fed back as the following step's tokens and the
+// positions advanced on the device, until `n` steps or until every sequence
+// has produced `stop`.
+//
+// Tokens and positions are double-buffered by step parity: step s reads half
+// s % 2 and nothing in it touches the other half. Between steps every CTA
+// arrives at a grid barrier (the launch is cooperative: all CTAs are
+// resident); the last to arrive, which sees every instruction of step s done,
+// writes step s + 1's half (the argmax output as tokens, positions + 1),
+// records the tokens, decides whether to stop, and releases the others.
+
+struct GenerateControl {
+  uint32_t arrived;   // CTAs arrived at step boundaries, over the launch
+  uint32_t released;  // steps completed and released
+  uint32_t steps;     // steps run
+  uint32_t done;      // 1: no step follows
+};
+
+struct Generate {
+  int32_t* tokens;       // [2][batch]: half 0 the first step's tokens (from the host)
+  int32_t* pos;          // [2][batch]: half 0 the first step's positions
+  const int32_t* next;   // [batch]: the argmax output a step writes
+  int32_t* out;          // [n][batch]: each step's next tokens
+  int32_t* length;       // [batch], zeroed: the step (from 1) at which the sequence produced `stop`
+  GenerateControl* ctl;  // zeroed before the launch
+  uint32_t batch;
+  uint32_t n;            // at most this many steps
+  int32_t stop;          // the token that ends a sequence; -1: none
+};
+
+__device__ __forceinline__ void store_release(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+template <class Tasks>
+__global__ void __launch_bounds__(kThreads, 1) generate_kernel(Schedule p, typename Tasks::Params params,
+                                                               uint32_t step0, Generate g) {
+  Ring& ring = *ring_ptr();
+  __shared__ uint32_t done;
+  if (threadIdx.x == 0) ring_init(ring);
+  __syncthreads();
+  const uint32_t begin = p.sm_begin[blockIdx.x], end = p.sm_begin[blockIdx.x + 1];
+  uint32_t it = 0;
+  for (uint32_t s = 0;; ++s) {
+    typename Tasks::Params sp = params;
+    sp.tokens = g.tokens + (s & 1) * g.batch;
+    sp.pos = g.pos + (s & 1) * g.batch;
+    run_step<Tasks, false>(p, sp, step0 + s, begin, end, threadIdx.x / 32, it);
+    __syncthreads();  // this CTA's instructions of step s are done (the storer's releases issued)
+    if (threadIdx.x == 0) {
+      __threadfence();
+      const uint32_t last = (s + 1) * gridDim.x;
+      if (atomicAdd(&g.ctl->arrived, 1u) + 1 == last) {
+        __threadfence();  // every CTA's step s is visible
+        const int32_t* cur = g.pos + (s & 1) * g.batch;
+        int32_t* tokens = g.tokens + ((s + 1) & 1) * g.batch;
+        int32_t* pos = g.pos + ((s + 1) & 1) * g.batch;
+        bool all_stopped = true;
+        for (uint32_t b = 0; b < g.batch; ++b) {
+          const int32_t t = g.next[b];
+          g.out[size_t(s) * g.batch + b] = t;
+          tokens[b] = t;
+          pos[b] = cur[b] + 1;
+          if (g.length[b] == 0 && t == g.stop) g.length[b] = int32_t(s + 1);
+          all_stopped = all_stopped && g.length[b] != 0;
+        }
+        g.ctl->steps = s + 1;
+        g.ctl->done = (all_stopped || s + 1 == g.n) ? 1u : 0u;
+        __threadfence();
+        store_release(&g.ctl->released, s + 1);
+      } else {
+        uint32_t backoff = 16;
+        while (static_cast<int32_t>(load_acquire(&g.ctl->released) - (s + 1)) < 0) {
+          __nanosleep(backoff);
+          if (backoff < 128) backoff *= 2;
+        }
+      }
+      done = *reinterpret_cast<volatile uint32_t*>(&g.ctl->done);
+    }
+    __syncthreads();
+    if (done) break;
   }
 }
 

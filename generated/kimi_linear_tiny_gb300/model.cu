@@ -106,6 +106,11 @@ int mkc_model_step(mkc_model* m, const int32_t* tokens, int32_t* next, float* lo
   return guarded(err, err_len, [&] { m->engine.step(tokens, next, logits, debug != 0); });
 }
 
+int mkc_model_generate(mkc_model* m, const int32_t* tokens, uint32_t n, int32_t stop, int32_t* out, int32_t* length,
+                       uint32_t* steps, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { *steps = m->engine.generate(tokens, n, stop, out, length); });
+}
+
 int mkc_model_time_steps(mkc_model* m, const int32_t* tokens, int warmup, int n, float* ms_per_step, char* err,
                          size_t err_len) {
   return guarded(err, err_len, [&] { *ms_per_step = m->engine.time_steps(tokens, warmup, n); });

@@ -18,6 +18,9 @@
 #                                   checkpoint writer's self-test, and every kimi_k2_*fp8* library
 #                                   against transformers on the dequantised checkpoint (seeds 0 1 2,
 #                                   the libraries side by side)
+#   tests/gpu/run_all.sh generate   greedy generation in one launch against single steps (tests/gpu/generate.py):
+#                                   every tiny library (seeds 0 1 2) and K3's per-layer dims (seed 0),
+#                                   tokens/s over 256 steps each way
 #   tests/gpu/run_all.sh soak       10,000 steps of K3 tiny at batch 4 with the e8m0-255 and truncated
 #                                   checkpoints, 2,000 of K2 per-layer dims (tests/gpu/soak.py)
 # Logs under $OUT; a short table last.
@@ -37,6 +40,24 @@ case "${1:-}" in
       > "$out/soak_k2.log" 2>&1 || rc=1
     tail -n 4 "$out/soak_k3.log" "$out/soak_k2.log"
     exit $rc
+    ;;
+  generate)
+    mkdir -p "$out/generate"
+    for dir in target/models/*_tiny_h200/ target/models/*_tiny_b4_h200/ target/models/kimi_k3_dims_8l96e_h200/; do
+      name=$(basename "$dir")
+      [ -f "$dir/lib$name.so" ] || continue
+      case "$name" in
+        kimi_k3_dims_*) args=(--arch k3 --config model_graphs/kimi_k3/test_8l96e.json --seeds 0) ;;
+        kimi_k3_*) args=(--arch k3 --config model_graphs/kimi_k3/tiny.json) ;;
+        kimi_linear_*) args=(--arch kimi_linear --config model_graphs/kimi_linear/tiny.json) ;;
+        *) args=(--arch deepseek_v3 --config model_graphs/kimi_k2/tiny.json) ;;
+      esac
+      timeout 240 python3 tests/gpu/generate.py --lib "$dir/lib$name.so" "${args[@]}" \
+        --json "$out/generate/$name.json" > "$out/generate/$name.log" 2>&1
+      echo "$name rc=$?" >> "$out/generate/rc.txt"
+    done
+    for f in "$out"/generate/*.log; do grep -v '^$' "$f" | tail -n 5; done
+    cat "$out/generate/rc.txt"
     ;;
   fp8)
     summary=()
@@ -136,5 +157,5 @@ case "${1:-}" in
     tail -n 12 "$out"/bisect_*.txt 2>/dev/null
     printf '%s\n' "${summary[@]}"
     ;;
-  *) echo "usage: tests/gpu/run_all.sh check|fp8|sanitize|k3|bisect|soak" >&2; exit 2 ;;
+  *) echo "usage: tests/gpu/run_all.sh check|fp8|generate|sanitize|k3|bisect|soak" >&2; exit 2 ;;
 esac

@@ -204,6 +204,64 @@ class Engine {
     if (!ok) throw Failure{std::string("cannot write the trace ") + path};
   }
 
+  // Greedy generation in one launch (device/mkc/megakernel.cuh,
+  // generate_kernel): tokens[batch] are the first step's tokens; each step's
+  // next tokens are the following step's, positions advance on the device.
+  // Stops after `n` steps or once every sequence has produced `stop` (-1:
+  // never); sequences that stopped earlier go on decoding with the others
+  // (their state holds every token fed; `length` says where each stopped).
+  // Writes out[steps][batch] and length[batch] (the step, from 1, at which
+  // the sequence produced `stop`, or 0) and returns the steps run.
+  uint32_t generate(const int32_t* tokens, uint32_t n, int32_t stop, int32_t* out, int32_t* length) {
+    if (n == 0) throw Failure{"generate: n must be at least 1"};
+    if (stop < -1 || (stop >= 0 && uint64_t(stop) >= P::kVocab)) {
+      throw Failure{"generate: the stop token " + std::to_string(stop) + " is outside the vocabulary (" +
+                    std::to_string(P::kVocab) + "; -1 for none)"};
+    }
+    for (int b = 0; b < P::kBatch; ++b) {
+      if (tokens[b] < 0 || uint64_t(tokens[b]) >= P::kVocab) {
+        throw Failure{"token " + std::to_string(tokens[b]) + " of sequence " + std::to_string(b) +
+                      " is outside the vocabulary (" + std::to_string(P::kVocab) + ")"};
+      }
+      if (uint64_t(pos_[b]) + n > P::kContext) {
+        throw Failure{"generate: sequence " + std::to_string(b) + " holds " + std::to_string(pos_[b]) + " tokens; " +
+                      std::to_string(n) + " more exceed the plan's context of " + std::to_string(P::kContext)};
+      }
+    }
+    if (gen_out_capacity_ < n) {  // grows to the longest generation asked for
+      if (gen_out_ != nullptr) {
+        owned_.erase(std::find(owned_.begin(), owned_.end(), static_cast<void*>(gen_out_)));
+        MKC_CUDA(cudaFree(gen_out_));
+        gen_out_ = nullptr;
+        gen_out_capacity_ = 0;
+      }
+      gen_out_ = device_alloc<int32_t>(sizeof(int32_t) * size_t(n) * P::kBatch);
+      gen_out_capacity_ = n;
+    }
+    MKC_CUDA(cudaMemcpy(d_tokens_, tokens, sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
+    MKC_CUDA(cudaMemcpy(d_pos_, pos_.data(), sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
+    MKC_CUDA(cudaMemset(gen_length_, 0, sizeof(int32_t) * P::kBatch));
+    MKC_CUDA(cudaMemset(gen_ctl_, 0, sizeof(GenerateControl)));
+    Generate g{d_tokens_, d_pos_, static_cast<const int32_t*>(outputs_[P::kNextTokenOutput]), gen_out_, gen_length_,
+               gen_ctl_, uint32_t(P::kBatch), n, stop};
+    uint32_t step0 = step_ + 1;
+    void* args[] = {&schedule_, &memory_, &step0, &g};
+    MKC_CUDA(cudaLaunchCooperativeKernel(generate_fn(), dim3(plan_.sms), dim3(kThreads), args, kSmemBytes, 0));
+    const cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) throw Failure{std::string("the generation megakernel failed: ") + cudaGetErrorString(e)};
+    GenerateControl ctl{};
+    MKC_CUDA(cudaMemcpy(&ctl, gen_ctl_, sizeof ctl, cudaMemcpyDeviceToHost));
+    if (ctl.steps == 0 || ctl.steps > n || ctl.done != 1) {
+      throw Failure{"the generation megakernel reported " + std::to_string(ctl.steps) + " steps of " +
+                    std::to_string(n) + " (done " + std::to_string(ctl.done) + ")"};
+    }
+    MKC_CUDA(cudaMemcpy(out, gen_out_, sizeof(int32_t) * size_t(ctl.steps) * P::kBatch, cudaMemcpyDeviceToHost));
+    MKC_CUDA(cudaMemcpy(length, gen_length_, sizeof(int32_t) * P::kBatch, cudaMemcpyDeviceToHost));
+    step_ += ctl.steps;
+    for (auto& p : pos_) p += int32_t(ctl.steps);
+    return ctl.steps;
+  }
+
   // Benchmark: `n` steps back to back at the current positions (each step
   // rewrites the same cache row; positions do not advance), timed with CUDA
   // events after `warmup` untimed steps. Returns milliseconds per step.
@@ -286,6 +344,8 @@ class Engine {
   static const void* kernel() {
     return reinterpret_cast<const void*>(&megakernel<typename P::Step, kDebug>);
   }
+
+  static const void* generate_fn() { return reinterpret_cast<const void*>(&generate_kernel<typename P::Step>); }
 
   template <class T>
   T* device_alloc(size_t bytes) {
@@ -410,8 +470,11 @@ class Engine {
     for (uint32_t o = 0; o < P::kOutputs; ++o) outputs_.push_back(device_alloc<char>(P::output_bytes[o] * P::kBatch));
     void** out = device_alloc<void*>(sizeof(void*) * P::kOutputs);
     MKC_CUDA(cudaMemcpy(out, outputs_.data(), sizeof(void*) * P::kOutputs, cudaMemcpyHostToDevice));
-    d_tokens_ = device_alloc<int32_t>(sizeof(int32_t) * P::kBatch);
-    d_pos_ = device_alloc<int32_t>(sizeof(int32_t) * P::kBatch);
+    // [2][batch] each: a step reads the first half; a generation alternates (generate_kernel).
+    d_tokens_ = device_alloc<int32_t>(sizeof(int32_t) * 2 * P::kBatch);
+    d_pos_ = device_alloc<int32_t>(sizeof(int32_t) * 2 * P::kBatch);
+    gen_length_ = device_alloc<int32_t>(sizeof(int32_t) * P::kBatch);
+    gen_ctl_ = device_alloc<GenerateControl>(sizeof(GenerateControl));
     float* staging = device_alloc<float>(sizeof(float) * P::kStagingFloats * plan_.sms);
     const TaskArgs* tasks = device_copy(plan_.tasks.data(), plan_.tasks.size());
     const StageRecord* stages = device_copy(plan_.stages.data(), plan_.stages.size());
@@ -432,6 +495,7 @@ class Engine {
     pos_.assign(P::kBatch, 0);
     MKC_CUDA(cudaFuncSetAttribute(kernel<false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
     MKC_CUDA(cudaFuncSetAttribute(kernel<true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+    MKC_CUDA(cudaFuncSetAttribute(generate_fn(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
   }
 
   template <class T>
@@ -448,6 +512,10 @@ class Engine {
   std::vector<void*> outputs_;
   int32_t* d_tokens_ = nullptr;
   int32_t* d_pos_ = nullptr;
+  int32_t* gen_out_ = nullptr;  // [gen_out_capacity_][batch]
+  uint32_t gen_out_capacity_ = 0;
+  int32_t* gen_length_ = nullptr;
+  GenerateControl* gen_ctl_ = nullptr;
   Memory memory_{};
   Schedule schedule_{};
   HangReport* report_ = nullptr;

@@ -46,6 +46,18 @@ void mkc_model_get_info(const mkc_model* m, mkc_model_info* info);
 int mkc_model_step(mkc_model* m, const int32_t* tokens, int32_t* next, float* logits, int debug, char* err,
                    size_t err_len);
 
+/* Greedy generation in one persistent launch: tokens[batch] are the first
+ * step's tokens; each step's next tokens are fed back as the following
+ * step's, positions advancing on the device, for n steps or until every
+ * sequence has produced `stop` (-1: no stop token). Writes out[steps][batch]
+ * (each step's next tokens), length[batch] (the step, from 1, at which the
+ * sequence produced `stop`; 0 if it did not) and *steps. Sequences that
+ * stopped early decode on with the others; their state holds every token
+ * fed. The same tokens as *steps calls of mkc_model_step. Refuses n that
+ * would pass the context. */
+int mkc_model_generate(mkc_model* m, const int32_t* tokens, uint32_t n, int32_t stop, int32_t* out, int32_t* length,
+                       uint32_t* steps, char* err, size_t err_len);
+
 /* Benchmark: n steps back to back at the current positions (positions do
  * not advance), after `warmup` untimed ones; writes milliseconds per step. */
 int mkc_model_time_steps(mkc_model* m, const int32_t* tokens, int warmup, int n, float* ms_per_step, char* err,
