@@ -21,3 +21,6 @@ echo "built $out/ops_test_sm90a"
 # The page ring's streaming rate on its own (a measurement, run on the H200).
 "$nvcc" "${flags[@]}" -gencode="arch=compute_90a,code=sm_90a" -o "$out/ring_bench_sm90a" device/tests/ring_bench.cu
 echo "built $out/ring_bench_sm90a"
+# What one dependent stage hop and a launch cost (a measurement, run on the H200).
+"$nvcc" "${flags[@]}" -gencode="arch=compute_90a,code=sm_90a" -o "$out/hop_bench_sm90a" device/tests/hop_bench.cu
+echo "built $out/hop_bench_sm90a"

@@ -4,7 +4,7 @@
 # own nvcc and the carried CuTe headers standing in for .toolchain/:
 #   .carry/gen/NAME -> target/models/NAME      (tests/gpu/*, bench/*)
 #   .carry/old/gen/NAME -> target/old/NAME     (bench/compare.sh target/old)
-#   device/tests/{ops_test,ring_bench}.cu -> target/device/*_sm90a  (as scripts/build_device.sh)
+#   device/tests/{ops_test,ring_bench,hop_bench}.cu -> target/device/*_sm90a  (as scripts/build_device.sh)
 # Logs under $OUT/build/; a line per library.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ toolchain() {  # a source tree: a .toolchain/ scripts/toolchain.sh accepts, of t
   sed -n 's/^pins="\(.*\)"$/\1/p' "$1/scripts/toolchain.sh" > "$1/.toolchain/.pins"
 }
 toolchain .
-jobs=("tool ops_test" "tool ring_bench")
+jobs=("tool ops_test" "tool ring_bench" "tool hop_bench")
 for dir in .carry/gen/*/; do jobs+=("new $(basename "$dir")"); done
 if [ -d .carry/old ]; then
   toolchain .carry/old
