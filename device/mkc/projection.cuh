@@ -105,16 +105,18 @@ struct Rows {
   }
 };
 
-// bf16 rows at batch 2 to 6 run on the tensor cores (rows_pages_mma, in
-// ops/rows.cuh), which take a task's row blocks kBlockGroup at a time, the k
-// chunks outer: the activations of a chunk serve the group's blocks. Other
-// batches take a row block at a time (the CUDA-core consumer). The loader
-// and the consumer of a task agree on the order through kRowsGroup.
+// bf16 rows at batch 2 to 8 run on the tensor cores (rows_pages_mma, in
+// ops/rows.cuh), which take a task's row blocks kRowsGroup at a time, the k
+// chunks outer: the activations of a chunk serve the group's blocks. The
+// group is kBlockGroup blocks, half that at batch 7 and 8 (two groups' partial
+// sums must fit scratch). Batch 1 takes a row block at a time (the CUDA-core
+// consumer). The loader and the consumer of a task agree on the order through
+// kRowsGroup.
 constexpr uint32_t kBlockGroup = 8;
 template <int B>
-constexpr bool kRowsMma = B >= 2 && B <= 6;
+constexpr bool kRowsMma = B >= 2 && B <= 8;
 template <int B>
-constexpr uint32_t kRowsGroup = kRowsMma<B> ? kBlockGroup : 1;
+constexpr uint32_t kRowsGroup = !kRowsMma<B> ? 1 : B <= 6 ? kBlockGroup : kBlockGroup / 2;
 
 // Loader: streams the task's rows into the page ring (kPageRows rows of up to
 // kPageK weights per page), `group` row blocks at a time: for each k chunk,

@@ -1077,12 +1077,16 @@ int main() {
   test_rows<2>(rng, 16, 2, 13, 12288, false, false, true);  // and at batch 2: read in place (tensor cores)
   test_rows<1>(rng, 20, 2, 19, 33792, true, true);   // the dense layer's down width: x from global memory, 5 row blocks
   test_rows<4>(rng, 12, 0, 11, 17408, false, true);  // batch 4 from global memory, the RMS prologue per page
-  // The tensor-core consumer (batch 2 to 6): groups of eight row blocks, the k chunks outer.
+  // The tensor-core consumer (batch 2 to 8): groups of eight row blocks (four at 7 and 8), the k chunks outer.
   test_rows<2>(rng, 200, 3, 141, 3584, false, true);  // 18 blocks: two groups and two blocks, ragged; a half page
   test_rows<4>(rng, 160, 0, 72, 1536, true, false);   // a gate/up pair, 18 blocks
   test_rows<6>(rng, 80, 8, 77, 7168, false, true);    // batch 6 from global memory, the RMS prologue
   test_rows<5>(rng, 40, 0, 33, 520, false, false);    // a chunk ending inside a warp's columns
   test_rows<4>(rng, 24, 0, 20, 12288, false, false, true);  // K3's MLA output gate at batch 4, read in place
+  test_rows<8>(rng, 200, 3, 141, 7168, false, true);  // batch 8, 18 blocks: four groups of four and two blocks
+  test_rows<7>(rng, 80, 0, 72, 1536, true, false);    // batch 7, a gate/up pair, 18 blocks
+  test_rows<8>(rng, 12, 0, 11, 17408, false, true);   // batch 8 from global memory, the RMS prologue per page
+  test_rows<8>(rng, 24, 0, 20, 12288, false, false, true);  // K3's MLA output gate at batch 8, read in place
   // KDA's gated output norm: K3's heads (96 x 128) at batch 1 (staged in shared memory) and 4 (read in
   // place), Kimi Linear's tiny head size at batch 2, and batch 8 (staged in global memory).
   test_rows<1>(rng, 16, 0, 16, 12288, false, false, true, 128);

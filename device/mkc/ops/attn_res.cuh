@@ -138,7 +138,7 @@ struct MulInput {
 
 // Projection rows whose input is an element-wise gated value (K3's MLA
 // output gate): x' = x * sigmoid(g) (or x * g). On the tensor cores (batch 2
-// to 6) the pages read it where it is (MulInput); otherwise it is staged as
+// to 8) the pages read it where it is (MulInput); otherwise it is staged as
 // fp32 in shared memory, or in `spill` when it does not fit (input_area; read
 // a page ahead, rows_pages_staged).
 template <class T, class G>

@@ -200,7 +200,7 @@ struct GatedInput {
 };
 
 // Projection rows whose input is KDA's gated output norm (a prologue). On the
-// tensor cores (batch 2 to 6, d a multiple of 8) the per-head scales are
+// tensor cores (batch 2 to 8, d a multiple of 8) the per-head scales are
 // computed first (into the activation area) and the pages read the normed,
 // gated input where it is (GatedInput); otherwise x [B, heads d] is staged as
 // fp32 in shared memory, or in `spill` when it does not fit (input_area),

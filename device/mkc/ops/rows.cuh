@@ -93,7 +93,7 @@ __device__ __forceinline__ void rows_load_x(const T* x, size_t ld, const __nv_bf
   }
 }
 
-// The page loop of rows_compute on the CUDA cores (batch 1, and 7 or more):
+// The page loop of rows_compute on the CUDA cores (batch 1):
 // rows of y = x' W^T into st [B, cols], x' = x, or x * scale[b] * norm when
 // `norm` is given. A page holds kPageRows
 // rows of up to kPageK weights; warp w takes columns [128 w, 128 w + 128) of
@@ -164,18 +164,19 @@ __device__ void rows_pages_fma(const Rows& r, const T* x, const __nv_bfloat16* n
   }
 }
 
-// The warps' partial sums of kBlockGroup row blocks (projection.cuh) are
-// summed together, one consumer barrier per group instead of one a block:
-// scratch holds two groups, [2][kBlockGroup][warp][row, token], a group
+// The warps' partial sums of G row blocks (kBlockGroup, or the bf16 rows'
+// kRowsGroup: projection.cuh) are summed together, one consumer barrier per
+// group instead of one a block: scratch holds two groups, [2][G][warp][row,
+// token], a group
 // written while the one before it is summed. sum_block_group adds a group's
 // (its last block in_group) over the warps in a fixed order into st [B,
 // cols].
-template <int B>
+template <int B, uint32_t G = kBlockGroup>
 __device__ void sum_block_group(const float* part, uint32_t group, uint32_t in_group, uint32_t cols, float* st) {
   constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;
   consumer_sync();
-  const float* sums = part + (group & 1) * kBlockGroup * kBlockSums;
-  const uint32_t j0 = group * kBlockGroup * kPageRows, n = min((in_group + 1) * kPageRows, cols - j0);
+  const float* sums = part + (group & 1) * G * kBlockSums;
+  const uint32_t j0 = group * G * kPageRows, n = min((in_group + 1) * kPageRows, cols - j0);
   for (uint32_t i = threadIdx.x; i < n * B; i += kConsumerThreads) {
     const uint32_t j = i / B, b = i % B;
     const float* src = sums + (j / kPageRows) * kBlockSums + (j % kPageRows) * B + b;
@@ -219,7 +220,7 @@ struct RowsInput {
   }
 };
 
-// The page loop of rows_compute on the tensor cores at batch 2 to 6
+// The page loop of rows_compute on the tensor cores at batch 2 to 8
 // (kRowsMma): mma.sync m16n8k16, bf16 inputs, fp32 sums, the activations as
 // A and a page's eight rows as B. A's row b is token b's bf16 high part and
 // row 8 + b its low part (rows past the batch are zeros), so the products
@@ -228,7 +229,7 @@ struct RowsInput {
 // reads page row g's columns 32 i + 8 t .. + 7 (i < 4, one 16-byte load) as
 // its k-slots (2t, 2t+1, 2t+8, 2t+9) of step 2i (columns + 0 .. 3) and of
 // step 2i + 1 (+ 4 .. 7), and token g's activations of the same columns as
-// A's. The pages come kBlockGroup row blocks at a time, the k chunks outer
+// A's. The pages come G = kRowsGroup<B> row blocks at a time, the k chunks outer
 // (rows_load<B>): a chunk's A fragments are made once for the group's blocks
 // from `in` (RowsInput and the like: eight activations of a token, computed
 // where they are read), and the group's sums wait in scratch
@@ -236,17 +237,18 @@ struct RowsInput {
 template <int B, class In>
 __device__ void rows_pages_mma(const Rows& r, const In& in, uint32_t& it, int warp, float* st) {
   constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;
+  constexpr uint32_t G = kRowsGroup<B>;
   static_assert(kRowsMma<B> && B <= 8, "A's eight token rows");
-  static_assert(2 * kBlockGroup * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
+  static_assert(2 * G * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
   static_assert(kPageK == kConsumerWarps * 128, "a warp covers 128 columns of a page");
   if (r.k % 8 != 0) __trap();  // whole 16-byte pieces (the loader's bulk copies need them too)
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][kBlockGroup][warp][row, token]
+  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][G][warp][row, token]
   const uint32_t cols = r.cols(), blocks = (cols + kPageRows - 1) / kPageRows;
   const uint32_t c0 = uint32_t(warp) * 128 + 8 * uint32_t(t);  // + 32 i: this lane's columns of a page
-  for (uint32_t b0 = 0, group = 0; b0 < blocks; b0 += kBlockGroup, ++group) {
-    const uint32_t nb = min(kBlockGroup, blocks - b0);
-    float acc[kBlockGroup][4] = {};
+  for (uint32_t b0 = 0, group = 0; b0 < blocks; b0 += G, ++group) {
+    const uint32_t nb = min(G, blocks - b0);
+    float acc[G][4] = {};
     for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK) {
       const uint32_t nk = min(uint32_t(kPageK), r.k - k0);
       uint32_t hi[4][4], lo[4][4];  // [i][pair]: columns 32 i + 8 t + 2 pair, + 1
@@ -259,7 +261,7 @@ __device__ void rows_pages_mma(const Rows& r, const In& in, uint32_t& it, int wa
         for (int pr = 0; pr < 4; ++pr) bf16_split(v[2 * pr], v[2 * pr + 1], hi[i][pr], lo[i][pr]);
       }
 #pragma unroll
-      for (int j = 0; j < int(kBlockGroup); ++j) {
+      for (int j = 0; j < int(G); ++j) {
         if (uint32_t(j) >= nb) break;
         const int slot = it % kPages;
         Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
@@ -283,15 +285,15 @@ __device__ void rows_pages_mma(const Rows& r, const In& in, uint32_t& it, int wa
     }
     // Lane (g, t) holds token g's rows 2t and 2t + 1 of each block: high part + low part.
 #pragma unroll
-    for (int j = 0; j < int(kBlockGroup); ++j) {
+    for (int j = 0; j < int(G); ++j) {
       if (uint32_t(j) >= nb) break;
-      float* mine = part + ((group & 1) * kBlockGroup + j) * kBlockSums + warp * kPageRows * B;
+      float* mine = part + ((group & 1) * G + j) * kBlockSums + warp * kPageRows * B;
       if (g < B) {
         mine[(2 * t) * B + g] = acc[j][0] + acc[j][2];
         mine[(2 * t + 1) * B + g] = acc[j][1] + acc[j][3];
       }
     }
-    sum_block_group<B>(part, group, nb - 1, cols, st);  // over the warps, in a fixed order
+    sum_block_group<B, G>(part, group, nb - 1, cols, st);  // over the warps, in a fixed order
   }
 }
 
