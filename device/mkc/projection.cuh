@@ -113,10 +113,19 @@ struct Rows {
 // consumer). The loader and the consumer of a task agree on the order through
 // kRowsGroup.
 constexpr uint32_t kBlockGroup = 8;
+// Row blocks whose partial sums are added over the warps together, two such
+// groups in scratch ([2][group][warp][row, token]): kBlockGroup, or half of it
+// where that does not fit (batch 7 and 8).
+template <int B>
+constexpr uint32_t kSumGroup =
+    2 * kBlockGroup * kConsumerWarps * kPageRows * B * sizeof(float) <= size_t(kScratchBytes) ? kBlockGroup
+                                                                                              : kBlockGroup / 2;
+static_assert(2 * kSumGroup<8> * kConsumerWarps * kPageRows * 8 * sizeof(float) <= size_t(kScratchBytes),
+              "batch 8's groups fit scratch");
 template <int B>
 constexpr bool kRowsMma = B >= 2 && B <= 8;
 template <int B>
-constexpr uint32_t kRowsGroup = !kRowsMma<B> ? 1 : B <= 6 ? kBlockGroup : kBlockGroup / 2;
+constexpr uint32_t kRowsGroup = kRowsMma<B> ? kSumGroup<B> : 1;
 
 // Loader: streams the task's rows into the page ring (kPageRows rows of up to
 // kPageK weights per page), `group` row blocks at a time: for each k chunk,

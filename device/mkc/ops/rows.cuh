@@ -779,7 +779,7 @@ __device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t
   }
 }
 
-// MXFP4 rows on the tensor cores at batch 3 and 4: mma.sync m16n8k16, fp16
+// MXFP4 rows on the tensor cores at batch 3 to 8: mma.sync m16n8k16, fp16
 // inputs, fp32 accumulation, the weights as A. A warp takes pairs of
 // 32-element scale blocks of a page (pair p: blocks 2p and 2p + 1 of the
 // chunk); A's rows g and g + 8 are page row g in block 2p and in block 2p + 1,
@@ -848,17 +848,18 @@ __device__ void stage_mx_half_frags(const T* x, uint32_t k, const __nv_bfloat16*
   for (int b = 0; b < B; ++b) out.unscale[b] = kE2m1Unscale / scale[b];
 }
 
-// The page loop of mx_rows_compute on the tensor cores at batch 3 and 4: rows
+// The page loop of mx_rows_compute on the tensor cores at batch 3 to 8: rows
 // of y = x' W^T into st [B, cols] from the fragments `a` staged by
 // stage_mx_half_frags; the layout is described above e2m1x8_half2.
 template <int B>
 __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B>& a, uint32_t& it, int warp, float* st) {
   constexpr int kTiles = MxHalfFrags<B>::kTiles;
   constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;  // one row block's partial sums
-  static_assert(B >= 3 && B <= 4, "the fp16 tensor-core consumer takes batch 3 and 4");
-  static_assert(2 * kBlockGroup * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
+  constexpr uint32_t G = kSumGroup<B>;
+  static_assert(B >= 3 && B <= 8, "the fp16 tensor-core consumer takes batch 3 to 8");
+  static_assert(2 * G * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][kBlockGroup][warp][row, token]
+  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][G][warp][row, token]
   const uint32_t cols = r.cols();
   const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
   const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
@@ -893,21 +894,21 @@ __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B>& a, uin
       release_page(&ring_ptr()->empty[slot]);
     }
     // Lanes t and t ^ 2 hold the two blocks of each pair; the block's sums wait in scratch.
-    const uint32_t group = blk / kBlockGroup, in_group = blk % kBlockGroup;
-    float* mine = part + ((group & 1) * kBlockGroup + in_group) * kBlockSums + warp * kPageRows * B;
+    const uint32_t group = blk / G, in_group = blk % G;
+    float* mine = part + ((group & 1) * G + in_group) * kBlockSums + warp * kPageRows * B;
 #pragma unroll
     for (int s = 0; s < kTiles; ++s) {
       const float v = acc[s] + __shfl_xor_sync(0xffffffffu, acc[s], 2);
       const int b = 2 * s + t;
       if (t < 2 && b < B) mine[g * B + b] = v * a.unscale[b];
     }
-    if (in_group + 1 < kBlockGroup && blk + 1 < blocks) continue;
-    sum_block_group<B>(part, group, in_group, cols, st);  // the group's sums over the warps, in a fixed order
+    if (in_group + 1 < G && blk + 1 < blocks) continue;
+    sum_block_group<B, G>(part, group, in_group, cols, st);  // the group's sums over the warps, in a fixed order
   }
 }
 
 // MXFP4 rows of y = x' W^T, x' = x or RMSNorm(x) * norm: on the tensor cores
-// at batch 1 and 2 (int8, the input staged as four parts) and 3 and 4 (fp16,
+// at batch 1 and 2 (int8, the input staged as four parts) and 3 to 8 (fp16,
 // two parts) when the fragments fit the input's area, otherwise on the CUDA
 // cores (staged as fp32); in shared memory, or in `spill` when it does not fit
 // (input_area).
@@ -923,9 +924,10 @@ template <int B, class T>
 __device__ void mx_rows_compute(MxRowsCompute<T> a, uint32_t& it, int warp, float* st) {
   const MxRows& r = a.rows;
   // The tensor cores' fragments take (k / 64) pairs x 32 lanes x 16 bytes an
-  // n-tile: a token at batch 1 and 2 (twice the fp32 input's size), two at 3
-  // and 4 (4/3 of it at 3, the same at 4). At K3's widths (k <= 3584) they fit
-  // the shared memory's area at every batch.
+  // n-tile: a token at batch 1 and 2 (twice the fp32 input's size), two from
+  // batch 3 (the fp32 input's size at an even batch, (B + 1) / B of it at an
+  // odd one). At K3's widths (k <= 3584) they fit the input's area at batch 1
+  // to 6 and 8; at 7 where the input fits shared memory.
   const size_t area = input_fits<B>(r.k) ? size_t(kActivationBytes) : size_t(B) * r.k * sizeof(float);
   const size_t pairs = (r.k / 32 + 1) / 2;
   if constexpr (B <= 2) {
@@ -935,7 +937,7 @@ __device__ void mx_rows_compute(MxRowsCompute<T> a, uint32_t& it, int warp, floa
       mx_rows_pages_mma<B>(r, frags, it, warp, st);
       return;
     }
-  } else if constexpr (B <= 4) {
+  } else if constexpr (B <= 8) {
     if (pairs * MxHalfFrags<B>::kTiles * 512 <= area) {
       MxHalfFrags<B> frags;
       stage_mx_half_frags<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill), frags);
