@@ -610,6 +610,7 @@ __device__ const __nv_bfloat16* g_wkvb;
 __device__ __nv_bfloat16* g_cache;
 __device__ const int32_t* g_mpos;
 __device__ float* g_part;
+__device__ float* g_absorbed;  // [kMB, hpt, c]: the split's absorbed queries (the SM's staging in the megakernel)
 __device__ float* g_out;
 __device__ uint32_t g_hg, g_split;
 // Split and combine stream the cache rows and W_UV through the page ring, as
@@ -638,7 +639,8 @@ __global__ void mla_split_kernel() {
                                       .wkvb = g_wkvb,
                                       .cache = g_cache,
                                       .pos = g_mpos,
-                                      .partials = g_part},
+                                      .partials = g_part,
+                                      .absorbed = g_absorbed},
                         it);
   }
 }
@@ -695,6 +697,8 @@ static void test_mla(std::mt19937& rng, const MlaDims& d) {
   int32_t* d_pos = upload(pos);
   float* d_part = upload(std::vector<float>(kMB * heads * splits * (c + 2), NAN));
   float* d_out = upload(std::vector<float>(kMB * heads * v, NAN));
+  float* d_absorbed = upload(std::vector<float>(kMB * hpt * c, NAN));
+  CHECK(cudaMemcpyToSymbol(g_absorbed, &d_absorbed, sizeof d_absorbed));
   CHECK(cudaMemcpyToSymbol(g_mla, &s, sizeof s));
   CHECK(cudaMemcpyToSymbol(g_q, &d_q, sizeof d_q));
   CHECK(cudaMemcpyToSymbol(g_ckv, &d_ckv, sizeof d_ckv));
@@ -772,7 +776,7 @@ static void test_mla(std::mt19937& rng, const MlaDims& d) {
   report("MLA split + combine (absorbed vs expanded)", worst < 1e-3 * std::max(1.0, norm_ref) && cache_err < 1.6e-2,
          detail);
   for (void* p : {(void*)d_q, (void*)d_ckv, (void*)d_kpe, (void*)d_norm, (void*)d_w, (void*)d_cache, (void*)d_pos,
-                  (void*)d_part, (void*)d_out})
+                  (void*)d_part, (void*)d_out, (void*)d_absorbed})
     CHECK(cudaFree(p));
 }
 

@@ -775,7 +775,8 @@ __device__ inline void mla0_mla_split(const TaskArgs& t, const Memory& m, const 
                              .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
                              .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
                              .pos = m.pos,
-                             .partials = reinterpret_cast<float*>(m.arena + p.partials)},
+                             .partials = reinterpret_cast<float*>(m.arena + p.partials),
+                             .absorbed = nullptr},
                     it);
 }
 

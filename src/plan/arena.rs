@@ -126,7 +126,9 @@ pub struct Arena {
     /// fp32 staging per SM, in floats.
     pub staging_floats: u64,
     /// Per stage: where its fp32 input spills in the SM's staging (a float
-    /// offset), when it stages its input whole and it does not fit in shared memory.
+    /// offset), when it stages its input whole and it does not fit in shared
+    /// memory; for an MLA split above batch 1, where its tokens' absorbed
+    /// queries go.
     pub spills: Vec<Option<u64>>,
     /// Per stage: the values made by other stages that it reads.
     #[serde(skip)]
@@ -388,12 +390,18 @@ impl Layout<'_> {
                 let NodeKind::Op { attrs, .. } = &g.node(n).kind else { unreachable!("an op") };
                 let heads = attrs.int("heads") as u64;
                 let c = g.value_type(g.operands(n)[1]).elements();
-                let Some((_, _, splits)) = self.tiling.stages[first].mla_split else {
+                let Some((_, hpt, splits)) = self.tiling.stages[first].mla_split else {
                     return Err(bug(format!("fused operation {} has an MLA split the tiling did not shape", op.id)));
                 };
                 let bytes =
                     self.size(first, "the MLA partials", &[self.batch, heads, splits, c.saturating_add(2), 4])?;
                 self.reserve(first, Block::MlaPartials, bytes)?;
+                // Above batch 1 the split absorbs every token's query at once, into its SM's staging.
+                if self.batch > 1 {
+                    let floats = self.size(first, "the MLA split's absorbed queries", &[self.batch, hpt, c])?;
+                    self.stage_floats(first, floats)?;
+                    self.spills[first] = Some(0);
+                }
                 self.reads[first] = reads;
             }
             FusedKind::Moe => {

@@ -123,6 +123,16 @@ impl Check<'_> {
         if combine > ACTIVATION_BYTES {
             return Err(format!("an MLA combine staging of {combine} bytes (at most {ACTIVATION_BYTES})"));
         }
+        // Above batch 1 the split absorbs every token's query at once: their no-PE
+        // parts wait in the upper half of the activation area (the softmax state in the lower).
+        let queries = 4 * self.batch * hpt * nope;
+        if self.batch > 1 && queries > ACTIVATION_BYTES / 2 {
+            return Err(format!(
+                "MLA no-PE queries of {queries} bytes at batch {} for {hpt} heads a task (at most {})",
+                self.batch,
+                ACTIVATION_BYTES / 2
+            ));
+        }
         if !c.is_multiple_of(8) || !rope.is_multiple_of(8) || c > MLA_MAX_LATENT || c + rope > MLA_MAX_ROW {
             return Err(format!(
                 "an MLA latent width of {c} and RoPE width of {rope} (multiples of 8, the latent at most \

@@ -73,9 +73,9 @@ __device__ inline const __nv_bfloat16* mla_key_block(const MlaShape& s, const __
   return wkvb + size_t(h) * (s.nope + s.v_dim) * s.c;
 }
 
-// Loader side of a split task, token by token: the W_UK block of each head
-// of the group (the query's absorption; L2-resident, every split of the
-// group reads it), then the split's cache rows.
+// Loader side of a split task: the W_UK block of each head of the group
+// once (the queries' absorption, every token's at once; L2-resident, every
+// split of the group reads it), then the split's cache rows token by token.
 struct MlaSplitLoad {
   MlaShape shape;
   uint32_t head_group;         // the task's heads [head_group hpt, + hpt)
@@ -88,8 +88,8 @@ template <int B>
 __device__ void mla_split_load(MlaSplitLoad a, uint32_t& it) {
   const MlaShape& s = a.shape;
   const uint32_t h0 = a.head_group * s.hpt, nh = min(s.hpt, s.heads - h0);
+  for (uint32_t h = h0; h < h0 + nh; ++h) packed_load(mla_key_block(s, a.wkvb, h), s.nope, s.c, it);
   for (int b = 0; b < B; ++b) {
-    for (uint32_t h = h0; h < h0 + nh; ++h) packed_load(mla_key_block(s, a.wkvb, h), s.nope, s.c, it);
     const Rows r = mla_cache_rows(s, a.split, a.cache, b, uint32_t(a.pos[b]));
     packed_load(r.w0 + size_t(r.r0) * r.k, r.r1 - r.r0, r.k, it);
   }
@@ -118,7 +118,8 @@ struct MlaRunning {
   float rescale[2][kMaxMlaHeads];
   float max[kMaxMlaHeads], sum[kMaxMlaHeads];
 };
-static_assert(sizeof(MlaRunning) <= size_t(kActivationBytes), "the MLA softmax state fits the staging area");
+static_assert(sizeof(MlaRunning) <= size_t(kActivationBytes) / 2,
+              "the MLA softmax state fits half the staging area (the other half: the queries' no-PE parts)");
 
 // The rows of one fold: up to kMlaFoldPages ring pages of `per` packed rows
 // (cache_n rows in all), then, in a split's last fold, the current row.
@@ -242,12 +243,15 @@ __device__ void mla_fold(const MlaShape& s, uint32_t nh, const FoldRows& f, cons
 
 // One (head group, KV split) task: partials [B, heads, splits, 2 + c] of
 // (max, sum of exp, sum of exp * c_kv), by online softmax over the split's
-// cache rows, then the current row. Per token: the query absorbed into the
-// latent space (qlat[h] = q_nope[h] W_UK[h], W_UK streamed through the page
-// ring, a thread per pair of latent columns), then the cache rows through the
-// ring, kMlaFoldPages pages per fold (mla_split_load streams both). The split
-// holding the current position appends the new row to the cache (head group 0
-// writes it; the others use their own copy in shared memory).
+// cache rows, then the current row. First every token's query is absorbed into
+// the latent space (qlat[b, h] = q_nope[b, h] W_UK[h], W_UK streamed through
+// the page ring once, a thread per pair of latent columns): at batch 1 into
+// scratch, at larger batches into `absorbed` (the SM's staging; the no-PE
+// queries staged in the upper half of the activation area meanwhile). Then,
+// token by token, the cache rows through the ring, kMlaFoldPages pages per
+// fold (mla_split_load streams both). The split holding the current position
+// appends the new row to the cache (head group 0 writes it; the others use
+// their own copy in shared memory).
 template <class T>
 struct MlaSplit {
   MlaShape shape;
@@ -262,7 +266,48 @@ struct MlaSplit {
   __nv_bfloat16* cache;        // [B][ctx][c + rope]
   const int32_t* pos;          // [B] each sequence's position
   float* partials;             // [B, heads, splits, 2 + c]
+  float* absorbed;             // [B, hpt, c] the absorbed queries at batch > 1 (the SM's staging), else null
 };
+
+// W_UK of the task's nh heads [h0, h0 + nh) through the ring, each page's rows
+// multiplied by every token's no-PE query: a thread per pair of latent
+// columns, qn [B][nh][nope] read from shared memory, the sums into qlat
+// [B][nh][c] (scratch at batch 1, the SM's staging otherwise).
+template <int B>
+__device__ void mla_absorb(const MlaShape& s, uint32_t nh, const float* qn, float* qlat, uint32_t& it) {
+  const uint32_t pair = threadIdx.x, per_k = packed_rows(s.c);
+  for (uint32_t h = 0; h < nh; ++h) {
+    float acc[B][2] = {};
+    for (uint32_t n0 = 0; n0 < s.nope; n0 += per_k, ++it) {
+      const int slot = it % kPages;
+      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      if (pair < s.c / 2) {
+        const __nv_bfloat16* page = ring_ptr()->page[slot];
+        const uint32_t cnt = min(per_k, s.nope - n0);
+        for (uint32_t j = 0; j < cnt; ++j) {
+          const float2 w = load_pair(page + j * s.c + 2 * pair);
+#pragma unroll
+          for (int b = 0; b < B; ++b) {
+            const float qv = qn[(b * nh + h) * s.nope + n0 + j];
+            acc[b][0] = fmaf(qv, w.x, acc[b][0]);
+            acc[b][1] = fmaf(qv, w.y, acc[b][1]);
+          }
+        }
+      }
+      release_page(&ring_ptr()->empty[slot]);
+    }
+    if (pair < s.c / 2) {
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        float* out = qlat + (size_t(b) * nh + h) * s.c + 2 * pair;
+        out[0] = acc[b][0];
+        out[1] = acc[b][1];
+      }
+    }
+  }
+  consumer_sync();  // every thread's sums are in (shared or global memory) for the folds
+}
+
 template <int B, class T>
 __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
   const MlaShape& s = a.shape;
@@ -283,8 +328,21 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
   __nv_bfloat16* cur = reinterpret_cast<__nv_bfloat16*>(qn + s.hpt * s.nope);  // [c + rope], 16-byte aligned
   MlaRunning& run = *reinterpret_cast<MlaRunning*>(activation_ptr());
   const uint32_t pair = threadIdx.x;  // a thread per pair of latent columns (absorption, weighted sums)
+  // Every token's no-PE query ([B][nh][nope]: scratch's qn at batch 1, the
+  // upper half of the activation area otherwise), then the absorption.
+  if (B > 1 && (a.absorbed == nullptr || size_t(B) * nh * s.nope * sizeof(float) > size_t(kActivationBytes) / 2)) {
+    __trap();  // the planner gives batch > 1 an absorbed-query staging and keeps the queries in half the area
+  }
+  float* qn_all = B == 1 ? qn : activation_ptr() + kActivationBytes / sizeof(float) / 2;
+  for (uint32_t i = threadIdx.x; i < B * nh * s.nope; i += kConsumerThreads) {
+    const uint32_t b = i / (nh * s.nope), h = i / s.nope % nh, n = i % s.nope;
+    qn_all[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + n]);
+  }
+  consumer_sync();
+  mla_absorb<B>(s, nh, qn_all, B == 1 ? qlat : a.absorbed, it);
   int parity = 0;
   for (int b = 0; b < B; ++b) {
+    const float* qlat_b = B == 1 ? qlat : a.absorbed + size_t(b) * nh * s.c;
     const uint32_t p_now = uint32_t(pos[b]);
     const bool has_now = p0 <= p_now && p_now < p1;
     if (has_now) {
@@ -308,37 +366,11 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
         if (hg == 0) dst[j] = stored;
       }
     }
-    for (uint32_t i = threadIdx.x; i < nh * s.nope; i += kConsumerThreads) {
-      const uint32_t h = i / s.nope, n = i % s.nope;
-      qn[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + n]);
-    }
     for (uint32_t i = threadIdx.x; i < nh * s.rope; i += kConsumerThreads) {
       const uint32_t h = i / s.rope, r = i % s.rope;
       qpe[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + s.nope + r]);
     }
     if (threadIdx.x < kMaxMlaHeads) run.max[threadIdx.x] = -INFINITY, run.sum[threadIdx.x] = 0.f;
-    consumer_sync();
-    // Absorption, head by head: W_UK's rows (nope of them, c wide) in packed pages.
-    const uint32_t per_k = packed_rows(s.c);
-    for (uint32_t h = 0; h < nh; ++h) {
-      float a0 = 0.f, a1 = 0.f;
-      for (uint32_t n0 = 0; n0 < s.nope; n0 += per_k, ++it) {
-        const int slot = it % kPages;
-        Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
-        if (pair < s.c / 2) {
-          const __nv_bfloat16* page = ring_ptr()->page[slot];
-          const uint32_t cnt = min(per_k, s.nope - n0);
-          for (uint32_t j = 0; j < cnt; ++j) {
-            const float2 w = load_pair(page + j * s.c + 2 * pair);
-            const float qv = qn[h * s.nope + n0 + j];
-            a0 = fmaf(qv, w.x, a0);
-            a1 = fmaf(qv, w.y, a1);
-          }
-        }
-        release_page(&ring_ptr()->empty[slot]);
-      }
-      if (pair < s.c / 2) qlat[h * s.c + 2 * pair] = a0, qlat[h * s.c + 2 * pair + 1] = a1;
-    }
     consumer_sync();
     // The cache rows, kMlaFoldPages pages per fold; the current row joins the last fold.
     float acc[kMaxMlaHeads][2] = {};
@@ -351,7 +383,7 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
       FoldRows f{it, nullptr, per, min(np * per, rows - pg * per), row};
       for (uint32_t k = 0; k < np; ++k) Barrier::wait(&ring_ptr()->full[(it + k) % kPages], ((it + k) / kPages) & 1);
       if (pg + np == pages && has_now) f.cur = cur;
-      mla_fold(s, nh, f, qlat, qpe, run, parity, acc);
+      mla_fold(s, nh, f, qlat_b, qpe, run, parity, acc);
       for (uint32_t k = 0; k < np; ++k) release_page(&ring_ptr()->empty[(it + k) % kPages]);
       it += np;
       pg += np;

@@ -72,13 +72,15 @@ impl Gen<'_> {
             cache = cache,
             pos = "m.pos",
             partials = partials,
+            absorbed = self.spill(split),
         );
         let _ = writeln!(
             self.code,
             "__device__ inline void {f}_load(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
              mla_split_load<kBatch>({load}, it);\n}}\n\
              __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
-             mla_split<kBatch>({args}, it);\n}}",
+             {st}mla_split<kBatch>({args}, it);\n}}",
+            st = if self.plan.arena.spills[split].is_some() { "float* st = staging(m);\n  " } else { "" },
         );
         self.role(split, format!("{f}(t, m, p, it);"), Some(format!("{f}_load(t, m, p, it);")));
         self.header(combine, op, "split merge and value up-projection (W_UV through the page ring)");
