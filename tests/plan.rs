@@ -760,7 +760,7 @@ fn fp8_k2_plans_by_weight_type() {
     let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
     let a = mkc::emit::emit(&v, &p, "kimi_k2_tiny_fp8", &from, "", false).unwrap();
     let program = a.file("program.cuh").unwrap();
-    assert!(program.contains("fp8_rows_compute<kBatch>(") && program.contains("fp8_rows_load("), "FP8 rows");
+    assert!(program.contains("fp8_rows_compute<kBatch>(") && program.contains("fp8_rows_load<kBatch>("), "FP8 rows");
     assert!(program.contains("expert_fp8_rows<kBatch>("), "FP8 experts");
     assert!(program.contains("rows_compute<kBatch>(RowsCompute{"), "the bf16 router gate");
     let reqs = mkc::checkpoint::requirements(&v);

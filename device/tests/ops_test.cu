@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(mkc::kConsumerThreads + 32, 1) fp8_kernel() {
   const Fp8Case c = g_fp8;
   for (int rep = 0; rep < 2; ++rep) {  // twice: the ring's positions carry over
     if (threadIdx.x / 32 == mkc::kConsumerWarps) {
-      mkc::fp8_rows_load(c.rows, it);
+      mkc::fp8_rows_load<B>(c.rows, it);
     } else {
       mkc::fp8_rows_compute<B>(
           mkc::Fp8RowsCompute{.rows = c.rows, .x = c.x, .norm = c.norm, .eps = 1e-6f, .spill = c.spill}, it,
@@ -1135,6 +1135,10 @@ int main() {
   test_fp8<4>(rng, 40, 0, 40, 1040, false, true);     // a partial column block (1040 = 8 x 128 + 16) and page
   test_fp8<8>(rng, 24, 8, 24, 7168, true, true);      // batch 8: the input staged in global memory
   test_fp8<3>(rng, 130, 120, 130, 4112, false, false); // the last, partial row block; three pages, the last of 16 columns
+  // The tensor-core consumer (batch 2 to 8): groups of row blocks, the k chunks outer.
+  test_fp8<2>(rng, 300, 3, 261, 7168, false, true);    // 33 blocks: four groups of eight and one block
+  test_fp8<8>(rng, 200, 0, 150, 7168, true, false);    // batch 8, a gate/up pair: groups of four
+  test_fp8<6>(rng, 40, 0, 37, 1040, false, true);      // a partial column block and page, a ragged row block
   test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone
   test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");

@@ -765,12 +765,12 @@ struct Step {
     switch (m.stages[t.stage].role) {
       case 1: {
         const auto p = stage_params<projection0_params>(m, t);
-        fp8_rows_load(projection0_rows(t, m, p), it);
+        fp8_rows_load<kBatch>(projection0_rows(t, m, p), it);
         break;
       }
       case 2: {
         const auto p = stage_params<projection1_params>(m, t);
-        fp8_rows_load(projection1_rows(t, m, p), it);
+        fp8_rows_load<kBatch>(projection1_rows(t, m, p), it);
         break;
       }
       case 3: {
@@ -785,17 +785,17 @@ struct Step {
       }
       case 5: {
         const auto p = stage_params<projection2_params>(m, t);
-        fp8_rows_load(projection2_rows(t, m, p), it);
+        fp8_rows_load<kBatch>(projection2_rows(t, m, p), it);
         break;
       }
       case 6: {
         const auto p = stage_params<projection3_params>(m, t);
-        fp8_rows_load(projection3_rows(t, m, p), it);
+        fp8_rows_load<kBatch>(projection3_rows(t, m, p), it);
         break;
       }
       case 7: {
         const auto p = stage_params<projection4_params>(m, t);
-        fp8_rows_load(projection4_rows(t, m, p), it);
+        fp8_rows_load<kBatch>(projection4_rows(t, m, p), it);
         break;
       }
       case 8: {
@@ -805,22 +805,22 @@ struct Step {
       }
       case 10: {
         const auto p = stage_params<moe0_params>(m, t);
-        fp8_rows_load(moe0_expert_up_rows(t, m, p), it);
+        fp8_rows_load<kBatch>(moe0_expert_up_rows(t, m, p), it);
         break;
       }
       case 11: {
         const auto p = stage_params<moe0_params>(m, t);
-        fp8_rows_load(moe0_expert_down_rows(t, m, p), it);
+        fp8_rows_load<kBatch>(moe0_expert_down_rows(t, m, p), it);
         break;
       }
       case 13: {
         const auto p = stage_params<projection6_params>(m, t);
-        fp8_rows_load(projection6_rows(t, m, p), it);
+        fp8_rows_load<kBatch>(projection6_rows(t, m, p), it);
         break;
       }
       case 14: {
         const auto p = stage_params<projection7_params>(m, t);
-        fp8_rows_load(projection7_rows(t, m, p), it);
+        fp8_rows_load<kBatch>(projection7_rows(t, m, p), it);
         break;
       }
       case 15: {

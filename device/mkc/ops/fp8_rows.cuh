@@ -46,29 +46,41 @@ struct Fp8Rows {
 };
 
 // Loader: the task's rows into the page ring, kPageRows rows of up to
-// kFp8PageK codes a page, a row block's chunks in turn; lane j copies the
-// page's row j (as rows_load_grouped does for bf16 rows).
-__device__ inline void fp8_rows_load(const Fp8Rows& r, uint32_t& it) {
+// kFp8PageK codes a page, `group` row blocks at a time (for each k chunk, the
+// chunk of each block of the group; group 1: a block's chunks in turn), as
+// rows_load_grouped does for bf16 rows; lane j copies the page's row j.
+__device__ inline void fp8_rows_load_grouped(const Fp8Rows& r, uint32_t group, uint32_t& it) {
   const uint32_t lane = threadIdx.x % 32, cols = r.cols();
   if (r.k % kFp8Align != 0) __trap();  // the planner's limit (a row's codes 16-byte aligned)
-  for (uint32_t j0 = 0; j0 < cols; j0 += kPageRows) {
-    const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
-    for (uint32_t k0 = 0; k0 < r.k; k0 += kFp8PageK, ++it) {
+  for (uint32_t g0 = 0; g0 < cols; g0 += group * kPageRows) {
+    const uint32_t g1 = min(cols, g0 + group * kPageRows);
+    for (uint32_t k0 = 0; k0 < r.k; k0 += kFp8PageK) {
       const uint32_t nk = min(kFp8PageK, r.k - k0);
-      const int slot = it % kPages;
-      if (lane == 0) {
-        Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
-        Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * nk);
-      }
-      __syncwarp();
-      if (lane < nr) {
-        auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
-        cute::SM90_BULK_COPY_G2S::copy(r.row(j0 + lane) + k0, &ring_ptr()->full[slot], page + lane * kFp8PageK,
-                                       int32_t(nk));
+      for (uint32_t j0 = g0; j0 < g1; j0 += kPageRows, ++it) {
+        const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
+        const int slot = it % kPages;
+        if (lane == 0) {
+          Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+          Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * nk);
+        }
+        __syncwarp();
+        if (lane < nr) {
+          auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
+          cute::SM90_BULK_COPY_G2S::copy(r.row(j0 + lane) + k0, &ring_ptr()->full[slot], page + lane * kFp8PageK,
+                                         int32_t(nk));
+        }
       }
     }
   }
   __syncwarp();
+}
+
+// The loader of FP8 rows consumed at batch B (fp8_rows_compute<B>): the
+// tensor-core consumer's groups of row blocks from batch 2, a block at a time
+// at batch 1.
+template <int B>
+__device__ inline void fp8_rows_load(const Fp8Rows& r, uint32_t& it) {
+  fp8_rows_load_grouped(r, kRowsGroup<B>, it);
 }
 
 // Eight e4m3 codes (8 bytes, the first in the low byte) as fp32: e4m3 is
@@ -90,7 +102,8 @@ __device__ __forceinline__ void e4m3x8(uint2 c, float (&w)[8]) {
 }
 
 // Consumers: rows of y = x W^T into st [B, cols] (x fp32 [B, k], in shared
-// memory or global), on the CUDA cores at every batch. Warp w takes columns
+// memory or global), on the CUDA cores (batch 1; fp8_rows_pages_mma below
+// from batch 2). Warp w takes columns
 // [256 w, 256 w + 256) of each page, eight a lane (one 8-byte load a row), so
 // a lane's columns lie in one 128-column block: their eight products are
 // summed before the row's block scale multiplies them once. After a row
@@ -143,9 +156,134 @@ __device__ void fp8_rows_pages(const Fp8Rows& r, const float* x, uint32_t& it, i
   }
 }
 
+// Eight e4m3 codes (8 bytes, the first in the low byte) as four fp16 pairs
+// (exact), pair i holding elements 2i and 2i + 1.
+__device__ __forceinline__ void e4m3x8_half2(uint2 c, uint32_t (&h)[4]) {
+  const uint32_t words[2] = {c.x, c.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const __half2_raw raw =
+          __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(words[i] >> (16 * j) & 0xffffu), __NV_E4M3);
+      h[2 * i + j] = uint32_t(raw.x) | (uint32_t(raw.y) << 16);
+    }
+  }
+}
+
+// Two fp32 values as an fp16 pair (the first in the low half) and what they
+// lack: x = hi + lo to about 22 bits (the values brought under 2^14 first).
+__device__ __forceinline__ void f16_split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 back = __half22float2(h);
+  const __half2 l = __floats2half2_rn(x0 - back.x, x1 - back.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+// The page loop of fp8_rows_compute on the tensor cores at batch 2 to 8:
+// mma.sync m16n8k16, fp16 inputs, fp32 sums, the activations as A and a
+// page's eight rows as B, as the bf16 consumer (rows_pages_mma) lays them:
+// A's row b is token b's fp16 high part and row 8 + b its low part, token b
+// scaled by the power of two that brings its largest under 2^14 (inside
+// fp16's range) and unscaled at the end; e4m3 codes are exact in fp16
+// (cvt.rn.f16x2.e4m3x2). Warp w takes columns [256 w, 256 w + 256) of each
+// page, two 128-column scale blocks: in block q, lane (g, t) reads page row
+// g's codes 128 q + 32 i + 8 t .. + 7 (i < 4, one 8-byte load) as its k-slots
+// of steps 2i and 2i + 1, and token g's activations of the same columns as
+// A's. A block's eight MMAs sum into fresh registers, which the scales of the
+// lane's two rows (2t, 2t + 1) in that block then multiply once. The pages
+// come kRowsGroup<B> row blocks at a time, the k chunks outer
+// (fp8_rows_load<B>): a chunk's A fragments are made once for the group's
+// blocks, and the group's sums wait in scratch (sum_block_group).
+template <int B>
+__device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& it, int warp, float* st) {
+  constexpr uint32_t G = kRowsGroup<B>;
+  constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;
+  static_assert(B >= 2 && B <= 8, "A's eight token rows");
+  static_assert(2 * G * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
+  __shared__ float rs[B], scale[B];
+  mx_token_scales<B>(x, r.k, static_cast<const __nv_bfloat16*>(nullptr), 0.f, 14, rs, scale);
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const float sg = g < B ? scale[g] : 0.f, ug = g < B ? 1.f / scale[g] : 0.f;
+  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][G][warp][row, token]
+  const uint32_t cols = r.cols(), blocks = (cols + kPageRows - 1) / kPageRows;
+  const uint32_t c0 = uint32_t(warp) * 256 + 8 * uint32_t(t);  // + 128 q + 32 i: this lane's columns of a page
+  for (uint32_t b0 = 0, group = 0; b0 < blocks; b0 += G, ++group) {
+    const uint32_t nb = min(G, blocks - b0);
+    float acc[G][4] = {};
+    for (uint32_t k0 = 0; k0 < r.k; k0 += kFp8PageK) {
+      const uint32_t nk = min(kFp8PageK, r.k - k0);
+      uint32_t hi[2][4][4], lo[2][4][4];  // [q][i][pair]
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float v[8] = {};
+          const uint32_t e = c0 + 128 * q + 32 * i;
+          if (g < B && e < nk) {
+            const float4 a = load_four(x + size_t(g) * r.k + k0 + e), b = load_four(x + size_t(g) * r.k + k0 + e + 4);
+            v[0] = a.x * sg, v[1] = a.y * sg, v[2] = a.z * sg, v[3] = a.w * sg;
+            v[4] = b.x * sg, v[5] = b.y * sg, v[6] = b.z * sg, v[7] = b.w * sg;
+          }
+#pragma unroll
+          for (int pr = 0; pr < 4; ++pr) f16_split(v[2 * pr], v[2 * pr + 1], hi[q][i][pr], lo[q][i][pr]);
+        }
+      }
+      const uint32_t kb0 = (k0 + uint32_t(warp) * 256) / kFp8Block;  // the warp's first scale block
+#pragma unroll
+      for (int j = 0; j < int(G); ++j) {
+        if (uint32_t(j) >= nb) break;
+        const uint32_t j0 = (b0 + j) * kPageRows;  // the block's first tile column
+        const int slot = it % kPages;
+        Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+        const auto* row = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]) + g * kFp8PageK + c0;
+        const bool row_in = j0 + g < cols;  // rows past the task's hold an earlier page's bytes
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          if (uint32_t(warp) * 256 + 128 * q >= nk) break;  // the scale block lies past the chunk
+          float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            // Columns past the chunk hold an earlier page's bytes: zeros, as their activations.
+            const bool in = row_in && c0 + 128 * q + 32 * i < nk;
+            uint32_t w[4];
+            e4m3x8_half2(in ? *reinterpret_cast<const uint2*>(row + 128 * q + 32 * i) : make_uint2(0u, 0u), w);
+            cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, hi[q][i][0], lo[q][i][0], hi[q][i][1], lo[q][i][1],
+                                                    w[0], w[1], d0, d1, d2, d3);
+            cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, hi[q][i][2], lo[q][i][2], hi[q][i][3], lo[q][i][3],
+                                                    w[2], w[3], d0, d1, d2, d3);
+          }
+          const uint32_t kb = kb0 + q, ra = j0 + 2 * t, rb = ra + 1;
+          const float sa = ra < cols ? __ldg(r.scales(ra) + kb) : 0.f;
+          const float sb = rb < cols ? __ldg(r.scales(rb) + kb) : 0.f;
+          acc[j][0] = fmaf(sa, d0, acc[j][0]);
+          acc[j][1] = fmaf(sb, d1, acc[j][1]);
+          acc[j][2] = fmaf(sa, d2, acc[j][2]);
+          acc[j][3] = fmaf(sb, d3, acc[j][3]);
+        }
+        release_page(&ring_ptr()->empty[slot]);
+        ++it;
+      }
+    }
+    // Lane (g, t) holds token g's rows 2t and 2t + 1 of each block: high part + low part, unscaled.
+#pragma unroll
+    for (int j = 0; j < int(G); ++j) {
+      if (uint32_t(j) >= nb) break;
+      float* mine = part + ((group & 1) * G + j) * kBlockSums + warp * kPageRows * B;
+      if (g < B) {
+        mine[(2 * t) * B + g] = (acc[j][0] + acc[j][2]) * ug;
+        mine[(2 * t + 1) * B + g] = (acc[j][1] + acc[j][3]) * ug;
+      }
+    }
+    sum_block_group<B, G>(part, group, nb - 1, cols, st);  // over the warps, in a fixed order
+  }
+}
+
 // FP8 rows of y = x' W^T, x' = x or RMSNorm(x) * norm, the input staged as
-// fp32 in shared memory, or in `spill` when it does not fit (input_area). The
-// task's loader is fp8_rows_load.
+// fp32 in shared memory, or in `spill` when it does not fit (input_area); on
+// the CUDA cores at batch 1, on the tensor cores from batch 2. The task's
+// loader is fp8_rows_load<B>.
 template <class T>
 struct Fp8RowsCompute {
   Fp8Rows rows;               // the task's weight rows (fp8_rows_load streams them)
@@ -157,7 +295,12 @@ struct Fp8RowsCompute {
 template <int B, class T>
 __device__ void fp8_rows_compute(Fp8RowsCompute<T> a, uint32_t& it, int warp, float* st) {
   const Fp8Rows& r = a.rows;
-  fp8_rows_pages<B>(r, stage_input<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill)), it, warp, st);
+  const float* xs = stage_input<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill));
+  if constexpr (kRowsMma<B>) {
+    fp8_rows_pages_mma<B>(r, xs, it, warp, st);
+  } else {
+    fp8_rows_pages<B>(r, xs, it, warp, st);
+  }
 }
 
 }  // namespace mkc

@@ -118,7 +118,7 @@ impl Gen<'_> {
         let (rows_t, rows_fn, load_fn, compute_fn) = if mx {
             ("MxRows", "expert_mx_rows", "mx_rows_load", "mx_rows_compute")
         } else if fp8 {
-            ("Fp8Rows", "expert_fp8_rows", "fp8_rows_load", "fp8_rows_compute")
+            ("Fp8Rows", "expert_fp8_rows", "fp8_rows_load<kBatch>", "fp8_rows_compute")
         } else {
             ("Rows", "expert_rows", "rows_load<kBatch>", "rows_compute")
         };

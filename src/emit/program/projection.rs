@@ -391,7 +391,7 @@ impl Gen<'_> {
             rows_stage,
             format!("{f}(t, m, p, it, warp);"),
             Some(if fp8 {
-                format!("fp8_rows_load({f}_rows(t, m, p), it);")
+                format!("fp8_rows_load<kBatch>({f}_rows(t, m, p), it);")
             } else {
                 format!("rows_load<kBatch>({f}_rows(t, m, p), it);")
             }),
