@@ -51,18 +51,19 @@ pub const TASK_OVERHEAD_NS: f64 = 5000.0;
 /// cycles, at `batch` tokens: a fixed part (the decode and the block scale)
 /// and a part per token multiplied. Batch 1 and 2 run on the int8 tensor
 /// cores (`mx_rows_pages_mma`: 0.0317 + 0.0174 x batch, fitted to
-/// `ring_bench`'s `mx` and `mx-b2`), 3 and 4 on the fp16 ones
+/// `ring_bench`'s `mx` and `mx-b2`), 3 to 8 on the fp16 ones
 /// (`mx_rows_pages_hmma`: 0.051 + 0.0074 x batch, fitted to its `mx` and
-/// `mx-b4` when batch 1 ran there too), larger batches on the CUDA cores
-/// (0.052 + 0.0333 x batch, fitted to its `mx-fma` at batch 1 and
-/// `mx-fma-b8`, whose input is read from global memory as an expert task's is
-/// at batch 8). Rates of the tiled layout on the H200 (docs/PERFORMANCE.md);
-/// cycles, so other targets scale by their clock (their consumers decode the
-/// same way until a native block-scaled path exists).
+/// `mx-b4` when batch 1 ran there too; at 5 to 8 an extrapolation, not yet
+/// measured), larger batches on the CUDA cores (0.052 + 0.0333 x batch,
+/// fitted to its `mx-fma` at batch 1 and `mx-fma-b8`, whose input is read
+/// from global memory as an expert task's is at batch 8). Rates of the tiled
+/// layout on the H200 (docs/PERFORMANCE.md); cycles, so other targets scale
+/// by their clock (their consumers decode the same way until a native
+/// block-scaled path exists).
 pub fn mx_decode_cycles(batch: u32) -> f64 {
     let (decode, token) = match batch {
         0..=2 => (0.0317, 0.0174),
-        3..=4 => (0.051, 0.0074),
+        3..=8 => (0.051, 0.0074),
         _ => (0.052, 0.0333),
     };
     decode + token * f64::from(batch)
