@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU: the benchmark libraries of this checkout (target/models) beside
 # those of another commit (OLD, a models folder built there with
-# scripts/build_gpu_libs.sh), each pair measured in one process on the same
+# scripts/build_gpu_libs.sh), at batch 1, 2, 4 and 8 where both have the
+# library, each pair measured in one process on the same
 # weights against the same PyTorch peer (bench/k2_bench.py, bench/k3_bench.py):
 #   bench/compare.sh OLD_MODELS_DIR [k2|k3|all]
 # Writes $OUT/compare_k2.json and $OUT/compare_k3.json and prints their tables.
@@ -20,7 +21,7 @@ libs() {  # names...: --lib OLD --lib NEW for each that exists in both
 }
 rc=0
 if [ "$which" != k3 ]; then
-  mapfile -t args < <(libs kimi_k2_bench_h200 kimi_k2_bench_b8_h200)
+  mapfile -t args < <(libs kimi_k2_bench_h200 kimi_k2_bench_b2_h200 kimi_k2_bench_b4_h200 kimi_k2_bench_b8_h200)
   python3 bench/k2_bench.py --config model_graphs/kimi_k2/bench_4l64e.json "${args[@]}" --json "$out/compare_k2.json" || rc=1
 fi
 if [ "$which" != k2 ]; then
@@ -30,7 +31,8 @@ if [ "$which" != k2 ]; then
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
   if [ -n "$mem" ] && [ "$mem" -lt 100000 ]; then dims=8l48e; fi
   echo "K3 per-layer dimensions: test_$dims.json (card memory ${mem:-unknown} MiB)"
-  mapfile -t args < <(libs "kimi_k3_dims_${dims}_h200" "kimi_k3_dims_${dims}_b4_h200")
+  mapfile -t args < <(libs "kimi_k3_dims_${dims}_h200" "kimi_k3_dims_${dims}_b2_h200" "kimi_k3_dims_${dims}_b4_h200" \
+    "kimi_k3_dims_${dims}_b8_h200")
   python3 bench/k3_bench.py --config "model_graphs/kimi_k3/test_$dims.json" "${args[@]}" --json "$out/compare_k3.json" || rc=1
 fi
 exit $rc
