@@ -15,8 +15,15 @@ each one's fraction of it. Also the two's next tokens and the logits'
 relative L2 difference (bf16 peer against fp32-activation kernel: a sanity
 check, not a correctness test; tests/gpu/ holds those).
 
+With --fp8 (model_graphs/kimi_k2/bench_4l64e_fp8.json, K2's released format):
+the checkpoint holds the decoder layers' linear weights as e4m3 codes with
+128 x 128 block scales, the peer computes with their dequantised values in
+bf16 (PyTorch has no block-scaled FP8 grouped GEMM to call), and the floor
+counts the bytes as stored.
+
     python3 bench/k2_bench.py --config model_graphs/kimi_k2/bench_4l64e.json \
         --lib target/models/kimi_k2_bench_h200/libkimi_k2_bench_h200.so [--lib ...b8...] --json OUT
+    python3 bench/k2_bench.py --config model_graphs/kimi_k2/bench_4l64e_fp8.json --fp8 --lib ... --json OUT
 """
 
 import argparse
@@ -33,7 +40,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
 from mkc_runtime import Model  # noqa: E402
+import fp8_checkpoint  # noqa: E402
 
 BF = torch.bfloat16
 
@@ -122,6 +131,27 @@ def make_weights(d, seed):
             w[m + "up_proj.weight"] = lin(d.inter, d.hidden)
             w[m + "down_proj.weight"] = lin(d.hidden, d.inter)
     return w, merged
+
+
+def quantise_fp8(d, w, merged):
+    """K2's released format: the decoder layers' linear weights as e4m3 codes with 128 x 128 block scales
+    (tests/gpu/fp8_checkpoint.py). Returns the checkpoint's tensors; `w` and `merged` (the peer's weights)
+    become their dequantised bf16 values, so both sides compute with the same weights."""
+    ckpt = {}
+    for k in list(w):
+        t = w[k]
+        if fp8_checkpoint.is_fp8(k, t):
+            codes, scale = fp8_checkpoint.quantise_tensor(t)
+            ckpt[k], ckpt[k + "_scale_inv"] = codes, scale
+            w[k] = fp8_checkpoint.dequantise_tensor(codes, scale).to(BF)
+        else:
+            ckpt[k] = t
+    for i in merged:
+        m = f"model.layers.{i}.mlp.experts."
+        gu = torch.stack([torch.cat([w[m + f"{e}.gate_proj.weight"], w[m + f"{e}.up_proj.weight"]]) for e in range(d.experts)])
+        dn = torch.stack([w[m + f"{e}.down_proj.weight"] for e in range(d.experts)])
+        merged[i] = (gu, dn)
+    return ckpt
 
 
 def save_checkpoint(w, config, out, shard_bytes=4 << 30):
@@ -357,14 +387,17 @@ class Peer(CapturedStep):
 
 
 def step_bytes(d, w, ids_per_layer, batch, pos):
-    """Bytes one step must move: every non-expert weight once, the distinct experts used, cache rows 0..pos."""
+    """Bytes one step must move: every non-expert weight once, the distinct experts used, cache rows 0..pos.
+    `w` as the checkpoint stores it (FP8 codes and their block scales counted as stored)."""
     total = 0
     for k, t in w.items():
         if ".experts." in k or k == "model.embed_tokens.weight":
             continue
         total += t.numel() * t.element_size()
     total += batch * d.hidden * 2  # embedding rows
-    per_expert = 3 * d.moe_inter * d.hidden * 2
+    moe = next(i for i in range(d.layers) if d.moe(i))
+    e0 = f"model.layers.{moe}.mlp.experts.0."
+    per_expert = sum(t.numel() * t.element_size() for k, t in w.items() if k.startswith(e0))
     for ids in ids_per_layer:
         total += len(set(ids.flatten().tolist())) * per_expert
     total += d.layers * batch * (pos + 1) * (d.kv_lora + d.rope) * 2
@@ -454,15 +487,21 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     ap.add_argument("--trace", help="folder: one profiled step per library as Chrome trace JSON, and a per-stage table")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the libraries load K2's released FP8 format (a config with its quantization_config); the "
+                         "peer computes with the dequantised weights in bf16, the floor counts the FP8 bytes")
     args = ap.parse_args()
     with open(args.config) as f:
         config = json.load(f)
+    if args.fp8 != ("quantization_config" in config):
+        sys.exit(f"{args.config}: --fp8 needs a config with a quantization_config, and such a config needs --fp8")
     d = Dims(config)
     bw = read_bandwidth()
     w, merged = make_weights(d, args.seed)
+    ckpt = quantise_fp8(d, w, merged) if args.fp8 else w
     work = tempfile.mkdtemp(prefix="mkc_bench_")
     t0 = time.time()
-    save_checkpoint(w, config, os.path.join(work, "ckpt"))
+    save_checkpoint(ckpt, config, os.path.join(work, "ckpt"))
     print(f"checkpoint written in {time.time() - t0:.1f} s; HBM read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     for lib in args.lib:
@@ -485,7 +524,7 @@ def main():
         rel = float((torch.from_numpy(logits).cuda() - p_logits).norm() / p_logits.norm())
         ids = [L["ids"].cpu() for L in peer.layers if "ids" in L]
         peer_ms = peer.time()
-        nbytes = step_bytes(d, w, ids, b, args.pos)
+        nbytes = step_bytes(d, ckpt, ids, b, args.pos)
         rows.append(result_row(lib, b, args.pos, load_s, ours_ms, ours_ms2, peer, peer_ms, nbytes, bw, nxt, p_next, rel))
         del peer, caches
         torch.cuda.empty_cache()

@@ -49,30 +49,30 @@ def is_fp8(key, tensor):
     return key[: -len(".weight")].rsplit(".", 1)[-1] in FP8_PARTS
 
 
-def block_view(rows, cols):
+def block_view(rows, cols, device="cpu"):
     """The block index of every element of a [rows, cols] matrix."""
-    r = torch.arange(rows) // BLOCK
-    c = torch.arange(cols) // BLOCK
+    r = torch.arange(rows, device=device) // BLOCK
+    c = torch.arange(cols, device=device) // BLOCK
     return r[:, None], c[None, :]
 
 
 def quantise_tensor(w):
-    """A [rows, k] matrix as (e4m3 codes, fp32 scales [ceil(rows/128), ceil(k/128)])."""
+    """A [rows, k] matrix as (e4m3 codes, fp32 scales [ceil(rows/128), ceil(k/128)]), on its device."""
     w = w.float()
     rows, k = w.shape
     br, bk = -(-rows // BLOCK), -(-k // BLOCK)
-    padded = torch.zeros(br * BLOCK, bk * BLOCK)
+    padded = torch.zeros(br * BLOCK, bk * BLOCK, device=w.device)
     padded[:rows, :k] = w
     amax = padded.reshape(br, BLOCK, bk, BLOCK).abs().amax(dim=(1, 3))
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    r, c = block_view(rows, k)
+    r, c = block_view(rows, k, w.device)
     codes = (w / scale[r, c]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return codes, scale.float()
 
 
 def dequantise_tensor(codes, scale):
     """W = e4m3 * scale, fp32."""
-    r, c = block_view(*codes.shape)
+    r, c = block_view(*codes.shape, codes.device)
     return codes.float() * scale[r, c]
 
 
