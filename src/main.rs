@@ -118,8 +118,10 @@ enum Command {
         #[arg(long)]
         html: Option<PathBuf>,
         /// A measured step (Chrome trace JSON, as the runtime's profiled step
-        /// writes it) to overlay on the --html page's schedule.
-        #[arg(long, requires = "html")]
+        /// writes it) of the plan at --batch: overlaid on the --html page's
+        /// schedule; with --estimate, each stage's predicted span against
+        /// its measured one.
+        #[arg(long)]
         trace: Option<PathBuf>,
         /// With --estimate: speculative decoding, POSITIONS per sequence in a
         /// verify step (the last token and POSITIONS - 1 drafts); prints
@@ -319,11 +321,27 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             gpus,
         } => {
             let expert_parallel = gpus.unwrap_or(expert_parallel);
+            if trace.is_some() && html.is_none() && !estimate {
+                return Err("error: --trace is read with --html (the measured step on the page) or --estimate (each \
+                            stage's predicted span against its measured one)\n"
+                    .to_string()
+                    .into());
+            }
             let (v, source) = load(&graph, config.as_deref(), None)?;
             let target = Target::load(&target).map_err(|e| plain(&e))?;
             let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
             let opts = plan::Options { batch, context, expert_parallel };
             let main = plan::plan(&v, &target, opts).map_err(|e| render(&e))?;
+            let measured = match &trace {
+                Some(t) => {
+                    let text = mkc::files::read_input(t, mkc::files::Input::Trace).map_err(|e| plain(&e))?;
+                    Some(
+                        plan::html::trace::parse(&text, &main)
+                            .map_err(|e| format!("error: trace {}: {e}\n", t.display()))?,
+                    )
+                }
+                None => None,
+            };
             let sizes = graph_sizes(&v, batch.into(), context, expert_parallel.into());
             let resident = Resident::of_plan(sizes, &main, target.sms);
             writeln!(out, "{}", resident.verdict(&v, &target.name, target.hbm_bytes))?;
@@ -389,17 +407,12 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                 let text = serde_yaml::to_string(&main).map_err(|e| format!("error: cannot write YAML: {e}\n"))?;
                 mkc::files::write_file(&path, text.as_bytes()).map_err(|e| plain(&e))?;
             }
+            if estimate {
+                if let Some(m) = &measured {
+                    write!(out, "{}", plan::estimate::render_measured(&main, m))?;
+                }
+            }
             if let Some(path) = html {
-                let measured = match trace {
-                    Some(t) => {
-                        let text = mkc::files::read_input(&t, mkc::files::Input::Trace).map_err(|e| plain(&e))?;
-                        Some(
-                            plan::html::trace::parse(&text, &main)
-                                .map_err(|e| format!("error: trace {}: {e}\n", t.display()))?,
-                        )
-                    }
-                    None => None,
-                };
                 mkc::files::write_file(&path, plan::html::to_html_measured(&main, measured.as_ref()).as_bytes())
                     .map_err(|e| plain(&e))?;
             }

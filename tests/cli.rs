@@ -236,3 +236,14 @@ fn speculative_decoding_is_estimated() {
         assert!(out.contains(l), "{l}");
     }
 }
+
+#[test]
+fn a_trace_needs_the_page_or_the_estimate() {
+    let o = run(&["plan", &k3(), "--target", "h200", "--trace", "no_such_trace.json"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--trace is read with --html"), "{}", stderr(&o));
+    // With --estimate the trace is read (and this one is missing: named).
+    let o = run(&["plan", &k3(), "--target", "h200", "--estimate", "--trace", "no_such_trace.json"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no_such_trace.json"), "{}", stderr(&o));
+}

@@ -199,3 +199,29 @@ fn traces_match_by_task_or_by_place_and_refuse_another_plan() {
     let far = format!("[{{\"ph\": \"X\", \"ts\": 1, \"dur\": 1, \"tid\": {}}}]", p.schedule.sms.len());
     assert!(matches!(html::trace::parse(&far, &p), Err(html::TraceError::Event { .. })));
 }
+
+#[test]
+fn predicted_against_measured_counts_the_stages_within_15_percent() {
+    let p = plan_of("tiny.json", "h200");
+    let stages = p.tiling.stages.len();
+    // The schedule itself: every stage at its prediction.
+    let same = plan::estimate::render_measured(&p, &html::trace::parse(&trace_of(&p, 1.0, true), &p).unwrap());
+    assert!(same.contains(&format!("stages within 15% of the prediction: {stages} of {stages}\n")), "{same}");
+    assert!(same.contains("(ratio 1.00)"), "{same}");
+    // Every instruction 1.5 times as long: no stage within 15%, the step 1.5 times its prediction.
+    let slow = plan::estimate::render_measured(&p, &html::trace::parse(&trace_of(&p, 1.5, true), &p).unwrap());
+    assert!(slow.contains(&format!("stages within 15% of the prediction: 0 of {stages}\n")), "{slow}");
+    assert!(slow.contains("(ratio 1.50)"), "{slow}");
+    assert_eq!(slow.lines().filter(|l| l.contains(" 1.50  ")).count(), stages, "{slow}");
+    // A trace of the first stage alone: the others are counted apart, not compared.
+    let one: Value = serde_json::from_str(&trace_of(&p, 1.0, true)).unwrap();
+    let first = html::trace::stage_name(&p, 0);
+    let events: Vec<Value> =
+        one["traceEvents"].as_array().unwrap().iter().filter(|e| e["name"] == first.as_str()).cloned().collect();
+    let part = serde_json::json!({ "traceEvents": events }).to_string();
+    let partial = plan::estimate::render_measured(&p, &html::trace::parse(&part, &p).unwrap());
+    assert!(
+        partial.contains(&format!("within 15% of the prediction: 1 of 1 ({} without a measured task)", stages - 1)),
+        "{partial}"
+    );
+}

@@ -226,3 +226,60 @@ pub const SPECULATION_ASSUMPTIONS: &str = "assumptions (speculative): a verify s
 batch x positions tokens: the weights read once, every position's state traffic counted (an upper bound: a sequence's \
 KV cache and recurrent state serve its positions in one pass); drafts accepted independently at the stated rate until \
 the first rejection; drafting (prompt lookup on the host) and the acceptance test not costed";
+
+/// Predicted against measured, stage by stage: each stage's span (its first
+/// task's start to its last task's end, in microseconds from the step's
+/// start) in the plan's schedule and in a measured step (`mkc plan --trace`),
+/// their ratio, how many stages the prediction meets within 15%, and the
+/// step. Stages without a measured task are counted apart.
+pub fn render_measured(plan: &Plan, measured: &super::html::trace::Measured) -> String {
+    let stages = plan.tiling.stages.len();
+    let mut predicted = vec![(f64::INFINITY, f64::NEG_INFINITY); stages];
+    for i in plan.schedule.sms.iter().flatten() {
+        let p = &mut predicted[i.stage];
+        *p = (p.0.min(i.start_ns), p.1.max(i.end_ns));
+    }
+    let mut got = vec![(f64::INFINITY, f64::NEG_INFINITY); stages];
+    let mut step_measured = 0f64;
+    for (t, m) in measured.tasks.iter().enumerate() {
+        if let (Some((a, b)), Some(task)) = (m, plan.tiling.tasks.get(t)) {
+            let g = &mut got[task.stage];
+            *g = (g.0.min(*a), g.1.max(*b));
+            step_measured = step_measured.max(*b);
+        }
+    }
+    let mut out = String::new();
+    let _ = writeln!(out, "predicted against measured, per stage (span: first start to last end, us):");
+    let _ = writeln!(out, "  {:>5} {:>10} {:>10} {:>7}  stage", "", "predicted", "measured", "ratio");
+    let (mut within, mut compared, mut missing) = (0usize, 0usize, 0usize);
+    for s in 0..stages {
+        let name = super::html::trace::stage_name(plan, s);
+        let (p, g) = (predicted[s], got[s]);
+        let pspan = (p.1 - p.0).max(0.0) / 1e3;
+        if !g.0.is_finite() {
+            missing += 1;
+            let _ = writeln!(out, "  {s:>5} {pspan:>10.1} {:>10} {:>7}  {name}", "-", "-");
+            continue;
+        }
+        let gspan = (g.1 - g.0).max(0.0) / 1e3;
+        let ratio = if pspan > 0.0 { gspan / pspan } else { f64::INFINITY };
+        compared += 1;
+        if (ratio - 1.0).abs() <= 0.15 {
+            within += 1;
+        }
+        let _ = writeln!(out, "  {s:>5} {pspan:>10.1} {gspan:>10.1} {ratio:>7.2}  {name}");
+    }
+    let step_predicted = plan.schedule.step_ns / 1e3;
+    let _ = writeln!(
+        out,
+        "stages within 15% of the prediction: {within} of {compared}{}",
+        if missing > 0 { format!(" ({missing} without a measured task)") } else { String::new() }
+    );
+    let _ = writeln!(
+        out,
+        "step: predicted {step_predicted:.1} us, measured {:.1} us (ratio {:.2})",
+        step_measured / 1e3,
+        if step_predicted > 0.0 { step_measured / 1e3 / step_predicted } else { f64::INFINITY }
+    );
+    out
+}
