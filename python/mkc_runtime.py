@@ -48,9 +48,10 @@ class Model:
                                           ctypes.c_size_t]
         lib.mkc_model_profile_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
                                                ctypes.c_char_p, ctypes.c_size_t]
-        lib.mkc_model_generate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int32,
-                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
-                                           ctypes.c_char_p, ctypes.c_size_t]
+        if hasattr(lib, "mkc_model_generate"):  # libraries built before it lack it (bench/compare.sh's baselines)
+            lib.mkc_model_generate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int32,
+                                               ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
+                                               ctypes.c_char_p, ctypes.c_size_t]
         lib.mkc_model_time_steps.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                              ctypes.POINTER(ctypes.c_float), ctypes.c_char_p, ctypes.c_size_t]
         self._err = ctypes.create_string_buffer(1 << 16)
@@ -89,6 +90,8 @@ class Model:
         """Greedy generation in one launch: up to n steps from tokens [batch], each step's next tokens fed
         back, stopping early once every sequence has produced `stop`. Returns (tokens [steps, batch] int32,
         length [batch] int32: the step, from 1, at which each sequence produced `stop`, or 0)."""
+        if not hasattr(self._lib, "mkc_model_generate"):
+            raise MkcError(f"{self.name}: this library was built before mkc_model_generate")
         t = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(self.batch))
         out = np.zeros((n, self.batch), dtype=np.int32)
         length = np.zeros(self.batch, dtype=np.int32)
