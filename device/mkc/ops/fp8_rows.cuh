@@ -83,21 +83,32 @@ __device__ inline void fp8_rows_load(const Fp8Rows& r, uint32_t& it) {
   fp8_rows_load_grouped(r, kRowsGroup<B>, it);
 }
 
-// Eight e4m3 codes (8 bytes, the first in the low byte) as fp32: e4m3 is
-// exact in fp16, converted two at a time (cvt.rn.f16x2.e4m3x2 on sm_89 and
-// later).
-__device__ __forceinline__ void e4m3x8(uint2 c, float (&w)[8]) {
+// Eight e4m3 codes (8 bytes, the first in the low byte) as four fp16 pairs
+// (exact), pair i holding elements 2i and 2i + 1.
+__device__ __forceinline__ void e4m3x8_half2(uint2 c, uint32_t (&h)[4]) {
   const uint32_t words[2] = {c.x, c.y};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int j = 0; j < 2; ++j) {
       const __half2_raw raw =
-          __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(words[i] >> (16 * h) & 0xffffu), __NV_E4M3);
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
-      w[4 * i + 2 * h] = f.x;
-      w[4 * i + 2 * h + 1] = f.y;
+          __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(words[i] >> (16 * j) & 0xffffu), __NV_E4M3);
+      h[2 * i + j] = uint32_t(raw.x) | (uint32_t(raw.y) << 16);
     }
+  }
+}
+
+// Eight e4m3 codes (8 bytes, the first in the low byte) as fp32: e4m3 is
+// exact in fp16, converted two at a time (cvt.rn.f16x2.e4m3x2 on sm_89 and
+// later).
+__device__ __forceinline__ void e4m3x8(uint2 c, float (&w)[8]) {
+  uint32_t h[4];
+  e4m3x8_half2(c, h);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[i]));
+    w[2 * i] = f.x;
+    w[2 * i + 1] = f.y;
   }
 }
 
@@ -156,31 +167,6 @@ __device__ void fp8_rows_pages(const Fp8Rows& r, const float* x, uint32_t& it, i
   }
 }
 
-// Eight e4m3 codes (8 bytes, the first in the low byte) as four fp16 pairs
-// (exact), pair i holding elements 2i and 2i + 1.
-__device__ __forceinline__ void e4m3x8_half2(uint2 c, uint32_t (&h)[4]) {
-  const uint32_t words[2] = {c.x, c.y};
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const __half2_raw raw =
-          __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(words[i] >> (16 * j) & 0xffffu), __NV_E4M3);
-      h[2 * i + j] = uint32_t(raw.x) | (uint32_t(raw.y) << 16);
-    }
-  }
-}
-
-// Two fp32 values as an fp16 pair (the first in the low half) and what they
-// lack: x = hi + lo to about 22 bits (the values brought under 2^14 first).
-__device__ __forceinline__ void f16_split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __half2 h = __floats2half2_rn(x0, x1);
-  const float2 back = __half22float2(h);
-  const __half2 l = __floats2half2_rn(x0 - back.x, x1 - back.y);
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
-}
-
 // The page loop of fp8_rows_compute on the tensor cores at batch 2 to 8:
 // mma.sync m16n8k16, fp16 inputs, fp32 sums, the activations as A and a
 // page's eight rows as B, as the bf16 consumer (rows_pages_mma) lays them:
@@ -227,7 +213,7 @@ __device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& i
             v[4] = b.x * sg, v[5] = b.y * sg, v[6] = b.z * sg, v[7] = b.w * sg;
           }
 #pragma unroll
-          for (int pr = 0; pr < 4; ++pr) f16_split(v[2 * pr], v[2 * pr + 1], hi[q][i][pr], lo[q][i][pr]);
+          for (int pr = 0; pr < 4; ++pr) split_pair<__half2>(v[2 * pr], v[2 * pr + 1], hi[q][i][pr], lo[q][i][pr]);
         }
       }
       const uint32_t kb0 = (k0 + uint32_t(warp) * 256) / kFp8Block;  // the warp's first scale block
@@ -266,17 +252,7 @@ __device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& i
         ++it;
       }
     }
-    // Lane (g, t) holds token g's rows 2t and 2t + 1 of each block: high part + low part, unscaled.
-#pragma unroll
-    for (int j = 0; j < int(G); ++j) {
-      if (uint32_t(j) >= nb) break;
-      float* mine = part + ((group & 1) * G + j) * kBlockSums + warp * kPageRows * B;
-      if (g < B) {
-        mine[(2 * t) * B + g] = (acc[j][0] + acc[j][2]) * ug;
-        mine[(2 * t + 1) * B + g] = (acc[j][1] + acc[j][3]) * ug;
-      }
-    }
-    sum_block_group<B, G>(part, group, nb - 1, cols, st);  // over the warps, in a fixed order
+    end_mma_group<B, G>(acc, part, group, nb, cols, warp, ug, st);  // unscaled, over the warps
   }
 }
 

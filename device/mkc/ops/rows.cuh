@@ -187,12 +187,20 @@ __device__ void sum_block_group(const float* part, uint32_t group, uint32_t in_g
   }
 }
 
-// Two fp32 values as a bf16 pair (the first in the low half) and what they
-// lack: x = hi + lo to about 16 bits.
-__device__ __forceinline__ void bf16_split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  const float2 back = __bfloat1622float2(h);
-  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - back.x, x1 - back.y);
+// Two fp32 values as a pair H of 16-bit floats (__nv_bfloat162 or __half2,
+// the first in the low half) and what they lack: x = hi + lo to about 16 bits
+// (bf16) or 22 bits (fp16, the values brought inside its range first).
+__device__ __forceinline__ __nv_bfloat162 pair_rn(float a, float b, __nv_bfloat162) {
+  return __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ __half2 pair_rn(float a, float b, __half2) { return __floats2half2_rn(a, b); }
+__device__ __forceinline__ float2 pair_float(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+__device__ __forceinline__ float2 pair_float(__half2 h) { return __half22float2(h); }
+template <class H>
+__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const H h = pair_rn(x0, x1, H{});
+  const float2 back = pair_float(h);
+  const H l = pair_rn(x0 - back.x, x1 - back.y, H{});
   hi = *reinterpret_cast<const uint32_t*>(&h);
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
@@ -219,6 +227,29 @@ struct RowsInput {
     }
   }
 };
+
+// The end of a group of nb row blocks whose token rows were A of mma.sync
+// m16n8k16 (rows_pages_mma, fp8_rows_pages_mma): lane (g, t) holds token g's
+// rows 2t and 2t + 1 of block j, the high part in acc[j][0..1] and the low
+// part in acc[j][2..3]; their sums times `unscale` wait in scratch (part
+// [2][G][warp][row, token]) and are then added over the warps in a fixed
+// order into st (sum_block_group).
+template <int B, uint32_t G>
+__device__ __forceinline__ void end_mma_group(const float (&acc)[G][4], float* part, uint32_t group, uint32_t nb,
+                                              uint32_t cols, int warp, float unscale, float* st) {
+  constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < int(G); ++j) {
+    if (uint32_t(j) >= nb) break;
+    float* mine = part + ((group & 1) * G + j) * kBlockSums + warp * kPageRows * B;
+    if (g < B) {
+      mine[(2 * t) * B + g] = (acc[j][0] + acc[j][2]) * unscale;
+      mine[(2 * t + 1) * B + g] = (acc[j][1] + acc[j][3]) * unscale;
+    }
+  }
+  sum_block_group<B, G>(part, group, nb - 1, cols, st);
+}
 
 // The page loop of rows_compute on the tensor cores at batch 2 to 8
 // (kRowsMma): mma.sync m16n8k16, bf16 inputs, fp32 sums, the activations as
@@ -258,7 +289,7 @@ __device__ void rows_pages_mma(const Rows& r, const In& in, uint32_t& it, int wa
         const uint32_t e = c0 + 32 * i;
         if (g < B && e < nk) in(uint32_t(g), k0 + e, v);
 #pragma unroll
-        for (int pr = 0; pr < 4; ++pr) bf16_split(v[2 * pr], v[2 * pr + 1], hi[i][pr], lo[i][pr]);
+        for (int pr = 0; pr < 4; ++pr) split_pair<__nv_bfloat162>(v[2 * pr], v[2 * pr + 1], hi[i][pr], lo[i][pr]);
       }
 #pragma unroll
       for (int j = 0; j < int(G); ++j) {
@@ -283,17 +314,7 @@ __device__ void rows_pages_mma(const Rows& r, const In& in, uint32_t& it, int wa
         ++it;
       }
     }
-    // Lane (g, t) holds token g's rows 2t and 2t + 1 of each block: high part + low part.
-#pragma unroll
-    for (int j = 0; j < int(G); ++j) {
-      if (uint32_t(j) >= nb) break;
-      float* mine = part + ((group & 1) * G + j) * kBlockSums + warp * kPageRows * B;
-      if (g < B) {
-        mine[(2 * t) * B + g] = acc[j][0] + acc[j][2];
-        mine[(2 * t + 1) * B + g] = acc[j][1] + acc[j][3];
-      }
-    }
-    sum_block_group<B, G>(part, group, nb - 1, cols, st);  // over the warps, in a fixed order
+    end_mma_group<B, G>(acc, part, group, nb, cols, warp, 1.f, st);
   }
 }
 
