@@ -26,7 +26,9 @@ toolchain() {  # a source tree: a .toolchain/ scripts/toolchain.sh accepts, of t
   sed -n 's/^pins="\(.*\)"$/\1/p' "$1/scripts/toolchain.sh" > "$1/.toolchain/.pins"
 }
 toolchain .
-jobs=("tool ops_test" "tool ring_bench" "tool hop_bench")
+jobs=()
+# MKC_DEVICE_TOOLS=0: the libraries only (a short call).
+[ "${MKC_DEVICE_TOOLS:-1}" = 0 ] || jobs=("tool ops_test" "tool ring_bench" "tool hop_bench")
 for dir in .carry/gen/*/; do jobs+=("new $(basename "$dir")"); done
 if [ -d .carry/old ]; then
   toolchain .carry/old
