@@ -120,20 +120,20 @@ fn k3_capacity_on_gb300_names_the_expert_parallel_degree() {
 
 /// `codegen` refuses a model one GPU cannot hold, unless told to ignore it.
 #[test]
-fn codegen_refuses_what_does_not_fit() {
+fn codegen_writes_the_full_k3_and_says_what_does_not_fit() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("k3");
     let o = run(&["codegen", &k3(), "--target", "h200", "-o", out.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(1));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.join("program.cuh").exists() && out.join("plan.mkcplan").exists(), "the program is written");
     let err = stderr(&o);
-    assert!(err.starts_with("error[mkc::limit]: not generated: the model does not fit one h200"), "{err}");
+    assert!(err.starts_with("warning[mkc::limit]: the model does not fit one h200"), "{err}");
     assert!(err.contains("--ignore-capacity"), "{err}");
     // The degree that would fit is said; codegen has no option for it yet, so none is offered.
     assert!(err.contains("its experts sharded over") && !err.contains("(--expert-parallel"), "{err}");
-    assert!(!out.exists(), "nothing is written");
-    // With --ignore-capacity the one-GPU program is written.
+    // --ignore-capacity silences the warning.
     let o = run(&["codegen", &k3(), "--target", "h200", "--ignore-capacity", "-o", out.to_str().unwrap()]);
-    assert!(o.status.success() && out.join("program.cuh").exists(), "{}", stderr(&o));
+    assert!(o.status.success() && !stderr(&o).contains("warning"), "{}", stderr(&o));
 }
 
 /// `check` and `plan` print the same weights read per step, under the same name.
