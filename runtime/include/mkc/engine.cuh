@@ -124,11 +124,8 @@ class Engine {
   // One decode step for all kBatch sequences: tokens in, next tokens (and
   // logits, if asked) out.
   void step(const int32_t* tokens, int32_t* next, float* logits, bool debug) {
+    check_tokens(tokens);
     for (int b = 0; b < P::kBatch; ++b) {
-      if (tokens[b] < 0 || uint64_t(tokens[b]) >= P::kVocab) {
-        throw Failure{"token " + std::to_string(tokens[b]) + " of sequence " + std::to_string(b) +
-                      " is outside the vocabulary (" + std::to_string(P::kVocab) + ")"};
-      }
       if (uint64_t(pos_[b]) >= P::kContext) {
         throw Failure{"sequence " + std::to_string(b) + " is full: the plan's context is " +
                       std::to_string(P::kContext) + " tokens"};
@@ -218,11 +215,8 @@ class Engine {
       throw Failure{"generate: the stop token " + std::to_string(stop) + " is outside the vocabulary (" +
                     std::to_string(P::kVocab) + "; -1 for none)"};
     }
+    check_tokens(tokens);
     for (int b = 0; b < P::kBatch; ++b) {
-      if (tokens[b] < 0 || uint64_t(tokens[b]) >= P::kVocab) {
-        throw Failure{"token " + std::to_string(tokens[b]) + " of sequence " + std::to_string(b) +
-                      " is outside the vocabulary (" + std::to_string(P::kVocab) + ")"};
-      }
       if (uint64_t(pos_[b]) + n > P::kContext) {
         throw Failure{"generate: sequence " + std::to_string(b) + " holds " + std::to_string(pos_[b]) + " tokens; " +
                       std::to_string(n) + " more exceed the plan's context of " + std::to_string(P::kContext)};
@@ -343,6 +337,16 @@ class Engine {
   template <bool kDebug>
   static const void* kernel() {
     return reinterpret_cast<const void*>(&megakernel<typename P::Step, kDebug>);
+  }
+
+  // Every sequence's token inside the vocabulary (step and generate).
+  static void check_tokens(const int32_t* tokens) {
+    for (int b = 0; b < P::kBatch; ++b) {
+      if (tokens[b] < 0 || uint64_t(tokens[b]) >= P::kVocab) {
+        throw Failure{"token " + std::to_string(tokens[b]) + " of sequence " + std::to_string(b) +
+                      " is outside the vocabulary (" + std::to_string(P::kVocab) + ")"};
+      }
+    }
   }
 
   static const void* generate_fn() { return reinterpret_cast<const void*>(&generate_kernel<typename P::Step>); }
