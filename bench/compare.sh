@@ -27,7 +27,8 @@ fi
 if [ "$which" = k3 ] || [ "$which" = all ]; then
   # K3's per-layer dimensions with 96 experts: two libraries and the peer's bf16 experts need more than
   # an 80 GB card holds; there, the same layers with 48 experts (the same bytes a step at batch 1).
-  dims=8l96e
+  # MKC_K3_DIMS=8l48e picks the 48-expert libraries on any card.
+  dims=${MKC_K3_DIMS:-8l96e}
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
   if [ -n "$mem" ] && [ "$mem" -lt 100000 ]; then dims=8l48e; fi
   echo "K3 per-layer dimensions: test_$dims.json (card memory ${mem:-unknown} MiB)"

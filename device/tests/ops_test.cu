@@ -20,6 +20,7 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <tuple>
 #include <vector>
 
 #include "check.cuh"
@@ -492,45 +493,79 @@ static void test_router(std::mt19937& rng, uint32_t e, uint32_t k, uint32_t grou
 }
 
 // ---------------------------------------------------------------------------
-// Expert slots: slot s holds the s-th smallest distinct expert of the batch.
+// Expert slots: slot s holds the s-th smallest distinct expert of the batch,
+// and a stage's parts share the distinct experts' rows.
 constexpr int kSB = 8;
 __device__ const int32_t* g_slot_ids;
-__device__ int32_t* g_slot_out;  // [n + 1] slot experts, then [n] slots of each id
-__device__ uint32_t g_slot_n;
+__device__ int32_t* g_slot_out;  // [n] slots of each id, then [parts][4] expert, slot, r0, r1
+__device__ uint32_t g_slot_n, g_slot_experts, g_slot_parts, g_slot_rows;
 __global__ void slots_kernel() {
-  const uint32_t n = g_slot_n;
-  for (uint32_t i = threadIdx.x; i <= n; i += mkc::kConsumerThreads) {
-    g_slot_out[i] = mkc::slot_expert<kSB>(g_slot_ids, n, i);
+  const uint32_t n = g_slot_n, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (uint32_t i0 = warp * 32; i0 < n; i0 += mkc::kConsumerThreads) {
+    const uint32_t i = i0 + lane;
+    const uint32_t slot = mkc::expert_slot_of(g_slot_ids, n, g_slot_experts, i < n ? g_slot_ids[i] : -1);
+    if (i < n) g_slot_out[i] = int32_t(slot);
   }
-  for (uint32_t i = threadIdx.x; i < n; i += mkc::kConsumerThreads) {
-    g_slot_out[n + 1 + i] = int32_t(mkc::slot_of(g_slot_ids, n, g_slot_ids[i]));
+  const mkc::MoeShape shape{.experts = g_slot_experts, .top_k = n / kSB, .inter = g_slot_rows, .hidden = 7,
+                            .slots = n, .gate_base = 0, .up_base = 0, .down_base = 0};
+  for (uint32_t part = warp; part < g_slot_parts; part += mkc::kConsumerWarps) {
+    const mkc::ExpertPart q = mkc::expert_part<kSB>(mkc::ExpertRows{
+        .shape = shape, .part = part, .parts = g_slot_parts, .unit = 16, .w = nullptr, .ids = g_slot_ids, .down = false});
+    if (lane == 0) {
+      int32_t* o = g_slot_out + n + 4 * part;
+      o[0] = q.expert, o[1] = int32_t(q.slot), o[2] = int32_t(q.r0), o[3] = int32_t(q.r1);
+    }
   }
 }
 
 static void test_slots(std::mt19937& rng) {
   const uint32_t n = kSB * 8;
-  std::uniform_int_distribution<int32_t> pick(0, 40);
-  std::vector<int32_t> ids(n);
-  for (auto& x : ids) x = pick(rng);  // repeats across tokens, as at batch 8
-  int32_t* d_ids = upload(ids);
-  int32_t* d_out = upload(std::vector<int32_t>(2 * n + 1, -7));
-  CHECK(cudaMemcpyToSymbol(g_slot_ids, &d_ids, sizeof d_ids));
-  CHECK(cudaMemcpyToSymbol(g_slot_out, &d_out, sizeof d_out));
-  CHECK(cudaMemcpyToSymbol(g_slot_n, &n, sizeof n));
-  launch(slots_kernel, "slots");
-  const auto out = download(d_out, 2 * n + 1);
-  std::set<int32_t> distinct(ids.begin(), ids.end());
-  std::vector<int32_t> sorted(distinct.begin(), distinct.end());
-  bool ok = true;
-  for (uint32_t s = 0; s <= n; ++s) ok &= out[s] == (s < sorted.size() ? sorted[s] : -1);
-  for (uint32_t i = 0; i < n; ++i) {
-    ok &= out[n + 1 + i] == int32_t(std::lower_bound(sorted.begin(), sorted.end(), ids[i]) - sorted.begin());
+  // One round of the bitmap (41 experts), two (1,500); as many parts as slots (the plan's least) and more.
+  for (const auto& [experts, parts, rows] : {std::tuple{41u, 132u, 2048u}, std::tuple{41u, 41u, 40u},
+                                            std::tuple{1500u, 132u, 200u}, std::tuple{1500u, n, 2048u}}) {
+    std::uniform_int_distribution<int32_t> pick(0, int32_t(experts) - 1);
+    std::vector<int32_t> ids(n);
+    for (auto& x : ids) x = pick(rng);  // repeats across tokens, as at batch 8
+    int32_t* d_ids = upload(ids);
+    int32_t* d_out = upload(std::vector<int32_t>(n + 4 * parts, -7));
+    CHECK(cudaMemcpyToSymbol(g_slot_ids, &d_ids, sizeof d_ids));
+    CHECK(cudaMemcpyToSymbol(g_slot_out, &d_out, sizeof d_out));
+    CHECK(cudaMemcpyToSymbol(g_slot_n, &n, sizeof n));
+    CHECK(cudaMemcpyToSymbol(g_slot_experts, &experts, sizeof experts));
+    CHECK(cudaMemcpyToSymbol(g_slot_parts, &parts, sizeof parts));
+    CHECK(cudaMemcpyToSymbol(g_slot_rows, &rows, sizeof rows));
+    launch(slots_kernel, "slots");
+    const auto out = download(d_out, n + 4 * parts);
+    std::set<int32_t> distinct(ids.begin(), ids.end());
+    std::vector<int32_t> sorted(distinct.begin(), distinct.end());
+    bool ok = true;
+    for (uint32_t i = 0; i < n; ++i) {
+      ok &= out[i] == int32_t(std::lower_bound(sorted.begin(), sorted.end(), ids[i]) - sorted.begin());
+    }
+    // Every distinct expert's rows covered once, in units of 16, by parts that agree on its slot;
+    // no part's rows differ from the even share by more than a unit.
+    std::vector<std::vector<std::pair<int32_t, int32_t>>> covered(sorted.size());
+    const double share = double(sorted.size()) * rows / parts;
+    for (uint32_t t = 0; t < parts; ++t) {
+      const int32_t* o = out.data() + n + 4 * t;
+      if (o[0] < 0) continue;
+      ok &= o[1] >= 0 && size_t(o[1]) < sorted.size() && sorted[size_t(o[1])] == o[0] && o[2] < o[3] && o[2] % 16 == 0;
+      ok &= std::abs(double(o[3] - o[2]) - share) <= 16.0 + share / 2;
+      if (ok) covered[size_t(o[1])].push_back({o[2], o[3]});
+    }
+    for (auto& c : covered) {
+      std::sort(c.begin(), c.end());
+      int32_t at = 0;
+      for (const auto& [r0, r1] : c) ok &= r0 == at, at = r1;
+      ok &= at == int32_t(rows);
+    }
+    char detail[128];
+    std::snprintf(detail, sizeof detail, "%u choices of %u experts, %zu distinct, %u parts of %u rows", n, experts,
+                  sorted.size(), parts, rows);
+    report("expert slots (expert_slot_of, expert_part)", ok, detail);
+    CHECK(cudaFree(d_ids));
+    CHECK(cudaFree(d_out));
   }
-  char detail[96];
-  std::snprintf(detail, sizeof detail, "%u choices, %zu distinct experts", n, sorted.size());
-  report("expert slots (slot_expert, slot_of)", ok, detail);
-  CHECK(cudaFree(d_ids));
-  CHECK(cudaFree(d_out));
 }
 
 // ---------------------------------------------------------------------------

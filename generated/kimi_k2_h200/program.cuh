@@ -2,7 +2,7 @@
 // (batch 1, context 4096). Do not edit: run `mkc codegen`.
 //
 // The code of one decode step: one device function per kind of stage. The
-// 730 stages and 60907 tasks of this model are data in plan.mkcplan (format
+// 730 stages and 61387 tasks of this model are data in plan.mkcplan (format
 // 1, runtime/include/mkc/plan_file.h): per stage, its kind's role here and
 // its parameters (weights, arena offsets, states); per SM, its instructions.
 // What is the same for every stage of a kind (widths, epsilons, shapes) is
@@ -519,19 +519,25 @@ __device__ inline MoeShape moe0_shape(const moe0_params& p) {
                   .stride = 2};
 }
 
-// expert_up: one expert slot's gate/up rows
+// expert_up: a part of the step's experts' gate/up rows
+__device__ inline ExpertRows moe0_expert_up_args(const TaskArgs& t, const Memory& m, const moe0_params& p) {
+  return ExpertRows{.shape = moe0_shape(p),
+                    .part = t.a[0],
+                    .parts = t.a[1],
+                    .unit = t.a[2],
+                    .w = m.w,
+                    .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                    .down = false};
+}
 __device__ inline Fp8Rows moe0_expert_up_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_fp8_rows<kBatch>(ExpertRows{.shape = moe0_shape(p),
-                                            .slot = t.a[0],
-                                            .r0 = t.a[1],
-                                            .r1 = t.a[2],
-                                            .w = m.w,
-                                            .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
-                                            .down = false});
+  const ExpertRows a = moe0_expert_up_args(t, m, p);
+  return expert_fp8_rows<kBatch>(a, expert_part<kBatch>(a));
 }
 __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                       int warp) {
-  const Fp8Rows r = moe0_expert_up_rows(t, m, p);
+  const ExpertRows a = moe0_expert_up_args(t, m, p);
+  const ExpertPart q = expert_part<kBatch>(a);
+  const Fp8Rows r = expert_fp8_rows<kBatch>(a, q);
   float* st = staging(m);
   const uint32_t n = r.cols();
   fp8_rows_compute<kBatch>(Fp8RowsCompute{.rows = r,
@@ -544,34 +550,40 @@ __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const 
   const Span s = Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0};
   ep_silu_and_mul<kBatch>(st, n, s);
   consumer_sync();
-  ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 2048, 2048);
+  ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 2048, 2048);
 }
 
-// expert_down: one expert slot's down rows
+// expert_down: a part of the step's experts' down rows
+__device__ inline ExpertRows moe0_expert_down_args(const TaskArgs& t, const Memory& m, const moe0_params& p) {
+  return ExpertRows{.shape = moe0_shape(p),
+                    .part = t.a[0],
+                    .parts = t.a[1],
+                    .unit = t.a[2],
+                    .w = m.w,
+                    .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                    .down = true};
+}
 __device__ inline Fp8Rows moe0_expert_down_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_fp8_rows<kBatch>(ExpertRows{.shape = moe0_shape(p),
-                                            .slot = t.a[0],
-                                            .r0 = t.a[1],
-                                            .r1 = t.a[2],
-                                            .w = m.w,
-                                            .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
-                                            .down = true});
+  const ExpertRows a = moe0_expert_down_args(t, m, p);
+  return expert_fp8_rows<kBatch>(a, expert_part<kBatch>(a));
 }
 __device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                         int warp) {
-  const Fp8Rows r = moe0_expert_down_rows(t, m, p);
+  const ExpertRows a = moe0_expert_down_args(t, m, p);
+  const ExpertPart q = expert_part<kBatch>(a);
+  const Fp8Rows r = expert_fp8_rows<kBatch>(a, q);
   float* st = staging(m);
   const uint32_t n = r.cols();
   fp8_rows_compute<kBatch>(
       Fp8RowsCompute{.rows = r,
-                     .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 2048,
+                     .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 2048,
                      .norm = nullptr,
                      .eps = 1e-6f,
                      .spill = nullptr},
       it, warp, st);
   consumer_sync();
   ep_store<kBatch>(st, n, Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0},
-                   reinterpret_cast<float*>(m.arena + p.down) + size_t(t.a[0]) * kBatch * 7168, 7168);
+                   reinterpret_cast<float*>(m.arena + p.down) + size_t(q.slot) * kBatch * 7168, 7168);
 }
 
 // expert_combine: weighted sum of the slots

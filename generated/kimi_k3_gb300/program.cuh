@@ -667,19 +667,25 @@ __device__ inline MoeShape moe0_shape(const moe0_params& p) {
                   .stride = 2};
 }
 
-// expert_up: one expert slot's gate/up rows
+// expert_up: a part of the step's experts' gate/up rows
+__device__ inline ExpertRows moe0_expert_up_args(const TaskArgs& t, const Memory& m, const moe0_params& p) {
+  return ExpertRows{.shape = moe0_shape(p),
+                    .part = t.a[0],
+                    .parts = t.a[1],
+                    .unit = t.a[2],
+                    .w = m.w,
+                    .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                    .down = false};
+}
 __device__ inline MxRows moe0_expert_up_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_mx_rows<kBatch>(ExpertRows{.shape = moe0_shape(p),
-                                           .slot = t.a[0],
-                                           .r0 = t.a[1],
-                                           .r1 = t.a[2],
-                                           .w = m.w,
-                                           .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
-                                           .down = false});
+  const ExpertRows a = moe0_expert_up_args(t, m, p);
+  return expert_mx_rows<kBatch>(a, expert_part<kBatch>(a));
 }
 __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                       int warp) {
-  const MxRows r = moe0_expert_up_rows(t, m, p);
+  const ExpertRows a = moe0_expert_up_args(t, m, p);
+  const ExpertPart q = expert_part<kBatch>(a);
+  const MxRows r = expert_mx_rows<kBatch>(a, q);
   float* st = staging(m);
   const uint32_t n = r.cols();
   mx_rows_compute<kBatch>(
@@ -690,33 +696,39 @@ __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const 
   const Span s = Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0};
   ep_situ_and_mul<kBatch>(st, n, s, EpSituAndMul{.beta = 4e0f, .lin = 2.5e1f});
   consumer_sync();
-  ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 3072, 3072);
+  ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 3072, 3072);
 }
 
-// expert_down: one expert slot's down rows
+// expert_down: a part of the step's experts' down rows
+__device__ inline ExpertRows moe0_expert_down_args(const TaskArgs& t, const Memory& m, const moe0_params& p) {
+  return ExpertRows{.shape = moe0_shape(p),
+                    .part = t.a[0],
+                    .parts = t.a[1],
+                    .unit = t.a[2],
+                    .w = m.w,
+                    .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
+                    .down = true};
+}
 __device__ inline MxRows moe0_expert_down_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
-  return expert_mx_rows<kBatch>(ExpertRows{.shape = moe0_shape(p),
-                                           .slot = t.a[0],
-                                           .r0 = t.a[1],
-                                           .r1 = t.a[2],
-                                           .w = m.w,
-                                           .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
-                                           .down = true});
+  const ExpertRows a = moe0_expert_down_args(t, m, p);
+  return expert_mx_rows<kBatch>(a, expert_part<kBatch>(a));
 }
 __device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                         int warp) {
-  const MxRows r = moe0_expert_down_rows(t, m, p);
+  const ExpertRows a = moe0_expert_down_args(t, m, p);
+  const ExpertPart q = expert_part<kBatch>(a);
+  const MxRows r = expert_mx_rows<kBatch>(a, q);
   float* st = staging(m);
   const uint32_t n = r.cols();
   mx_rows_compute<kBatch>(MxRowsCompute{.rows = r,
-                                        .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(t.a[0]) * kBatch * 3072,
+                                        .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 3072,
                                         .norm = nullptr,
                                         .eps = 1e-6f,
                                         .spill = nullptr},
                           it, warp, st);
   consumer_sync();
   ep_store<kBatch>(st, n, Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0},
-                   reinterpret_cast<float*>(m.arena + p.down) + size_t(t.a[0]) * kBatch * 3584, 3584);
+                   reinterpret_cast<float*>(m.arena + p.down) + size_t(q.slot) * kBatch * 3584, 3584);
 }
 
 // expert_combine: weighted sum of the slots

@@ -338,7 +338,7 @@ impl Layout<'_> {
     fn tile_floats(&self, stage: usize) -> Result<u64> {
         let rows = self.tiling.stages[stage].tasks.iter().map(|t| match self.tiling.tasks[*t].args {
             TaskArgs::Rows { up, r0, r1, .. } => u64::from(r1.saturating_sub(r0)) * if up.is_some() { 2 } else { 1 },
-            TaskArgs::ExpertRows { r0, r1, .. } => u64::from(r1.saturating_sub(r0)),
+            TaskArgs::ExpertRows { rows, .. } => u64::from(rows),
             _ => 0,
         });
         self.size(stage, "the output tile", &[rows.max().unwrap_or(0), self.batch])

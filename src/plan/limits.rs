@@ -261,18 +261,19 @@ impl Check<'_> {
             ));
         }
         if mx {
-            // MXFP4 rows come in tiles (device/mkc/mx_layout.h): a task starts
-            // on a tile, and a gate/up task's rows are whole tiles.
-            for (j, s) in self.stages.iter().take(2).enumerate() {
-                let is_down = j == 1;
+            // MXFP4 rows come in tiles (device/mkc/mx_layout.h): a task's rows
+            // start on a tile and a gate/up task's are whole tiles, so the
+            // units the tasks share rows in are whole tiles (and so are the
+            // widths, above).
+            for s in self.stages.iter().take(2) {
                 for t in &self.tiling.stages[*s].tasks {
-                    let TaskArgs::ExpertRows { r0, r1, .. } = self.tiling.tasks[*t].args else {
+                    let TaskArgs::ExpertRows { unit, .. } = self.tiling.tasks[*t].args else {
                         return Err("expert tasks without expert rows".into());
                     };
-                    let rows = MX_TILE_ROWS as u32;
-                    if !r0.is_multiple_of(rows) || (!is_down && !(r1 - r0).is_multiple_of(rows)) {
+                    if !unit.is_multiple_of(MX_TILE_ROWS as u32) {
                         return Err(format!(
-                            "MXFP4 expert rows [{r0}, {r1}) in a task: they must start on a tile of {rows} rows"
+                            "MXFP4 expert rows shared in units of {unit} rows: they must be whole tiles of \
+                             {MX_TILE_ROWS} rows"
                         ));
                     }
                 }

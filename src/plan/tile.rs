@@ -127,14 +127,17 @@ pub enum TaskArgs {
         /// One past the last head.
         h1: u32,
     },
-    /// Rows of the expert in one slot.
+    /// A part of the stage's expert rows: the step's distinct experts'
+    /// rows shared over the stage's tasks at run time.
     ExpertRows {
-        /// The slot (the slot-th distinct expert the step chose).
-        slot: u32,
-        /// First row.
-        r0: u32,
-        /// One past the last row.
-        r1: u32,
+        /// The part.
+        part: u32,
+        /// Parts in all (at least the slots).
+        parts: u32,
+        /// Rows are split in units of this many.
+        unit: u32,
+        /// The most rows a part can get.
+        rows: u32,
     },
     /// One column tile (the experts' combine).
     Tile {
@@ -148,15 +151,15 @@ pub enum TaskArgs {
 impl TaskArgs {
     /// The four words the device reads (`TaskArgs::a` of
     /// `device/mkc/plan_types.h`): rows `[linear, up or u32::MAX, r0, r1]`,
-    /// a KV split `[group, split]`, heads `[h0, h1]`, expert rows `[slot, r0,
-    /// r1]`, a tile `[tile, tiles]`, unused words 0.
+    /// a KV split `[group, split]`, heads `[h0, h1]`, expert rows `[part,
+    /// parts, unit]`, a tile `[tile, tiles]`, unused words 0.
     pub fn words(self) -> [u32; 4] {
         match self {
             TaskArgs::Whole => [0; 4],
             TaskArgs::Rows { linear, up, r0, r1 } => [linear, up.unwrap_or(u32::MAX), r0, r1],
             TaskArgs::KvSplit { group, split } => [group, split, 0, 0],
             TaskArgs::Heads { h0, h1 } => [h0, h1, 0, 0],
-            TaskArgs::ExpertRows { slot, r0, r1 } => [slot, r0, r1, 0],
+            TaskArgs::ExpertRows { part, parts, unit, .. } => [part, parts, unit, 0],
             TaskArgs::Tile { tile, tiles } => [tile, tiles, 0, 0],
         }
     }
@@ -260,6 +263,10 @@ fn gcd(a: u64, b: u64) -> u64 {
 fn lcm(a: u64, b: u64) -> u64 {
     a / gcd(a, b) * b
 }
+
+/// Expert rows are shared between a stage's tasks in units of this many
+/// rows (a multiple of the MXFP4 tile, `MX_TILE_ROWS`).
+pub const EXPERT_UNIT_ROWS: u64 = 16;
 
 fn round_up(x: u64, m: u64) -> u64 {
     x.div_ceil(m) * m
@@ -547,16 +554,15 @@ impl Builder<'_> {
         let (e, i, d) = (wg.shape[0], wg.shape[1], wg.shape[2]);
         let k = self.g.value_type(self.g.operands(node(g, n))[1]).elements();
         let b = self.b();
-        // Tasks cover the worst case, every (token, slot) a different expert;
-        // their bytes are the expected share under uniform routing, where
-        // `E (1 - (1 - k/E)^B)` experts are distinct (exactly k at batch 1).
-        // Sharded over `ep` GPUs, this GPU holds `E / ep` experts and
-        // expects that fraction of the distinct ones.
+        // The arena's slots cover the worst case, every (token, choice) a
+        // different expert; the tasks' bytes are the expected share under
+        // uniform routing, where `E (1 - (1 - k/E)^B)` experts are distinct
+        // (exactly k at batch 1). Sharded over `ep` GPUs, this GPU holds
+        // `E / ep` experts and expects that fraction of the distinct ones.
         let ep = u64::from(self.opts.expert_parallel.max(1));
         let local = e.div_ceil(ep);
         let slots = (b * k).min(local).max(1);
         let expected = (crate::report::expected_distinct_experts(e, k, b) / ep as f64).min(slots as f64);
-        let share = |bytes: u64| (bytes as f64 * expected / slots as f64).round() as u64;
         let sms = u64::from(self.target.sms);
         let up_row = 2 * wg.bytes() / (e * i);
         let down_row = wd.bytes() / (e * d);
@@ -565,59 +571,73 @@ impl Builder<'_> {
         // per-stage profile in docs/PERFORMANCE.md), so two half-size tasks
         // on one SM take longer than one whole one, and a stage waits for
         // its slowest SM.
-        let per_slot = (sms / slots).max(1);
-        let t_up = per_slot.min(i.div_ceil(16));
-        let up_tile = round_up(i.div_ceil(t_up), 16);
-        let t_down = per_slot.min(d.div_ceil(16));
-        let down_tile = round_up(d.div_ceil(t_down), 16);
+        //
+        // The tasks share the distinct experts' rows at run time (slot s
+        // takes tasks [s N / D, (s + 1) N / D) of N with D distinct experts;
+        // expert_part, device/mkc/ops/moe.cuh): N is one task an SM, at least
+        // one a slot, at most one a unit of rows a slot. A task's rows are at
+        // most its slot's units over the fewest tasks a slot gets, N / slots;
+        // on average the expected distinct experts' rows over N.
         let x_bytes = self.external_inputs(nodes) * b;
-        let mut parts = vec![];
-        for s in 0..slots {
-            let mut r0 = 0;
-            while r0 < i {
-                let r1 = (r0 + up_tile).min(i);
-                parts.push((
-                    format!("slot {s} rows[{r0}..{r1}]"),
-                    share((r1 - r0) * up_row),
-                    x_bytes / slots + (r1 - r0) * 2 * b,
+        // (The device's parts cover as many slots as the step can choose,
+        // `min(B k, E)`, whatever share of the experts the estimate assumes.)
+        let chosen = (b * k).min(e).max(1);
+        let expert_parts = |rows: u64| {
+            let units = rows.div_ceil(EXPERT_UNIT_ROWS);
+            let n = sms.max(chosen).min(chosen * units);
+            let most = (units.div_ceil(n / chosen) * EXPERT_UNIT_ROWS).min(rows);
+            let mean = expected * rows as f64 / n as f64;
+            (n, most, mean)
+        };
+        let (n_up, most_up, mean_up) = expert_parts(i);
+        let parts = (0..n_up)
+            .map(|j| {
+                (
+                    format!("part {j} of {n_up}"),
+                    (mean_up * up_row as f64).round() as u64,
+                    x_bytes / n_up + most_up * 2 * b,
                     0,
-                    4 * (r1 - r0) * d * b * k / slots,
-                    TaskArgs::ExpertRows { slot: s as u32, r0: r0 as u32, r1: r1 as u32 },
-                ));
-                r0 = r1;
-            }
-        }
+                    (4.0 * mean_up * (d * b * k) as f64 / expected).round() as u64,
+                    TaskArgs::ExpertRows {
+                        part: j as u32,
+                        parts: n_up as u32,
+                        unit: EXPERT_UNIT_ROWS as u32,
+                        rows: most_up as u32,
+                    },
+                )
+            })
+            .collect();
         // Every stage reads the router's ids (and the combine its weights).
         let up = self.add_stage(op, TaskKind::ExpertUp, reads.clone(), parts);
         self.out_bytes[up] = slots * i * 2 * b;
         if wg.dtype == DType::Mxfp4 {
             for &t in &self.stages[up].tasks {
-                let TaskArgs::ExpertRows { r0, r1, .. } = self.tasks[t].args else { unreachable!("expert rows") };
-                self.tasks[t].decoded = share(2 * u64::from(r1 - r0) * d);
+                self.tasks[t].decoded = (2.0 * mean_up * d as f64).round() as u64;
             }
         }
-        let mut parts = vec![];
-        for s in 0..slots {
-            let mut r0 = 0;
-            while r0 < d {
-                let r1 = (r0 + down_tile).min(d);
-                parts.push((
-                    format!("slot {s} rows[{r0}..{r1}]"),
-                    share((r1 - r0) * down_row),
-                    i * 2 * b + (r1 - r0) * 4 * b,
+        let (n_down, most_down, mean_down) = expert_parts(d);
+        let parts = (0..n_down)
+            .map(|j| {
+                (
+                    format!("part {j} of {n_down}"),
+                    (mean_down * down_row as f64).round() as u64,
+                    i * 2 * b + most_down * 4 * b,
                     0,
-                    2 * (r1 - r0) * i * b * k / slots,
-                    TaskArgs::ExpertRows { slot: s as u32, r0: r0 as u32, r1: r1 as u32 },
-                ));
-                r0 = r1;
-            }
-        }
+                    (2.0 * mean_down * (i * b * k) as f64 / expected).round() as u64,
+                    TaskArgs::ExpertRows {
+                        part: j as u32,
+                        parts: n_down as u32,
+                        unit: EXPERT_UNIT_ROWS as u32,
+                        rows: most_down as u32,
+                    },
+                )
+            })
+            .collect();
         let down = self.add_stage(op, TaskKind::ExpertDown, [vec![up], reads.clone()].concat(), parts);
         self.out_bytes[down] = slots * d * 4 * b;
         if wd.dtype == DType::Mxfp4 {
             for &t in &self.stages[down].tasks {
-                let TaskArgs::ExpertRows { r0, r1, .. } = self.tasks[t].args else { unreachable!("expert rows") };
-                self.tasks[t].decoded = share(u64::from(r1 - r0) * i);
+                self.tasks[t].decoded = (mean_down * i as f64).round() as u64;
             }
         }
         let tiles = d.div_ceil(1024).min(8);

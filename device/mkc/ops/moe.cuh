@@ -124,8 +124,12 @@ __device__ void router(Router a) {
 
 // ---------------------------------------------------------------------------
 // Routed experts. Slot s holds the s-th smallest distinct expert id among the
-// batch's choices (so every task finds the same assignment without talking);
-// a slot past the distinct count is empty.
+// batch's choices (so every task finds the same assignment without talking).
+// A stage's tasks share the step's distinct experts' rows between them: with
+// D distinct experts and N tasks, slot s takes tasks [s N / D, (s + 1) N / D)
+// and splits its rows evenly over them in units of `unit` rows, so every task
+// streams about D / N of an expert however many experts the step chose (the
+// plan's tasks cover the worst case, min(B top_k, experts) slots).
 struct MoeShape {
   uint32_t experts;  // routed experts
   uint32_t top_k;    // experts chosen per token
@@ -137,56 +141,118 @@ struct MoeShape {
   uint32_t stride = 1;
 };
 
-// The slot-th smallest distinct value of ids[0..n), or -1: distinct values
-// are visited in increasing order (O(n (slot + 1))).
-template <int B>
-__device__ int slot_expert(const int32_t* ids, uint32_t n, uint32_t slot) {
-  int prev = -1;
-  for (uint32_t s = 0; s <= slot; ++s) {
-    int next = INT_MAX;
-    for (uint32_t j = 0; j < n; ++j)
-      if (ids[j] > prev && ids[j] < next) next = ids[j];
-    if (next == INT_MAX) return -1;
-    prev = next;
+// Bit e % 32 set for each expert e of ids[0..n) in word `word` (experts
+// [32 word, 32 word + 32)).
+__device__ inline uint32_t expert_word(const int32_t* ids, uint32_t n, uint32_t word) {
+  uint32_t bits = 0;
+  for (uint32_t j = 0; j < n; ++j) {
+    const uint32_t e = uint32_t(ids[j]);
+    if (e >> 5 == word) bits |= 1u << (e & 31);
   }
-  return prev;
+  return bits;
 }
 
-// The number of distinct values of ids[0..n) below e: e's slot.
-__device__ inline uint32_t slot_of(const int32_t* ids, uint32_t n, int32_t e) {
-  int prev = -1;
-  for (uint32_t s = 0;; ++s) {
-    int next = INT_MAX;
-    for (uint32_t j = 0; j < n; ++j)
-      if (ids[j] > prev && ids[j] < next) next = ids[j];
-    if (next >= e) return s;
-    prev = next;
+// The sum of v over lanes [0, lane].
+__device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t v) {
+  const uint32_t lane = threadIdx.x % 32;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const uint32_t u = __shfl_up_sync(~0u, v, o);
+    if (lane >= uint32_t(o)) v += u;
   }
+  return v;
 }
 
-// The weight rows of an expert task: rows [r0, r1) of the slot's expert's
-// w0 (gate, paired with up) or down matrix; no rows for an empty slot.
-// Loader and consumers compute the same rows from the router's ids.
+// The distinct experts of ids[0..n) as a bitmap, a word a lane, 32 words
+// (1,024 experts) a round: `visit(bits, before)` gets this lane's word of the
+// round and the number of distinct experts in the words before it, and the
+// call returns the distinct count. Every lane of the warp calls it.
+template <class F>
+__device__ inline uint32_t expert_words(const int32_t* ids, uint32_t n, uint32_t experts, F visit) {
+  const uint32_t lane = threadIdx.x % 32;
+  uint32_t before = 0;
+  for (uint32_t w0 = 0; 32 * w0 < experts; w0 += 32) {
+    const uint32_t bits = expert_word(ids, n, w0 + lane);
+    const uint32_t c = __popc(bits), incl = warp_inclusive_sum(c);
+    visit(w0, bits, before + incl - c);
+    before += __shfl_sync(~0u, incl, 31);
+  }
+  return before;
+}
+
+// Lane's expert e's slot (the number of distinct experts of ids[0..n) below
+// it; 0 for e < 0). Every lane of the warp calls it.
+__device__ inline uint32_t expert_slot_of(const int32_t* ids, uint32_t n, uint32_t experts, int e) {
+  uint32_t slot = 0;
+  expert_words(ids, n, experts, [&](uint32_t w0, uint32_t bits, uint32_t before) {
+    const uint32_t q = uint32_t(e) / 32 - w0;  // e's word in this round
+    const bool here = e >= 0 && uint32_t(e) / 32 >= w0 && q < 32;
+    const uint32_t src = here ? q : 0;
+    const uint32_t b = __shfl_sync(~0u, before, src), w = __shfl_sync(~0u, bits, src);
+    if (here) slot = b + __popc(w & ((1u << (e % 32)) - 1));
+  });
+  return slot;
+}
+
+// A task's share of the step's expert rows: rows [r0, r1) of the expert in
+// slot `slot` (expert -1, no rows, past the step's distinct experts).
+struct ExpertPart {
+  int expert;
+  uint32_t slot;
+  uint32_t r0, r1;
+};
+
+// The arguments of an expert task: the task is part `part` of `parts` of its
+// stage, its rows whole units of `unit` rows of w0 (gate, paired with up) or
+// the down matrix.
 struct ExpertRows {
   MoeShape shape;
-  uint32_t slot;        // the task's expert slot
-  uint32_t r0, r1;      // its rows [r0, r1)
-  void* const* w;       // the weight table
-  const int32_t* ids;   // [B, top_k] the router's choices
-  bool down;            // the down matrix (else gate, paired with up)
+  uint32_t part, parts;  // the task's part of the stage's
+  uint32_t unit;         // rows are split in units of this many
+  void* const* w;        // the weight table
+  const int32_t* ids;    // [B, top_k] the router's choices
+  bool down;             // the down matrix (else gate, paired with up)
 };
+
+// The part of a task, found from the router's ids alike by the loader and
+// the consumers (the same on every lane; every lane of the warp calls it).
 template <int B>
-__device__ inline Rows expert_rows(ExpertRows a) {
+__device__ inline ExpertPart expert_part(const ExpertRows& a) {
   const MoeShape& s = a.shape;
-  const uint32_t slot = a.slot, r0 = a.r0, r1 = a.r1;
-  void* const* w = a.w;
-  const int32_t* ids = a.ids;
-  const bool down = a.down;
-  const int e = slot_expert<B>(ids, B * s.top_k, slot);
-  if (e < 0) return Rows{nullptr, nullptr, 0, 0, down ? s.inter : s.hidden};
-  if (down) return Rows{static_cast<const __nv_bfloat16*>(w[s.down_base + e]), nullptr, r0, r1, s.inter};
-  return Rows{static_cast<const __nv_bfloat16*>(w[s.gate_base + e]), static_cast<const __nv_bfloat16*>(w[s.up_base + e]),
-              r0, r1, s.hidden};
+  const uint32_t n = B * s.top_k;
+  const uint32_t distinct = expert_words(a.ids, n, s.experts, [](uint32_t, uint32_t, uint32_t) {});
+  if (distinct == 0 || a.part >= a.parts) return ExpertPart{-1, 0, 0, 0};
+  if (a.parts < distinct) __trap();  // the plan gives a stage at least as many parts as slots
+  // Slot s holds parts [s N / D, (s + 1) N / D): the part's slot is the
+  // largest s with s N <= (part + 1) D - 1.
+  const uint32_t slot = uint32_t((uint64_t(a.part + 1) * distinct - 1) / a.parts);
+  const uint32_t first = uint32_t(uint64_t(slot) * a.parts / distinct);
+  const uint32_t count = uint32_t(uint64_t(slot + 1) * a.parts / distinct) - first;
+  const uint32_t rows = a.down ? s.hidden : s.inter, units = (rows + a.unit - 1) / a.unit;
+  const uint32_t k = a.part - first;
+  const uint32_t r0 = min(k * units / count * a.unit, rows), r1 = min((k + 1) * units / count * a.unit, rows);
+  int expert = -1;
+  expert_words(a.ids, n, s.experts, [&](uint32_t w0, uint32_t bits, uint32_t before) {
+    const uint32_t c = __popc(bits);
+    const uint32_t owner = __ballot_sync(~0u, slot >= before && slot < before + c);
+    if (owner == 0) return;
+    const uint32_t lane = __ffs(owner) - 1;
+    uint32_t w = __shfl_sync(~0u, bits, lane);
+    for (uint32_t j = __shfl_sync(~0u, slot - before, lane); j > 0; --j) w &= w - 1;  // drop the j lowest
+    expert = int(32 * (w0 + lane) + __ffs(w) - 1);
+  });
+  return ExpertPart{r0 < r1 ? expert : -1, slot, r0, r1};
+}
+
+// The bf16 rows of an expert task's part (as expert_part found it).
+template <int B>
+__device__ inline Rows expert_rows(const ExpertRows& a, const ExpertPart& q) {
+  const MoeShape& s = a.shape;
+  if (q.expert < 0) return Rows{nullptr, nullptr, 0, 0, a.down ? s.inter : s.hidden};
+  const uint32_t e = uint32_t(q.expert);
+  if (a.down) return Rows{static_cast<const __nv_bfloat16*>(a.w[s.down_base + e]), nullptr, q.r0, q.r1, s.inter};
+  return Rows{static_cast<const __nv_bfloat16*>(a.w[s.gate_base + e]),
+              static_cast<const __nv_bfloat16*>(a.w[s.up_base + e]), q.r0, q.r1, s.hidden};
 }
 
 // The rows of an expert task whose weights are codes and scales (as
@@ -195,30 +261,30 @@ __device__ inline Rows expert_rows(ExpertRows a) {
 // Fp8Rows: codes, scales, the paired matrix's codes and scales, rows, k), S
 // its scales' element type.
 template <class R, class S, int B>
-__device__ inline R expert_coded_rows(ExpertRows a) {
+__device__ inline R expert_coded_rows(const ExpertRows& a, const ExpertPart& q) {
   const MoeShape& s = a.shape;
-  const int e = slot_expert<B>(a.ids, B * s.top_k, a.slot);
   auto codes = [&](uint32_t i) { return static_cast<const uint8_t*>(a.w[i]); };
   auto scales = [&](uint32_t i) { return static_cast<const S*>(a.w[i]); };
-  if (e < 0) return R{nullptr, nullptr, nullptr, nullptr, 0, 0, a.down ? s.inter : s.hidden};
+  if (q.expert < 0) return R{nullptr, nullptr, nullptr, nullptr, 0, 0, a.down ? s.inter : s.hidden};
+  const uint32_t e = uint32_t(q.expert);
   if (a.down) {
-    const uint32_t i = s.down_base + s.stride * uint32_t(e);
-    return R{codes(i), scales(i + 1), nullptr, nullptr, a.r0, a.r1, s.inter};
+    const uint32_t i = s.down_base + s.stride * e;
+    return R{codes(i), scales(i + 1), nullptr, nullptr, q.r0, q.r1, s.inter};
   }
-  const uint32_t g = s.gate_base + s.stride * uint32_t(e), u = s.up_base + s.stride * uint32_t(e);
-  return R{codes(g), scales(g + 1), codes(u), scales(u + 1), a.r0, a.r1, s.hidden};
+  const uint32_t g = s.gate_base + s.stride * e, u = s.up_base + s.stride * e;
+  return R{codes(g), scales(g + 1), codes(u), scales(u + 1), q.r0, q.r1, s.hidden};
 }
 
 // The MXFP4 rows of an expert task: e2m1 codes and e8m0 scale bytes, tiled.
 template <int B>
-__device__ inline MxRows expert_mx_rows(ExpertRows a) {
-  return expert_coded_rows<MxRows, uint8_t, B>(a);
+__device__ inline MxRows expert_mx_rows(const ExpertRows& a, const ExpertPart& q) {
+  return expert_coded_rows<MxRows, uint8_t, B>(a, q);
 }
 
 // The FP8 rows of an expert task: e4m3 codes and fp32 block scales, as stored.
 template <int B>
-__device__ inline Fp8Rows expert_fp8_rows(ExpertRows a) {
-  return expert_coded_rows<Fp8Rows, float, B>(a);
+__device__ inline Fp8Rows expert_fp8_rows(const ExpertRows& a, const ExpertPart& q) {
+  return expert_coded_rows<Fp8Rows, float, B>(a, q);
 }
 
 // routed[b, d] = sum_j weight[b, j] out[slot(ids[b, j]), b, d], for column
@@ -241,8 +307,13 @@ __device__ void expert_combine(ExpertCombine<T> a) {
   const float* dn = a.dn;
   T* routed = a.routed;
   __shared__ uint32_t slot[B * 64];
-  if (B * s.top_k > B * 64) __trap();
-  for (uint32_t i = threadIdx.x; i < B * s.top_k; i += kConsumerThreads) slot[i] = slot_of(ids, B * s.top_k, ids[i]);
+  const uint32_t n = B * s.top_k;
+  if (n > B * 64) __trap();
+  for (uint32_t i0 = threadIdx.x / 32 * 32; i0 < n; i0 += kConsumerThreads) {  // a warp's 32 choices a round
+    const uint32_t i = i0 + threadIdx.x % 32;
+    const uint32_t at = expert_slot_of(ids, n, s.experts, i < n ? ids[i] : -1);
+    if (i < n) slot[i] = at;
+  }
   consumer_sync();
   const uint32_t d0 = tile * s.hidden / tiles, d1 = (tile + 1) * s.hidden / tiles;
   for (uint32_t i = threadIdx.x; i < B * (d1 - d0); i += kConsumerThreads) {

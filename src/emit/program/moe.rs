@@ -141,47 +141,64 @@ impl Gen<'_> {
                 init!("RowsCompute"; rows = "r", x = x, norm = norm, eps = float(eps))
             }
         };
-        let expert_rows = |down: bool| {
+        // A task's part of the step's distinct experts' rows (expert_part,
+        // device/mkc/ops/moe.cuh), found alike by the loader and the consumers.
+        let expert_args = |down: bool| {
             init!("ExpertRows";
                 shape = "@K@_shape(p)",
-                slot = "t.a[0]",
-                r0 = "t.a[1]",
-                r1 = "t.a[2]",
+                part = "t.a[0]",
+                parts = "t.a[1]",
+                unit = "t.a[2]",
                 w = "m.w",
                 ids = ids,
                 down = down,
             )
         };
         let span = "Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0}";
-        self.header(up, op, "one expert slot's gate/up rows");
+        // The stage's functions: the task's arguments, its rows (the loader's),
+        // and its consumers (the rows, the input, the epilogue).
+        let functions = |f: &str, down: bool, x: &str, norm: &str, eps: f64, spill: &str, epilogue: &str| {
+            format!(
+                "__device__ inline ExpertRows {f}_args(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
+                 return {};\n}}\n\
+                 __device__ inline {rows_t} {f}_rows(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
+                 const ExpertRows a = {f}_args(t, m, p);\n  return {rows_fn}<kBatch>(a, expert_part<kBatch>(a));\n}}\n\
+                 __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it, int warp) {{\n  \
+                 const ExpertRows a = {f}_args(t, m, p);\n  const ExpertPart q = expert_part<kBatch>(a);\n  \
+                 const {rows_t} r = {rows_fn}<kBatch>(a, q);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+                 {compute_fn}<kBatch>({}, it, warp, st);\n  consumer_sync();\n{epilogue}}}",
+                expert_args(down),
+                compute(x, norm, eps, spill),
+            )
+        };
+        self.header(up, op, "a part of the step's experts' gate/up rows");
         let f = self.fname(op, up);
-        let _ = writeln!(
-            self.code,
-            "__device__ inline {rows_t} {f}_rows(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
-             return {rows_fn}<kBatch>({});\n}}\n\
-             __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it, int warp) {{\n  \
-             const {rows_t} r = {f}_rows(t, m, p);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
-             {compute_fn}<kBatch>({}, it, warp, st);\n  consumer_sync();\n  \
-             const Span s = {span};\n  {act_call}\n  consumer_sync();\n  \
-             ep_store<kBatch>(st, n, s, {act} + size_t(t.a[0]) * kBatch * {i}, {i});\n}}",
-            expert_rows(false),
-            compute(&x, &norm, eps, &spill[0]),
+        let code = functions(
+            &f,
+            false,
+            &x,
+            &norm,
+            eps,
+            &spill[0],
+            &format!(
+                "  const Span s = {span};\n  {act_call}\n  consumer_sync();\n  \
+                 ep_store<kBatch>(st, n, s, {act} + size_t(q.slot) * kBatch * {i}, {i});\n"
+            ),
         );
+        let _ = writeln!(self.code, "{code}");
         self.role(up, format!("{f}(t, m, p, it, warp);"), Some(format!("{load_fn}({f}_rows(t, m, p), it);")));
-        self.header(down, op, "one expert slot's down rows");
+        self.header(down, op, "a part of the step's experts' down rows");
         let f = self.fname(op, down);
-        let _ = writeln!(
-            self.code,
-            "__device__ inline {rows_t} {f}_rows(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
-             return {rows_fn}<kBatch>({});\n}}\n\
-             __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it, int warp) {{\n  \
-             const {rows_t} r = {f}_rows(t, m, p);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
-             {compute_fn}<kBatch>({}, it, warp, st);\n  \
-             consumer_sync();\n  \
-             ep_store<kBatch>(st, n, {span}, {dn} + size_t(t.a[0]) * kBatch * {d}, {d});\n}}",
-            expert_rows(true),
-            compute(&format!("{act} + size_t(t.a[0]) * kBatch * {i}"), "nullptr", 1e-6, &spill[1]),
+        let code = functions(
+            &f,
+            true,
+            &format!("{act} + size_t(q.slot) * kBatch * {i}"),
+            "nullptr",
+            1e-6,
+            &spill[1],
+            &format!("  ep_store<kBatch>(st, n, {span}, {dn} + size_t(q.slot) * kBatch * {d}, {d});\n"),
         );
+        let _ = writeln!(self.code, "{code}");
         // The loader waits for the router's whole stage before reading the
         // ids (the schedule's load waits, checked by the verifier).
         if !self.plan.arena.writes.contains_key(&ops[1]) {
