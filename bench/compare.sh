@@ -5,7 +5,8 @@
 # library, each pair measured in one process on the same
 # weights against the same PyTorch peer (bench/k2_bench.py, bench/k3_bench.py):
 #   bench/compare.sh OLD_MODELS_DIR [k2|k3|fp8|all]   (fp8: this checkout's FP8 K2 libraries and the peer only)
-# Writes $OUT/compare_k2.json and $OUT/compare_k3.json and prints their tables.
+# Writes $OUT/compare_k2.json and $OUT/compare_k3.json and prints their tables; MKC_BENCH_TRACE=DIR
+# adds one profiled step per library (Chrome trace JSON, for `mkc plan --estimate --trace`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 old=${1:?usage: bench/compare.sh OLD_MODELS_DIR [k2|k3|fp8|all]}
@@ -19,10 +20,12 @@ libs() {  # names...: --lib OLD --lib NEW for each that exists in both
     fi
   done
 }
+trace=()
+[ -n "${MKC_BENCH_TRACE:-}" ] && trace=(--trace "$MKC_BENCH_TRACE")
 rc=0
 if [ "$which" = k2 ] || [ "$which" = all ]; then
   mapfile -t args < <(libs kimi_k2_bench_h200 kimi_k2_bench_b2_h200 kimi_k2_bench_b4_h200 kimi_k2_bench_b8_h200)
-  python3 bench/k2_bench.py --config model_graphs/kimi_k2/bench_4l64e.json "${args[@]}" --json "$out/compare_k2.json" || rc=1
+  python3 bench/k2_bench.py --config model_graphs/kimi_k2/bench_4l64e.json "${args[@]}" "${trace[@]}" --json "$out/compare_k2.json" || rc=1
 fi
 if [ "$which" = k3 ] || [ "$which" = all ]; then
   # K3's per-layer dimensions with 96 experts: two libraries and the peer's bf16 experts need more than
@@ -34,7 +37,7 @@ if [ "$which" = k3 ] || [ "$which" = all ]; then
   echo "K3 per-layer dimensions: test_$dims.json (card memory ${mem:-unknown} MiB)"
   mapfile -t args < <(libs "kimi_k3_dims_${dims}_h200" "kimi_k3_dims_${dims}_b2_h200" "kimi_k3_dims_${dims}_b4_h200" \
     "kimi_k3_dims_${dims}_b8_h200")
-  python3 bench/k3_bench.py --config "model_graphs/kimi_k3/test_$dims.json" "${args[@]}" --json "$out/compare_k3.json" || rc=1
+  python3 bench/k3_bench.py --config "model_graphs/kimi_k3/test_$dims.json" "${args[@]}" "${trace[@]}" --json "$out/compare_k3.json" || rc=1
 fi
 if [ "$which" = fp8 ] || [ "$which" = all ]; then
   # K2 as released (FP8): this checkout's libraries against the peer (a baseline commit may predate FP8).
@@ -43,7 +46,7 @@ if [ "$which" = fp8 ] || [ "$which" = all ]; then
     [ -f "target/models/$name/lib$name.so" ] && args+=(--lib "target/models/$name/lib$name.so")
   done
   if [ ${#args[@]} -gt 0 ]; then
-    python3 bench/k2_bench.py --config model_graphs/kimi_k2/bench_4l64e_fp8.json --fp8 "${args[@]}" \
+    python3 bench/k2_bench.py --config model_graphs/kimi_k2/bench_4l64e_fp8.json --fp8 "${args[@]}" "${trace[@]}" \
       --json "$out/compare_fp8.json" || rc=1
   fi
 fi

@@ -189,7 +189,7 @@ __device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& i
   static_assert(B >= 2 && B <= 8, "A's eight token rows");
   static_assert(2 * G * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
   __shared__ float rs[B], scale[B];
-  mx_token_scales<B>(x, r.k, static_cast<const __nv_bfloat16*>(nullptr), 0.f, 14, rs, scale);
+  token_scales<B>(x, r.k, static_cast<const __nv_bfloat16*>(nullptr), 0.f, 14, rs, scale);
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float sg = g < B ? scale[g] : 0.f, ug = g < B ? 1.f / scale[g] : 0.f;
   float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][G][warp][row, token]

@@ -623,7 +623,7 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
 // rs[b] the RMSNorm scale of token b (1 without `norm`) and scale[b] the
 // power of two that brings its largest |x'| under 2^top.
 template <int B, class T>
-__device__ void mx_token_scales(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, int top, float* rs,
+__device__ void token_scales(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, int top, float* rs,
                                 float* scale) {
   for (int b = 0; b < B; ++b) {
     float ss = 0.f;
@@ -709,7 +709,7 @@ __device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm
                                MxFrags<B>& out) {
   using F = MxFrags<B>;
   __shared__ float rs[B], scale[B];
-  mx_token_scales<B>(x, k, norm, eps, 7, rs, scale);
+  token_scales<B>(x, k, norm, eps, 7, rs, scale);
   auto* frags = reinterpret_cast<uint4*>(area);
   const uint32_t pairs = (k / 32 + 1) / 2;
   // A thread per (pair, token, block of the pair, t): eight elements, their parts to four lanes.
@@ -843,7 +843,7 @@ __device__ void stage_mx_half_frags(const T* x, uint32_t k, const __nv_bfloat16*
                                     MxHalfFrags<B>& out) {
   constexpr int kTiles = MxHalfFrags<B>::kTiles;
   __shared__ float rs[B], scale[B];
-  mx_token_scales<B>(x, k, norm, eps, 14, rs, scale);
+  token_scales<B>(x, k, norm, eps, 14, rs, scale);
   uint4* frags = reinterpret_cast<uint4*>(area);
   const uint32_t pairs = (k / 32 + 1) / 2;
   for (uint32_t i = threadIdx.x; i < pairs * kTiles * 32; i += kConsumerThreads) {
