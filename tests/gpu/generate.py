@@ -33,19 +33,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+from checkpoints import make_checkpoint  # noqa: E402
 from mkc_runtime import MkcError, Model  # noqa: E402
-
-
-def make_checkpoint(arch, config, seed, out):
-    if arch == "k3":
-        from make_k3_checkpoint import make
-
-        make(config, out, True, seed)
-    else:
-        import deepseek_v3_decode
-
-        deepseek_v3_decode.ARCH = arch
-        deepseek_v3_decode.make_checkpoint(config, seed, out)
 
 
 def single_steps(model, first, n):

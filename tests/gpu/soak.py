@@ -35,19 +35,11 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
-import deepseek_v3_decode  # noqa: E402
 import make_k3_checkpoint  # noqa: E402
+from checkpoints import make_checkpoint  # noqa: E402
 from mkc_runtime import MkcError, Model  # noqa: E402
 
 MEMORY_SLACK = 1 << 20
-
-
-def make_checkpoint(arch, config, seed, out):
-    if arch == "k3":
-        make_k3_checkpoint.make(config, out, True, seed)
-    else:
-        deepseek_v3_decode.ARCH = arch
-        deepseek_v3_decode.make_checkpoint(config, seed, out)
 
 
 def free_memory():
