@@ -8,9 +8,9 @@
 //   pieces-8/rows_load: pieces-8's kernel with mkc::rows_load as its loader
 //   rows-12288, rows-33792-global-x, rows-7168-global-x: rows + consumer at K3's dense widths, the
 //                input in shared memory, or read from global memory as a spilled input
-//   bN-fma-K, bN-mma-K[-global-x]: batch N at width K on the CUDA cores (rows_pages_fma, a row
-//                block at a time) and on the tensor cores (rows_pages_mma, kBlockGroup blocks at a
-//                time), the input in shared memory or in global memory
+//   bN-fma-K, bN-mma-K[-global-x][-norm]: batch N at width K on the CUDA cores (rows_pages_fma, a
+//                row block at a time) and on the tensor cores (rows_pages_mma, kRowsGroup blocks at
+//                a time), the input in shared memory or in global memory, through an RMS prologue
 //   pieces-N:    N rows per page, one bulk copy of 8192/N columns from each (the row's last piece
 //                shorter), consumers only wait and release: how the copy size sets the rate
 // and the MXFP4 variants, 2 GiB of codes and scales of rows [n, 3584] (K3's latent width; GB/s
@@ -154,28 +154,35 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* 
 // each takes; the input (ones) in shared memory where [B, K] fits, else in
 // global memory; the output tiles (1024 rows) in global memory (`st`, per SM),
 // as a projection's staging (the tensor-core consumer's sums use scratch).
-template <int B, bool kMma, uint32_t K>
+// kNorm: the tensor-core consumer's input through an RMS prologue (a norm
+// weight of ones in global memory, per-token scales of 1), as the routed
+// gate/up rows' and the LM head's.
+template <int B, bool kMma, uint32_t K, bool kNorm = false>
 __global__ void __launch_bounds__(mkc::kThreads, 1) stream_batch(const __nv_bfloat16* w, uint32_t rows, float* out,
-                                                                const float* ones, float* staging) {
+                                                                const float* ones, float* staging,
+                                                                const __nv_bfloat16* norm) {
   const mkc::Rows r = sm_share(w, rows, K);
   const int warp = threadIdx.x / 32;
   uint32_t it = 0;
   if (warp == mkc::kConsumerWarps) {
-    mkc::rows_load_grouped(r, kMma ? mkc::kBlockGroup : 1, it);
+    mkc::rows_load_grouped(r, kMma ? mkc::kRowsGroup<B> : 1, it);
   } else if (warp < mkc::kConsumerWarps) {
     constexpr bool kFits = size_t(B) * K * sizeof(float) <= size_t(mkc::kActivationBytes);
     const float* xs = ones;
+    __shared__ float scale[B];
+    if (threadIdx.x < B) scale[threadIdx.x] = 1.f;
     if (kFits) {
       float* a = mkc::activation_ptr();
       for (uint32_t i = threadIdx.x; i < B * K; i += mkc::kConsumerThreads) a[i] = 1.f;
-      mkc::consumer_sync();
-      xs = a;
     }
+    mkc::consumer_sync();
+    if (kFits) xs = mkc::activation_ptr();
     float* st = staging + size_t(blockIdx.x) * 1024 * B;
     for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 1024) {
       const mkc::Rows part{w, nullptr, j0, min(j0 + 1024, r.r1), K};
       if constexpr (kMma) {
-        mkc::rows_pages_mma<B>(part, mkc::RowsInput<float>{xs, K, nullptr, nullptr}, it, warp, st);
+        mkc::rows_pages_mma<B>(part, mkc::RowsInput<float>{xs, K, kNorm ? norm : nullptr, kNorm ? scale : nullptr},
+                               it, warp, st);
       } else {
         mkc::rows_pages_fma<B, !kFits>(part, xs, nullptr, nullptr, it, warp, st);
       }
@@ -184,11 +191,11 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) stream_batch(const __nv_bflo
     }
   }
 }
-template <int B, bool kMma, uint32_t K>
+template <int B, bool kMma, uint32_t K, bool kNorm = false>
 static void run_batch(const char* name, const __nv_bfloat16* w, size_t bytes, float* out, int sms, const float* ones,
-                      float* staging) {
+                      float* staging, const __nv_bfloat16* norm = nullptr) {
   const uint32_t rows = uint32_t(bytes / (K * 2)) / (8 * sms) * (8 * sms);
-  timed(name, stream_batch<B, kMma, K>, double(rows / sms) * sms * K * 2, sms, w, rows, out, ones, staging);
+  timed(name, stream_batch<B, kMma, K, kNorm>, double(rows / sms) * sms * K * 2, sms, w, rows, out, ones, staging, norm);
 }
 
 // MXFP4 rows [n, kMxK]: this SM's contiguous share through mx_rows_load and
@@ -286,11 +293,15 @@ int main() {
   float* out = nullptr;
   CHECK(cudaMalloc(&out, sms * sizeof(float)));
   // Activations of ones for the MXFP4 consumers that stage their own input, [8, kMxK].
-  std::vector<float> host_ones(6 * 7168, 1.f);  // also the spilled inputs of the bf16 widths
+  std::vector<float> host_ones(8 * 7168, 1.f);  // also the spilled inputs of the bf16 widths
   float* ones = nullptr;
   CHECK(cudaMalloc(&ones, host_ones.size() * sizeof(float)));
   CHECK(cudaMemcpy(ones, host_ones.data(), host_ones.size() * sizeof(float), cudaMemcpyHostToDevice));
   CHECK(cudaMemset(out, 0, sms * sizeof(float)));
+  std::vector<__nv_bfloat16> host_norm(7168, __float2bfloat16(1.f));  // an RMS prologue's weight
+  __nv_bfloat16* norm = nullptr;
+  CHECK(cudaMalloc(&norm, host_norm.size() * sizeof(__nv_bfloat16)));
+  CHECK(cudaMemcpy(norm, host_norm.data(), host_norm.size() * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice));
   float* staging = nullptr;  // the batch variants' output tiles, [sms][1024 rows][8 tokens]
   CHECK(cudaMalloc(&staging, size_t(sms) * 1024 * 8 * sizeof(float)));
   std::printf("%d SMs, %u rows of %u bf16, %d pages of %d KiB\n", sms, rows, kK, mkc::kPages, mkc::kPageBytes / 1024);
@@ -319,6 +330,11 @@ int main() {
   run_batch<2, false, 7168>("b2-fma-7168", w, bytes, out, sms, ones, staging);
   run_batch<2, true, 7168>("b2-mma-7168", w, bytes, out, sms, ones, staging);
   run_batch<6, true, 7168>("b6-mma-7168-global-x", w, bytes, out, sms, ones, staging);
+  // Batch 8 (two row blocks' sums a group fewer: kSumGroup), and batch 6 and 8 through an RMS
+  // prologue, as the routed gate/up rows and the LM head read K2's hidden width.
+  run_batch<8, true, 7168>("b8-mma-7168-global-x", w, bytes, out, sms, ones, staging);
+  run_batch<6, true, 7168, true>("b6-mma-7168-global-x-norm", w, bytes, out, sms, ones, staging, norm);
+  run_batch<8, true, 7168, true>("b8-mma-7168-global-x-norm", w, bytes, out, sms, ones, staging, norm);
   // MXFP4: the same bytes as codes and scales (k / 2 + k / 32 bytes a row).
   const uint32_t mx_row = mkc::kMxK / 2 + mkc::kMxK / 32;
   const uint32_t mx_rows = uint32_t(size_t(rows) * kK * 2 / mx_row) / (8 * sms) * (8 * sms);
@@ -336,5 +352,6 @@ int main() {
   CHECK(cudaFree(out));
   CHECK(cudaFree(ones));
   CHECK(cudaFree(staging));
+  CHECK(cudaFree(norm));
   return 0;
 }
