@@ -18,9 +18,11 @@
 //! therefore in stage order, so waits only ever point backwards and the
 //! kernel cannot deadlock.
 //!
-//! The predicted times replay that placement with one difference: MXFP4
+//! The predicted times replay that placement with two differences: MXFP4
 //! rows cost their consumers' register decode per element
-//! ([`mx_decode_cycles`], measured) instead of their FLOPs. Placement keeps
+//! ([`mx_decode_cycles`], measured) instead of their FLOPs, and the MLA
+//! split's scores and weighted sums run at the CUDA-core rate its code
+//! reaches ([`MLA_SPLIT_FLOPS_PER_CYCLE`], measured). Placement keeps
 //! FLOPs: on the H200 a placement made with the decode cost ran two stages
 //! of the per-layer-dims K3 25 times slower (docs/PLANNER.md), not yet
 //! understood.
@@ -163,6 +165,15 @@ fn timing(compute_free: f64, load_free: f64, ready: f64, load_t: f64, cost: f64,
 /// A vector clock: per SM, how many of its instructions are known complete.
 type Clock = Vec<u32>;
 
+/// The MLA split's FLOPs per SM cycle (scores a warp per cache row and
+/// weighted sums a thread per column pair, on the CUDA cores; about 16% of
+/// their fp32 peak of 256): K2 dims at batch 8 on the H100, 45.3 MFLOP a
+/// task in 571 us on average at 1.98 GHz (2026-12-06, commit `83f732f`,
+/// bench/results/2026-12-06_h100_83f732f_k2_dims_b8_estimate_vs_trace.txt).
+/// The tensor-core rate the rest of the model assumes predicted the stage
+/// eleven times too fast.
+pub const MLA_SPLIT_FLOPS_PER_CYCLE: f64 = 40.0;
+
 fn join(a: &mut Clock, b: &Clock) {
     for (x, y) in a.iter_mut().zip(b) {
         *x = (*x).max(*y);
@@ -191,9 +202,16 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
         let task = &tiling.tasks[t];
         TASK_OVERHEAD_NS + task.act_bytes as f64 / bw_sm + task.flops as f64 / rate
     };
+    let mla_rate = MLA_SPLIT_FLOPS_PER_CYCLE * target.clock_ghz; // FLOPs per ns
     let predicted = |t: usize| {
         let task = &tiling.tasks[t];
-        let math = if task.decoded > 0 { task.decoded as f64 * mx_ns } else { task.flops as f64 / rate };
+        let math = if task.decoded > 0 {
+            task.decoded as f64 * mx_ns
+        } else if tiling.stages[task.stage].kind == TaskKind::MlaSplit {
+            task.flops as f64 / mla_rate
+        } else {
+            task.flops as f64 / rate
+        };
         TASK_OVERHEAD_NS + task.act_bytes as f64 / bw_sm + math
     };
     let load = |t: usize| {
