@@ -24,6 +24,11 @@ g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sa
   -I device runtime/tests/fp8_layout_test.cpp -o "$out/fp8_layout_test"
 "$out/fp8_layout_test"
 "$out/mx_layout_test"
+# Speculative decoding's rules (accepted drafts, the prompt-lookup drafter): decoding with any
+# drafts gives greedy decoding's tokens.
+g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all \
+  -I device runtime/tests/speculative_test.cpp -o "$out/speculative_test"
+"$out/speculative_test"
 
 # The plan-file reader on the plan files of generated/: the right one reads; another
 # model's, target's or format's, a truncated one and flipped bytes are refused by name.
