@@ -21,6 +21,9 @@
 #   tests/gpu/run_all.sh generate   greedy generation in one launch against single steps (tests/gpu/generate.py):
 #                                   every tiny library (seeds 0 1 2) and K3's per-layer dims (seed 0),
 #                                   tokens/s over 256 steps each way
+#   tests/gpu/run_all.sh quick      about a minute beside each other: ops_test and seed 0 of every tiny
+#                                   library built (K2, K3, Kimi Linear, FP8; 24 steps): a device change's
+#                                   first check, before the longer runs
 #   tests/gpu/run_all.sh soak       10,000 steps of K3 tiny at batch 4 with the e8m0-255 and truncated
 #                                   checkpoints, 2,000 of K2 per-layer dims (tests/gpu/soak.py)
 # Logs under $OUT; a short table last.
@@ -30,6 +33,31 @@ out=${OUT:-/tmp/mkc_out}
 mkdir -p "$out"
 case "${1:-}" in
   check) exec tests/gpu/check_and_bench.sh ;;
+  quick)
+    export PYTHONUNBUFFERED=1
+    mkdir -p "$out/quick"
+    : > "$out/quick/rc.txt"
+    ( timeout 60 target/device/ops_test_sm90a > "$out/quick/ops_test.txt" 2>&1
+      echo "ops_test rc=$?" >> "$out/quick/rc.txt" ) &
+    for dir in target/models/*_tiny_*/; do
+      name=$(basename "$dir")
+      [ -f "$dir/lib$name.so" ] || continue
+      case "$name" in
+        kimi_k3_*) args=(tests/gpu/k3_decode.py --config model_graphs/kimi_k3/tiny.json) ;;
+        kimi_linear_*) args=(tests/gpu/deepseek_v3_decode.py --config model_graphs/kimi_linear/tiny.json --arch kimi_linear) ;;
+        *fp8*) args=(tests/gpu/deepseek_v3_decode.py --config model_graphs/kimi_k2/tiny_fp8.json --fp8) ;;
+        *) args=(tests/gpu/deepseek_v3_decode.py --config model_graphs/kimi_k2/tiny.json) ;;
+      esac
+      ( timeout 150 python3 "${args[@]}" --lib "$dir/lib$name.so" --seeds 0 --gen 24 \
+          --json "$out/quick/$name.json" > "$out/quick/$name.log" 2>&1
+        echo "$name rc=$?" >> "$out/quick/rc.txt" ) &
+    done
+    wait
+    grep -E "FAIL" "$out/quick/ops_test.txt"; tail -n 1 "$out/quick/ops_test.txt"
+    for f in "$out"/quick/*.log; do grep -v '^$' "$f" | grep -vE 'Loading|Writing' | tail -n 2; done
+    cat "$out/quick/rc.txt"
+    ! grep -qv "rc=0" "$out/quick/rc.txt"
+    ;;
   soak)
     rc=0
     timeout 420 python3 tests/gpu/soak.py --lib target/models/kimi_k3_tiny_b4_h200/libkimi_k3_tiny_b4_h200.so \
@@ -157,5 +185,5 @@ case "${1:-}" in
     tail -n 12 "$out"/bisect_*.txt 2>/dev/null
     printf '%s\n' "${summary[@]}"
     ;;
-  *) echo "usage: tests/gpu/run_all.sh check|fp8|generate|sanitize|k3|bisect|soak" >&2; exit 2 ;;
+  *) echo "usage: tests/gpu/run_all.sh check|quick|fp8|generate|sanitize|k3|bisect|soak" >&2; exit 2 ;;
 esac
