@@ -212,7 +212,12 @@ fn predicted_against_measured_counts_the_stages_within_15_percent() {
     let slow = plan::estimate::render_measured(&p, &html::trace::parse(&trace_of(&p, 1.5, true), &p).unwrap());
     assert!(slow.contains(&format!("stages within 15% of the prediction: 0 of {stages}\n")), "{slow}");
     assert!(slow.contains("(ratio 1.50)"), "{slow}");
-    assert_eq!(slow.lines().filter(|l| l.contains(" 1.50  ")).count(), stages, "{slow}");
+    let (per_stage, per_kind) = slow.split_once("per kind of task").expect("the per-kind table");
+    assert_eq!(per_stage.lines().filter(|l| l.contains(" 1.50  ")).count(), stages, "{slow}");
+    // The per-kind table: every kind 1.5 times its prediction, its stages adding up to all of them.
+    let kind_rows: Vec<&str> = per_kind.lines().filter(|l| l.contains(" 1.50  ")).collect();
+    let counted: usize = kind_rows.iter().map(|l| l.split_whitespace().next().unwrap().parse::<usize>().unwrap()).sum();
+    assert!(!kind_rows.is_empty() && counted == stages, "{slow}");
     // A trace of the first stage alone: the others are counted apart, not compared.
     let one: Value = serde_json::from_str(&trace_of(&p, 1.0, true)).unwrap();
     let first = html::trace::stage_name(&p, 0);

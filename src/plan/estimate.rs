@@ -252,6 +252,8 @@ pub fn render_measured(plan: &Plan, measured: &super::html::trace::Measured) -> 
     let _ = writeln!(out, "predicted against measured, per stage (span: first start to last end, us):");
     let _ = writeln!(out, "  {:>5} {:>10} {:>10} {:>7}  stage", "", "predicted", "measured", "ratio");
     let (mut within, mut compared, mut missing) = (0usize, 0usize, 0usize);
+    // Per kind of task: stages, predicted and measured spans summed.
+    let mut kinds: Vec<(String, usize, f64, f64)> = vec![];
     for s in 0..stages {
         let name = super::html::trace::stage_name(plan, s);
         let (p, g) = (predicted[s], got[s]);
@@ -268,6 +270,19 @@ pub fn render_measured(plan: &Plan, measured: &super::html::trace::Measured) -> 
             within += 1;
         }
         let _ = writeln!(out, "  {s:>5} {pspan:>10.1} {gspan:>10.1} {ratio:>7.2}  {name}");
+        let kind = name.split(' ').next().unwrap_or_default().to_string();
+        match kinds.iter_mut().find(|k| k.0 == kind) {
+            Some(k) => (k.1, k.2, k.3) = (k.1 + 1, k.2 + pspan, k.3 + gspan),
+            None => kinds.push((kind, 1, pspan, gspan)),
+        }
+    }
+    // Where the model misses the most time first.
+    kinds.sort_by(|a, b| (b.3 - b.2).abs().total_cmp(&(a.3 - a.2).abs()).then(a.0.cmp(&b.0)));
+    let _ = writeln!(out, "per kind of task, the stages' spans summed (us), the largest miss first:");
+    let _ = writeln!(out, "  {:>6} {:>10} {:>10} {:>7}  kind", "stages", "predicted", "measured", "ratio");
+    for (kind, n, p, g) in &kinds {
+        let ratio = if *p > 0.0 { g / p } else { f64::INFINITY };
+        let _ = writeln!(out, "  {n:>6} {p:>10.1} {g:>10.1} {ratio:>7.2}  {kind}");
     }
     let step_predicted = plan.schedule.step_ns / 1e3;
     let _ = writeln!(
