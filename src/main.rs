@@ -361,7 +361,13 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                 if let Some(g) = gpus {
                     writeln!(out, "{}", plan::multi::assumptions(&target, g))?;
                     for b in [1, 8] {
-                        let m = plan::multi::estimate_on(&v, &target, b, context, g).map_err(|e| plain(&e))?;
+                        // The plan above is one GPU's of g at its batch: not planned again.
+                        let m = if b == batch {
+                            plan::multi::estimate_of(&main, &target, g)
+                        } else {
+                            plan::multi::estimate_on(&v, &target, b, context, g)
+                        }
+                        .map_err(|e| plain(&e))?;
                         write!(out, "{}", plan::multi::render(&m))?;
                     }
                     if target.name == "gb300" && g == 72 {

@@ -30,7 +30,7 @@ use super::estimate::{estimate, Estimate};
 use super::fuse::FusedKind;
 use super::schedule::TASK_OVERHEAD_NS;
 use super::tile::TaskKind;
-use super::{plan, Options};
+use super::{plan, Options, Plan};
 use crate::diag::{Error, ErrorKind, Result};
 use crate::target::Target;
 use crate::valid::Validated;
@@ -61,6 +61,13 @@ pub struct MultiEstimate {
 
 /// Plans one GPU of `gpus` at `batch` and adds the exchanges.
 pub fn estimate_on(v: &Validated, target: &Target, batch: u32, context: u64, gpus: u32) -> Result<MultiEstimate> {
+    in_one_domain(target, gpus)?;
+    let p = plan(v, target, Options { batch, context, expert_parallel: gpus })?;
+    estimate_of(&p, target, gpus)
+}
+
+/// Whether `gpus` GPUs of `target` are one NVLink domain.
+fn in_one_domain(target: &Target, gpus: u32) -> Result<()> {
     if gpus > target.nvlink_domain_gpus {
         return Err(Error::new(
             ErrorKind::Limit,
@@ -70,8 +77,15 @@ pub fn estimate_on(v: &Validated, target: &Target, batch: u32, context: u64, gpu
             ),
         ));
     }
-    let p = plan(v, target, Options { batch, context, expert_parallel: gpus })?;
-    let per_gpu = estimate(&p);
+    Ok(())
+}
+
+/// The estimate on `gpus` GPUs of `p`, one GPU's plan (planned with
+/// `expert_parallel` = `gpus`), with the exchanges added.
+pub fn estimate_of(p: &Plan, target: &Target, gpus: u32) -> Result<MultiEstimate> {
+    in_one_domain(target, gpus)?;
+    let batch = p.options.batch;
+    let per_gpu = estimate(p);
     let g = p.graph.graph();
     let mut moe_layers = 0u64;
     let mut hidden = 0u64;
