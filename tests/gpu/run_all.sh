@@ -162,7 +162,11 @@ case "${1:-}" in
         kimi_k3_*) args=(tests/gpu/k3_decode.py --config model_graphs/kimi_k3/tiny.json) ;;
         *) args=(tests/gpu/deepseek_v3_decode.py --config model_graphs/kimi_linear/tiny.json --arch kimi_linear) ;;
       esac
-      timeout 200 python3 "${args[@]}" --lib "$dir/lib$name.so" --seeds 0 1 2 \
+      # Batch 8 doubles batch 4's reference work: three seeds of K3 tiny at batch 8 did not finish in
+      # 200 s on the H100 beside other GPU jobs.
+      limit=200
+      case "$name" in *_b8_*) limit=400 ;; esac
+      timeout "$limit" python3 "${args[@]}" --lib "$dir/lib$name.so" --seeds 0 1 2 \
         --json "$out/libs/$name.json" > "$out/libs/$name.log" 2>&1
       echo "$name rc=$?" >> "$out/libs/rc.txt"
     done
