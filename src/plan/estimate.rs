@@ -270,7 +270,7 @@ pub fn render_measured(plan: &Plan, measured: &super::html::trace::Measured) -> 
             within += 1;
         }
         let _ = writeln!(out, "  {s:>5} {pspan:>10.1} {gspan:>10.1} {ratio:>7.2}  {name}");
-        let kind = name.split(' ').next().unwrap_or_default().to_string();
+        let kind = super::html::trace::kind_name(plan.tiling.stages[s].kind);
         match kinds.iter_mut().find(|k| k.0 == kind) {
             Some(k) => (k.1, k.2, k.3) = (k.1 + 1, k.2 + pspan, k.3 + gspan),
             None => kinds.push((kind, 1, pspan, gspan)),

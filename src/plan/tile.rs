@@ -582,31 +582,30 @@ impl Builder<'_> {
         // (The device's parts cover as many slots as the step can choose,
         // `min(B k, E)`, whatever share of the experts the estimate assumes.)
         let chosen = (b * k).min(e).max(1);
-        let expert_parts = |rows: u64| {
+        // One stage's parts over an expert's `rows` rows of `row_bytes` each:
+        // the expected share of the bytes, the activations `act(parts, most
+        // rows a part gets)`, `row_flops` a row for each token that chose the
+        // expert; and the mean rows a part streams.
+        let expert_parts = |rows: u64, row_bytes: u64, act: &dyn Fn(u64, u64) -> u64, row_flops: u64| {
             let units = rows.div_ceil(EXPERT_UNIT_ROWS);
             let n = sms.max(chosen).min(chosen * units);
             let most = (units.div_ceil(n / chosen) * EXPERT_UNIT_ROWS).min(rows);
             let mean = expected * rows as f64 / n as f64;
-            (n, most, mean)
-        };
-        let (n_up, most_up, mean_up) = expert_parts(i);
-        let parts = (0..n_up)
-            .map(|j| {
-                (
-                    format!("part {j} of {n_up}"),
-                    (mean_up * up_row as f64).round() as u64,
-                    x_bytes / n_up + most_up * 2 * b,
-                    0,
-                    (4.0 * mean_up * (d * b * k) as f64 / expected).round() as u64,
-                    TaskArgs::ExpertRows {
+            let parts: Vec<_> = (0..n)
+                .map(|j| {
+                    let args = TaskArgs::ExpertRows {
                         part: j as u32,
-                        parts: n_up as u32,
+                        parts: n as u32,
                         unit: EXPERT_UNIT_ROWS as u32,
-                        rows: most_up as u32,
-                    },
-                )
-            })
-            .collect();
+                        rows: most as u32,
+                    };
+                    let flops = (mean * (row_flops * b * k) as f64 / expected).round() as u64;
+                    (format!("part {j} of {n}"), (mean * row_bytes as f64).round() as u64, act(n, most), 0, flops, args)
+                })
+                .collect();
+            (parts, mean)
+        };
+        let (parts, mean_up) = expert_parts(i, up_row, &|n, most| x_bytes / n + most * 2 * b, 4 * d);
         // Every stage reads the router's ids (and the combine its weights).
         let up = self.add_stage(op, TaskKind::ExpertUp, reads.clone(), parts);
         self.out_bytes[up] = slots * i * 2 * b;
@@ -615,24 +614,7 @@ impl Builder<'_> {
                 self.tasks[t].decoded = (2.0 * mean_up * d as f64).round() as u64;
             }
         }
-        let (n_down, most_down, mean_down) = expert_parts(d);
-        let parts = (0..n_down)
-            .map(|j| {
-                (
-                    format!("part {j} of {n_down}"),
-                    (mean_down * down_row as f64).round() as u64,
-                    i * 2 * b + most_down * 4 * b,
-                    0,
-                    (2.0 * mean_down * (i * b * k) as f64 / expected).round() as u64,
-                    TaskArgs::ExpertRows {
-                        part: j as u32,
-                        parts: n_down as u32,
-                        unit: EXPERT_UNIT_ROWS as u32,
-                        rows: most_down as u32,
-                    },
-                )
-            })
-            .collect();
+        let (parts, mean_down) = expert_parts(d, down_row, &|_, most| i * 2 * b + most * 4 * b, 2 * i);
         let down = self.add_stage(op, TaskKind::ExpertDown, [vec![up], reads.clone()].concat(), parts);
         self.out_bytes[down] = slots * d * 4 * b;
         if wd.dtype == DType::Mxfp4 {

@@ -62,8 +62,12 @@ pub enum TraceError {
 /// fused operation (`projection_rows l.0/layer/kda/proj(out)`).
 pub fn stage_name(plan: &Plan, stage: usize) -> String {
     let s = &plan.tiling.stages[stage];
-    let kind = serde_json::to_value(s.kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-    format!("{} {}", kind, plan.fusion.ops[s.op].name)
+    format!("{} {}", kind_name(s.kind), plan.fusion.ops[s.op].name)
+}
+
+/// A kind of task as the trace and the plan name it (`expert_up`).
+pub fn kind_name(kind: crate::plan::tile::TaskKind) -> String {
+    serde_json::to_value(kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
 }
 
 /// Reads `text`, a Chrome trace of one step of `plan`.
