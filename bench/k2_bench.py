@@ -136,21 +136,21 @@ def make_weights(d, seed):
 def quantise_fp8(d, w, merged):
     """K2's released format: the decoder layers' linear weights as e4m3 codes with 128 x 128 block scales
     (tests/gpu/fp8_checkpoint.py). Returns the checkpoint's tensors; `w` and `merged` (the peer's weights)
-    become their dequantised bf16 values, so both sides compute with the same weights."""
+    take their dequantised bf16 values, so both sides compute with the same weights. The experts are
+    dequantised in place: their entries of `w` stay views of the peer's merged tensors (a second copy of
+    the experts did not fit an 80 GB card beside the library)."""
     ckpt = {}
     for k in list(w):
         t = w[k]
         if fp8_checkpoint.is_fp8(k, t):
             codes, scale = fp8_checkpoint.quantise_tensor(t)
             ckpt[k], ckpt[k + "_scale_inv"] = codes, scale
-            w[k] = fp8_checkpoint.dequantise_tensor(codes, scale).to(BF)
+            if ".experts." in k:
+                t.copy_(fp8_checkpoint.dequantise_tensor(codes, scale).to(BF))
+            else:
+                w[k] = fp8_checkpoint.dequantise_tensor(codes, scale).to(BF)
         else:
             ckpt[k] = t
-    for i in merged:
-        m = f"model.layers.{i}.mlp.experts."
-        gu = torch.stack([torch.cat([w[m + f"{e}.gate_proj.weight"], w[m + f"{e}.up_proj.weight"]]) for e in range(d.experts)])
-        dn = torch.stack([w[m + f"{e}.down_proj.weight"] for e in range(d.experts)])
-        merged[i] = (gu, dn)
     return ckpt
 
 
@@ -457,7 +457,9 @@ def measure(model, lib, state, tokens, trace):
     ms2 = model.time_steps(tokens, warmup=5, n=100)
     if trace:
         os.makedirs(trace, exist_ok=True)
-        path = os.path.join(trace, os.path.basename(lib).replace(".so", ".trace.json"))
+        # Named by the library's folder and file: a baseline's library has the same file name.
+        folder = os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(lib))))
+        path = os.path.join(trace, f"{folder}_" + os.path.basename(lib).replace(".so", ".trace.json"))
         model.load_state(state)
         model.profile_step(tokens, path)
         print_trace_summary(path)
@@ -502,6 +504,9 @@ def main():
     work = tempfile.mkdtemp(prefix="mkc_bench_")
     t0 = time.time()
     save_checkpoint(ckpt, config, os.path.join(work, "ckpt"))
+    # Only the sizes are needed from here on (step_bytes): the FP8 codes leave the GPU.
+    ckpt = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in ckpt.items()}
+    torch.cuda.empty_cache()
     print(f"checkpoint written in {time.time() - t0:.1f} s; HBM read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     for lib in args.lib:

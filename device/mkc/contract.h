@@ -12,7 +12,7 @@
 namespace mkc {
 
 // The CTA: consumer warps do the math (two warpgroups); the producer
-// warpgroup holds the loader, the controller, the storer and a spare warp.
+// warpgroup holds the loader, the controller, the storer and the prefetcher.
 constexpr int kConsumerWarps = 8;
 constexpr int kProducerWarps = 4;
 

@@ -3,7 +3,7 @@
 // One CTA per SM, launched once per decode step (or once for a whole greedy
 // generation: generate_kernel), laid out as the planner's
 // warp plan says (src/plan/specialize.rs): two consumer warpgroups (warps 0-7)
-// and one producer warpgroup (warp 8 loader, 9 controller, 10 storer, 11 spare):
+// and one producer warpgroup (warp 8 loader, 9 controller, 10 storer, 11 prefetcher):
 //   controller: for each instruction of this SM's list, waits on its counters
 //               (acquire), then releases the consumers (named barrier 1);
 //   loader:     streams every instruction's weights into the page ring,
@@ -11,7 +11,12 @@
 //               for weights chosen by activations (routed experts);
 //   consumers:  run the instruction's math between the two barriers;
 //   storer:     once the consumers are done (named barrier 2, their stores
-//               fenced), bumps the instruction's counter (release).
+//               fenced), bumps the instruction's counter (release);
+//   prefetcher: a few instructions ahead of the loader, reads each task's
+//               plan records into L1 (`Tasks::prefetch`, if the policy has
+//               one): they are the plan's, not the step's, and read where
+//               they are used they were a chain of memory latencies at the
+//               start of every task, on the loader's and the consumers' path.
 // With a profile buffer, the controller stamps when each instruction's waits
 // are done and the storer when it ends, in %globaltimer nanoseconds (the
 // consumers start it at the later of that and the previous end; the runtime
@@ -30,6 +35,9 @@ namespace mkc {
 constexpr int kLoaderWarp = kConsumerWarps;
 constexpr int kControllerWarp = kConsumerWarps + 1;
 constexpr int kStorerWarp = kConsumerWarps + 2;
+constexpr int kPrefetchWarp = kConsumerWarps + 3;
+// How many instructions the prefetching warp runs ahead of the loader.
+constexpr uint32_t kPrefetchAhead = 4;
 constexpr int kThreads = (kConsumerWarps + 4) * 32;         // 384: the plan's layout
 constexpr int kBarrierThreads = (kConsumerWarps + 1) * 32;  // consumers + controller, or consumers + storer
 // The page ring, then scratch, then the staged activations.
@@ -53,11 +61,19 @@ __device__ __forceinline__ uint64_t global_ns() {
 
 // What the tasks compute is a policy: `Tasks::load(task, params, it)` streams
 // a task's weights (loader warp), `Tasks::run(task, params, it, warp)` runs
-// it (consumer warps); the generated program (generated/*/program.cuh) is
-// one, the skeleton test's projections another.
+// it (consumer warps), and, if it has one, `Tasks::prefetch(task, params)`
+// fetches a task's plan records (prefetcher warp); the generated program (generated/*/program.cuh) is one, the skeleton
+// test's projections another.
 
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// The instruction the loader is at, the prefetcher's pace (a hint: a stale
+// value only moves a prefetch earlier or later).
+__device__ __forceinline__ volatile uint32_t& loader_at() {
+  __shared__ uint32_t at;
+  return at;
 }
 
 // One step of this SM's instruction list [begin, end), each warp in its
@@ -67,6 +83,7 @@ __device__ __forceinline__ void run_step(const Schedule& p, const typename Tasks
                                          uint32_t begin, uint32_t end, int warp, uint32_t& it) {
   if (warp == kLoaderWarp) {
     for (uint32_t i = begin; i < end; ++i) {
+      if (threadIdx.x % 32 == 0) loader_at() = i;
       const Instruction ins = p.instructions[i];
       // Routed-expert weights depend on the router's output: the loader
       // waits for the router's stage before streaming them (not for the
@@ -103,10 +120,18 @@ __device__ __forceinline__ void run_step(const Schedule& p, const typename Tasks
     }
   } else if (warp < kConsumerWarps) {
     for (uint32_t i = begin; i < end; ++i) {
+      const uint32_t task = p.instructions[i].task;  // read while the controller waits
       named_barrier(1, kBarrierThreads);
-      Tasks::run(p.instructions[i].task, params, it, warp);
+      Tasks::run(task, params, it, warp);
       __threadfence();
       named_barrier(2, kBarrierThreads);
+    }
+  } else if (warp == kPrefetchWarp) {
+    if constexpr (requires { Tasks::prefetch(begin, params); }) {
+      for (uint32_t i = begin; i < end; ++i) {
+        while (int32_t(i - loader_at()) >= int32_t(kPrefetchAhead)) __nanosleep(64);
+        Tasks::prefetch(p.instructions[i].task, params);
+      }
     }
   }
 }

@@ -519,10 +519,12 @@ __global__ void slots_kernel() {
 }
 
 static void test_slots(std::mt19937& rng) {
-  const uint32_t n = kSB * 8;
-  // One round of the bitmap (41 experts), two (1,500); as many parts as slots (the plan's least) and more.
-  for (const auto& [experts, parts, rows] : {std::tuple{41u, 132u, 2048u}, std::tuple{41u, 41u, 40u},
-                                            std::tuple{1500u, 132u, 200u}, std::tuple{1500u, n, 2048u}}) {
+  // One round of the bitmap (41 experts), two (1,500); as many parts as slots (the plan's least) and more;
+  // the ids read 128 at a time (64 choices, 200: two reads, the second partial; 512, kMoeMaxChoices).
+  for (const auto& [n, experts, parts, rows] :
+       {std::tuple{kSB * 8u, 41u, 132u, 2048u}, std::tuple{kSB * 8u, 41u, 41u, 40u}, std::tuple{kSB * 8u, 1500u, 132u, 200u},
+        std::tuple{kSB * 8u, 1500u, kSB * 8u, 2048u}, std::tuple{kSB * 25u, 300u, 300u, 64u},
+        std::tuple{kSB * 64u, 1500u, 512u, 32u}}) {
     std::uniform_int_distribution<int32_t> pick(0, int32_t(experts) - 1);
     std::vector<int32_t> ids(n);
     for (auto& x : ids) x = pick(rng);  // repeats across tokens, as at batch 8
@@ -1176,6 +1178,8 @@ int main() {
   test_fp8<6>(rng, 40, 0, 37, 1040, false, true);      // a partial column block and page, a ragged row block
   test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone
   test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots
+  test_attn_res(rng, 1, 7168);   // one snapshot
+  test_attn_res(rng, 31, 256);   // the largest bank (kMaxBankRows)
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");
   return failures == 0 ? 0 : 1;
 }

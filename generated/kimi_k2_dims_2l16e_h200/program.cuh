@@ -2,7 +2,7 @@
 // (batch 1, context 4096). Do not edit: run `mkc codegen`.
 //
 // The code of one decode step: one device function per kind of stage. The
-// 21 stages and 1829 tasks of this model are data in plan.mkcplan (format
+// 21 stages and 1821 tasks of this model are data in plan.mkcplan (format
 // 1, runtime/include/mkc/plan_file.h): per stage, its kind's role here and
 // its parameters (weights, arena offsets, states); per SM, its instructions.
 // What is the same for every stage of a kind (widths, epsilons, shapes) is
@@ -758,6 +758,95 @@ struct Step {
       }
       default:
         break;  // reads its weights itself
+    }
+  }
+
+  // Prefetcher warp, a few instructions ahead of the loader: a task's plan
+  // records and its weights' table entries, into L1 (they are the plan's,
+  // not the step's).
+  static __device__ void prefetch(uint32_t task, const Memory& m) {
+    const TaskArgs& t = m.tasks[task];
+    prefetch_l1(m.params + m.stages[t.stage].params);
+    switch (m.stages[t.stage].role) {
+      case 0: {
+        const auto p = stage_params<embedding0_params>(m, t);
+        prefetch_l1(m.w + p.embed);
+        break;
+      }
+      case 1: {
+        const auto p = stage_params<projection0_params>(m, t);
+        prefetch_l1(m.w + p.n_in);
+        prefetch_l1(m.w + p.w_qa);
+        prefetch_l1(m.w + p.w_kva);
+        break;
+      }
+      case 2: {
+        const auto p = stage_params<projection1_params>(m, t);
+        prefetch_l1(m.w + p.n_qa);
+        prefetch_l1(m.w + p.w_qb);
+        break;
+      }
+      case 3:
+      case 4: {
+        const auto p = stage_params<mla0_params>(m, t);
+        prefetch_l1(m.w + p.n_kva);
+        prefetch_l1(m.w + p.w_kvb);
+        break;
+      }
+      case 5: {
+        const auto p = stage_params<projection2_params>(m, t);
+        prefetch_l1(m.w + p.w_o);
+        break;
+      }
+      case 6: {
+        const auto p = stage_params<projection3_params>(m, t);
+        prefetch_l1(m.w + p.n_post);
+        prefetch_l1(m.w + p.w_gate);
+        prefetch_l1(m.w + p.w_up);
+        break;
+      }
+      case 7: {
+        const auto p = stage_params<projection4_params>(m, t);
+        prefetch_l1(m.w + p.w_down);
+        break;
+      }
+      case 8: {
+        const auto p = stage_params<projection5_params>(m, t);
+        prefetch_l1(m.w + p.n_post);
+        prefetch_l1(m.w + p.router_w);
+        prefetch_l1(m.w + p.s_gate);
+        prefetch_l1(m.w + p.s_up);
+        break;
+      }
+      case 9: {
+        const auto p = stage_params<router0_params>(m, t);
+        prefetch_l1(m.w + p.router_b);
+        break;
+      }
+      case 10:
+      case 11:
+      case 12: {
+        const auto p = stage_params<moe0_params>(m, t);
+        prefetch_l1(m.w + p.n_post);
+        prefetch_l1(m.w + p.e_gate);
+        prefetch_l1(m.w + p.e_up);
+        prefetch_l1(m.w + p.e_down);
+        break;
+      }
+      case 13: {
+        const auto p = stage_params<projection6_params>(m, t);
+        prefetch_l1(m.w + p.s_down);
+        break;
+      }
+      case 14:
+      case 15: {
+        const auto p = stage_params<lm_head0_params>(m, t);
+        prefetch_l1(m.w + p.final_norm);
+        prefetch_l1(m.w + p.lm_w);
+        break;
+      }
+      default:
+        break;
     }
   }
 

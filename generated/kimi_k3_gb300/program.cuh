@@ -1351,6 +1351,173 @@ struct Step {
     }
   }
 
+  // Prefetcher warp, a few instructions ahead of the loader: a task's plan
+  // records and its weights' table entries, into L1 (they are the plan's,
+  // not the step's).
+  static __device__ void prefetch(uint32_t task, const Memory& m) {
+    const TaskArgs& t = m.tasks[task];
+    prefetch_l1(m.params + m.stages[t.stage].params);
+    switch (m.stages[t.stage].role) {
+      case 0: {
+        const auto p = stage_params<embedding0_params>(m, t);
+        prefetch_l1(m.w + p.embed);
+        break;
+      }
+      case 1: {
+        const auto p = stage_params<projection0_params>(m, t);
+        prefetch_l1(m.w + p.n_in);
+        prefetch_l1(m.w + p.w_q);
+        prefetch_l1(m.w + p.w_k);
+        prefetch_l1(m.w + p.w_v);
+        prefetch_l1(m.w + p.w_fa);
+        prefetch_l1(m.w + p.w_b);
+        prefetch_l1(m.w + p.w_g);
+        prefetch_l1(m.w + p.conv_q);
+        prefetch_l1(m.w + p.conv_k);
+        prefetch_l1(m.w + p.conv_v);
+        break;
+      }
+      case 2: {
+        const auto p = stage_params<projection1_params>(m, t);
+        prefetch_l1(m.w + p.w_fb);
+        break;
+      }
+      case 3: {
+        const auto p = stage_params<kda0_params>(m, t);
+        prefetch_l1(m.w + p.a_log);
+        prefetch_l1(m.w + p.dt_bias);
+        break;
+      }
+      case 4: {
+        const auto p = stage_params<projection2_params>(m, t);
+        prefetch_l1(m.w + p.o_norm);
+        prefetch_l1(m.w + p.w_o);
+        break;
+      }
+      case 5: {
+        const auto p = stage_params<attn_res0_params>(m, t);
+        prefetch_l1(m.w + p.mr_w);
+        prefetch_l1(m.w + p.mr_n);
+        break;
+      }
+      case 6: {
+        const auto p = stage_params<projection3_params>(m, t);
+        prefetch_l1(m.w + p.n_post);
+        prefetch_l1(m.w + p.w_gate);
+        prefetch_l1(m.w + p.w_up);
+        break;
+      }
+      case 7: {
+        const auto p = stage_params<projection4_params>(m, t);
+        prefetch_l1(m.w + p.w_down);
+        break;
+      }
+      case 8: {
+        const auto p = stage_params<attn_res1_params>(m, t);
+        prefetch_l1(m.w + p.ar_w);
+        prefetch_l1(m.w + p.ar_n);
+        break;
+      }
+      case 9: {
+        const auto p = stage_params<projection5_params>(m, t);
+        prefetch_l1(m.w + p.o_norm);
+        prefetch_l1(m.w + p.w_o);
+        break;
+      }
+      case 10: {
+        const auto p = stage_params<attn_res2_params>(m, t);
+        prefetch_l1(m.w + p.mr_w);
+        prefetch_l1(m.w + p.mr_n);
+        break;
+      }
+      case 11: {
+        const auto p = stage_params<projection6_params>(m, t);
+        prefetch_l1(m.w + p.n_post);
+        prefetch_l1(m.w + p.router_w);
+        prefetch_l1(m.w + p.s_gate);
+        prefetch_l1(m.w + p.s_up);
+        prefetch_l1(m.w + p.l_down);
+        break;
+      }
+      case 12: {
+        const auto p = stage_params<router0_params>(m, t);
+        prefetch_l1(m.w + p.router_b);
+        break;
+      }
+      case 13:
+      case 14:
+      case 15: {
+        const auto p = stage_params<moe0_params>(m, t);
+        prefetch_l1(m.w + p.e_w1);
+        prefetch_l1(m.w + p.e_w3);
+        prefetch_l1(m.w + p.e_w2);
+        break;
+      }
+      case 16: {
+        const auto p = stage_params<projection7_params>(m, t);
+        prefetch_l1(m.w + p.n_lat);
+        prefetch_l1(m.w + p.l_up);
+        break;
+      }
+      case 17: {
+        const auto p = stage_params<projection8_params>(m, t);
+        prefetch_l1(m.w + p.s_down);
+        break;
+      }
+      case 18: {
+        const auto p = stage_params<projection9_params>(m, t);
+        prefetch_l1(m.w + p.n_in);
+        prefetch_l1(m.w + p.w_qa);
+        prefetch_l1(m.w + p.w_kva);
+        prefetch_l1(m.w + p.w_g);
+        break;
+      }
+      case 19: {
+        const auto p = stage_params<projection10_params>(m, t);
+        prefetch_l1(m.w + p.n_qa);
+        prefetch_l1(m.w + p.w_qb);
+        break;
+      }
+      case 20:
+      case 21: {
+        const auto p = stage_params<mla0_params>(m, t);
+        prefetch_l1(m.w + p.n_kva);
+        prefetch_l1(m.w + p.w_kvb);
+        break;
+      }
+      case 22: {
+        const auto p = stage_params<projection11_params>(m, t);
+        prefetch_l1(m.w + p.w_o);
+        break;
+      }
+      case 23: {
+        const auto p = stage_params<projection12_params>(m, t);
+        prefetch_l1(m.w + p.s_down);
+        break;
+      }
+      case 24: {
+        const auto p = stage_params<projection13_params>(m, t);
+        prefetch_l1(m.w + p.s_down);
+        break;
+      }
+      case 25: {
+        const auto p = stage_params<attn_res3_params>(m, t);
+        prefetch_l1(m.w + p.out_w);
+        prefetch_l1(m.w + p.out_n);
+        break;
+      }
+      case 26:
+      case 27: {
+        const auto p = stage_params<lm_head0_params>(m, t);
+        prefetch_l1(m.w + p.final_norm);
+        prefetch_l1(m.w + p.lm_w);
+        break;
+      }
+      default:
+        break;
+    }
+  }
+
   // Consumer warps: runs a task.
   static __device__ void run(uint32_t task, const Memory& m, uint32_t& it, int warp) {
     const TaskArgs& t = m.tasks[task];

@@ -85,6 +85,15 @@ struct CaseView {
     call: String,
 }
 
+/// The roles of one kind whose parameters name weights: the consumers'
+/// prefetch of those weights' table entries (`Step::prefetch`).
+#[derive(Serialize)]
+struct PrefetchView {
+    roles: Vec<u32>,
+    kind: String,
+    weights: Vec<String>,
+}
+
 fn render(env: &minijinja::Environment, name: &str, ctx: minijinja::Value) -> Result<String> {
     env.get_template(name)
         .and_then(|t| t.render(ctx))
@@ -137,8 +146,15 @@ pub fn emit(
     };
     let mut cases = vec![];
     let mut load_cases = vec![];
+    let mut prefetch = vec![];
     let mut role = 0u32;
     for k in &p.kinds {
+        let weights: Vec<String> =
+            k.fields.iter().filter(|(_, what)| *what == program::WEIGHT_INDEX).map(|(f, _)| f.clone()).collect();
+        if !weights.is_empty() {
+            let roles = (role..role + k.roles.len() as u32).collect();
+            prefetch.push(PrefetchView { roles, kind: k.name.clone(), weights });
+        }
         for r in &k.roles {
             let spell = |s: &str| s.replace("@K@", &k.name);
             cases.push(CaseView { role, kind: k.name.clone(), call: spell(&r.run) });
@@ -168,7 +184,7 @@ pub fn emit(
             router_top_k => p.router_top_k, route_log_ints => p.route_log_ints,
             staging_floats => p.staging_floats, pages => p.pages,
             outputs => p.outputs, next_token_output => p.next_token_output, logits_output => p.logits_output,
-            vocab => p.vocab, kinds, cases, load_cases, format => plan_file::FORMAT,
+            vocab => p.vocab, kinds, cases, load_cases, prefetch, format => plan_file::FORMAT,
             stages => plan.tiling.stages.len(), tasks => plan.tiling.tasks.len(), ..provenance.clone()
         },
     )?;

@@ -155,10 +155,13 @@ enum Param {
     Int(u64),
 }
 
+/// What a parameter field that holds a weight's index says it holds.
+pub const WEIGHT_INDEX: &str = "weight index";
+
 impl Param {
     fn what(self) -> &'static str {
         match self {
-            Param::Weight(_) => "weight index",
+            Param::Weight(_) => WEIGHT_INDEX,
             Param::State(_) => "state index",
             Param::Arena(_) => "arena offset",
             Param::RouteLog(_) => "arena offset (routing log)",

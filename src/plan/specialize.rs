@@ -6,7 +6,7 @@
 //! producer warpgroup holding the controller (decodes instructions, waits on
 //! counters), the loader (TMA weight tiles into the page ring, running ahead
 //! of dependency waits), the storer (publishes results, signals counters) and
-//! a spare warp; consumer warpgroups do the math. `setmaxnreg` moves
+//! a prefetcher warp; consumer warpgroups do the math. `setmaxnreg` moves
 //! registers from the producer warpgroup to the consumers.
 
 use serde::Serialize;
@@ -28,7 +28,7 @@ use crate::contract::{CONSUMER_WARPS, MAX_BATCH, PRODUCER_WARPS};
 /// The CTA layout of the persistent kernel.
 #[derive(Debug, Clone, Serialize)]
 pub struct Layout {
-    /// Warps of the producer warpgroup: controller, loader, storer, spare.
+    /// Warps of the producer warpgroup: controller, loader, storer, prefetcher.
     pub producer_warps: u32,
     /// Consumer warpgroups (4 warps each).
     pub consumer_warpgroups: u32,

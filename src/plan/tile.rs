@@ -589,6 +589,10 @@ impl Builder<'_> {
         let expert_parts = |rows: u64, row_bytes: u64, act: &dyn Fn(u64, u64) -> u64, row_flops: u64| {
             let units = rows.div_ceil(EXPERT_UNIT_ROWS);
             let n = sms.max(chosen).min(chosen * units);
+            // At batch 1 the step's distinct experts are exactly the `chosen`: a
+            // multiple of them gives every slot the same parts (the parts past
+            // it would only split some slots finer, the largest part the same).
+            let n = if b == 1 { n / chosen * chosen } else { n };
             let most = (units.div_ceil(n / chosen) * EXPERT_UNIT_ROWS).min(rows);
             let mean = expected * rows as f64 / n as f64;
             let parts: Vec<_> = (0..n)

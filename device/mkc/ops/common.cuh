@@ -41,6 +41,9 @@ __device__ __forceinline__ P stage_params(const Memory& m, const TaskArgs& t) {
   return *reinterpret_cast<const P*>(m.params + m.stages[t.stage].params);
 }
 
+// Fetches the line of `p` into L1 without waiting for it.
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 3, %0;" ::"r"(kConsumerThreads) : "memory"); }
 
 __device__ inline unsigned char* scratch_ptr() {

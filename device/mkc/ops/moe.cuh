@@ -141,13 +141,29 @@ struct MoeShape {
   uint32_t stride = 1;
 };
 
-// Bit e % 32 set for each expert e of ids[0..n) in word `word` (experts
-// [32 word, 32 word + 32)).
+// Bit e % 32 set for each expert e of ids[0..n) in this lane's word `word`
+// (experts [32 word, 32 word + 32)). The warp reads the ids together, a lane
+// each and 128 at a time, all four loads in flight, and passes each id to
+// every lane by a shuffle (each lane reading all n ids one after another
+// waited out a memory latency every few ids). Every lane of the warp calls it.
 __device__ inline uint32_t expert_word(const int32_t* ids, uint32_t n, uint32_t word) {
+  const uint32_t lane = threadIdx.x % 32;
   uint32_t bits = 0;
-  for (uint32_t j = 0; j < n; ++j) {
-    const uint32_t e = uint32_t(ids[j]);
-    if (e >> 5 == word) bits |= 1u << (e & 31);
+  for (uint32_t j0 = 0; j0 < n; j0 += 128) {
+    int32_t id[4];
+#pragma unroll
+    for (uint32_t q = 0; q < 4; ++q) {
+      const uint32_t j = j0 + 32 * q + lane;
+      id[q] = j < n ? ids[j] : -1;
+    }
+#pragma unroll
+    for (uint32_t q = 0; q < 4; ++q) {
+      const uint32_t first = j0 + 32 * q, count = first < n ? min(32u, n - first) : 0u;
+      for (uint32_t k = 0; k < count; ++k) {
+        const uint32_t e = uint32_t(__shfl_sync(~0u, id[q], k));
+        if (e >> 5 == word) bits |= 1u << (e & 31);
+      }
+    }
   }
   return bits;
 }
