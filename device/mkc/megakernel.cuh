@@ -62,8 +62,8 @@ __device__ __forceinline__ uint64_t global_ns() {
 // What the tasks compute is a policy: `Tasks::load(task, params, it)` streams
 // a task's weights (loader warp), `Tasks::run(task, params, it, warp)` runs
 // it (consumer warps), and, if it has one, `Tasks::prefetch(task, params)`
-// fetches a task's plan records (prefetcher warp); the generated program (generated/*/program.cuh) is one, the skeleton
-// test's projections another.
+// fetches a task's plan records (prefetcher warp); the generated program
+// (generated/*/program.cuh) is one, the skeleton test's projections another.
 
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

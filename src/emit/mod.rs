@@ -85,8 +85,8 @@ struct CaseView {
     call: String,
 }
 
-/// The roles of one kind whose parameters name weights: the consumers'
-/// prefetch of those weights' table entries (`Step::prefetch`).
+/// The roles of one kind whose parameters name weights: the prefetcher's
+/// reads of those weights' table entries (`Step::prefetch`).
 #[derive(Serialize)]
 struct PrefetchView {
     roles: Vec<u32>,
