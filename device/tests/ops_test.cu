@@ -652,6 +652,7 @@ __device__ float* g_out;
 __device__ uint32_t g_hg, g_split;
 // Split and combine stream the cache rows and W_UV through the page ring, as
 // in the megakernel: warp 8 loads, warps 0-7 compute.
+template <bool kMma>
 __global__ void mla_split_kernel() {
   if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
   __syncthreads();
@@ -665,7 +666,7 @@ __global__ void mla_split_kernel() {
                                                .pos = g_mpos},
                              it);
   } else {
-    mkc::mla_split<kMB>(mkc::MlaSplit{.shape = g_mla,
+    mkc::mla_split<kMB, float, kMma>(mkc::MlaSplit{.shape = g_mla,
                                       .head_group = g_hg,
                                       .split = g_split,
                                       .q = g_q,
@@ -701,7 +702,8 @@ struct MlaDims {
   float scale;
 };
 
-static void test_mla(std::mt19937& rng, const MlaDims& d) {
+// mma: the folds on the tensor cores (mla_fold_mma), else on the CUDA cores.
+static void test_mla(std::mt19937& rng, const MlaDims& d, bool mma = false) {
   const uint32_t heads = d.heads, hpt = d.hpt, groups = d.groups, splits = d.splits, ctx = d.ctx, c = d.c,
                  nope = d.nope, rope = d.rope, v = d.v;
   const float scale = d.scale;
@@ -750,7 +752,11 @@ static void test_mla(std::mt19937& rng, const MlaDims& d) {
     for (uint32_t sp = 0; sp < splits; ++sp) {
       CHECK(cudaMemcpyToSymbol(g_hg, &hg, sizeof hg));
       CHECK(cudaMemcpyToSymbol(g_split, &sp, sizeof sp));
-      launch_with_loader(mla_split_kernel);
+      if (mma) {
+        launch_with_loader(mla_split_kernel<true>);
+      } else {
+        launch_with_loader(mla_split_kernel<false>);
+      }
     }
   }
   for (uint32_t h = 0; h < heads; ++h) {  // a head per combine task, as the planner tiles it
@@ -807,9 +813,9 @@ static void test_mla(std::mt19937& rng, const MlaDims& d) {
   }
   char detail[192];
   std::snprintf(detail, sizeof detail,
-                "%u heads (%u per task), c %u, %u splits of %u, pos %d %d: max abs error %.2e (outputs up to %.2f), "
+                "%s%u heads (%u per task), c %u, %u splits of %u, pos %d %d: max abs error %.2e (outputs up to %.2f), "
                 "appended row rel error %.2e",
-                heads, hpt, c, splits, ctx, pos[0], pos[1], worst, norm_ref, cache_err);
+                mma ? "tensor cores: " : "", heads, hpt, c, splits, ctx, pos[0], pos[1], worst, norm_ref, cache_err);
   report("MLA split + combine (absorbed vs expanded)", worst < 1e-3 * std::max(1.0, norm_ref) && cache_err < 1.6e-2,
          detail);
   for (void* p : {(void*)d_q, (void*)d_ckv, (void*)d_kpe, (void*)d_norm, (void*)d_w, (void*)d_cache, (void*)d_pos,
@@ -1146,6 +1152,11 @@ int main() {
   test_mla(rng, MlaDims{8, 4, 2, 3, 200, 512, 128, 64, 128, {150, 7}, 0.0722f});
   // K3's form (no RoPE part), six heads per task: two register passes of the query.
   test_mla(rng, MlaDims{12, 6, 2, 2, 300, 512, 128, 0, 128, {299, 64}, 0.0884f});
+  // The same on the tensor cores (mla_fold_mma): K2's rows (512 + 64: 14 a page, 57 a fold), K3's (512: 16
+  // a page, 65 a fold, nine tiles of scores over eight warps), a split of the current row alone (pos 0).
+  test_mla(rng, MlaDims{8, 4, 2, 3, 200, 512, 128, 64, 128, {150, 7}, 0.0722f}, true);
+  test_mla(rng, MlaDims{12, 6, 2, 2, 300, 512, 128, 0, 128, {299, 64}, 0.0884f}, true);
+  test_mla(rng, MlaDims{8, 8, 1, 4, 256, 512, 128, 64, 128, {0, 255}, 0.0722f}, true);
   test_conv_l2(rng);
   test_kda(rng, 4, 16, false);   // Kimi Linear tiny: softplus gate
   test_kda(rng, 4, 128, true);   // K3's head size and safe gate

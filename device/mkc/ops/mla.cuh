@@ -3,6 +3,10 @@
 // ring).
 #pragma once
 
+#include <cute/arch/copy_sm75.hpp>
+
+#include <type_traits>
+
 #include "rows.cuh"
 
 namespace mkc {
@@ -134,6 +138,43 @@ struct FoldRows {
   }
 };
 
+// The fold's softmax, per head (a warp each): the fold's maximum, the new
+// running maximum, the probabilities (in place of the scores), the running
+// sum and its rescale.
+__device__ inline void mla_fold_softmax(uint32_t nh, uint32_t n, MlaRunning& run, int parity) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float(*prob)[kMaxMlaHeads] = run.prob[parity];
+  if (uint32_t(warp) < nh) {
+    const uint32_t h = warp;
+    float sc[3];
+    float m = run.max[h];
+#pragma unroll
+    for (int u = 0; u < 3; ++u) {
+      const uint32_t j = lane + 32 * u;
+      sc[u] = j < n ? prob[j][h] : -INFINITY;
+      m = fmaxf(m, sc[u]);
+    }
+    m = warp_max(m);
+    float l = 0.f;
+#pragma unroll
+    for (int u = 0; u < 3; ++u) {
+      const uint32_t j = lane + 32 * u;
+      if (j < n) {
+        const float e = expf(sc[u] - m);
+        prob[j][h] = e;
+        l += e;
+      }
+    }
+    l = warp_sum(l);
+    if (lane == 0) {
+      const float rescale = expf(run.max[h] - m);  // 0 on the first rows (max -inf)
+      run.rescale[parity][h] = rescale;
+      run.sum[h] = run.sum[h] * rescale + l;
+      run.max[h] = m;
+    }
+  }
+}
+
 // Folds the rows of f into the running attention of the nh heads:
 //  1. scores: a warp per row, a lane per kMlaLanePairs column pairs, the
 //     query of kMlaQuad heads at a time in registers, the heads' warp sums
@@ -177,35 +218,7 @@ __device__ void mla_fold(const MlaShape& s, uint32_t nh, const FoldRows& f, cons
     }
   }
   consumer_sync();
-  if (uint32_t(warp) < nh) {
-    const uint32_t h = warp;
-    float sc[3];
-    float m = run.max[h];
-#pragma unroll
-    for (int u = 0; u < 3; ++u) {
-      const uint32_t j = lane + 32 * u;
-      sc[u] = j < n ? prob[j][h] : -INFINITY;
-      m = fmaxf(m, sc[u]);
-    }
-    m = warp_max(m);
-    float l = 0.f;
-#pragma unroll
-    for (int u = 0; u < 3; ++u) {
-      const uint32_t j = lane + 32 * u;
-      if (j < n) {
-        const float e = expf(sc[u] - m);
-        prob[j][h] = e;
-        l += e;
-      }
-    }
-    l = warp_sum(l);
-    if (lane == 0) {
-      const float rescale = expf(run.max[h] - m);  // 0 on the first rows (max -inf)
-      run.rescale[parity][h] = rescale;
-      run.sum[h] = run.sum[h] * rescale + l;
-      run.max[h] = m;
-    }
-  }
+  mla_fold_softmax(nh, n, run, parity);
   consumer_sync();
   const uint32_t pair = threadIdx.x;  // c <= 2 * kConsumerThreads (checked at codegen)
   if (pair < s.c / 2) {
@@ -241,6 +254,107 @@ __device__ void mla_fold(const MlaShape& s, uint32_t nh, const FoldRows& f, cons
   }
 }
 
+// The fold on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 sums),
+// where the widths allow it (mla_mma_fits): the heads are M, as the tokens are
+// in rows_pages_mma, rows 0-7 the high bf16 half of each head's fp32 query
+// (scores) or probabilities (weighted sums) and rows 8-15 the low half, so one
+// MMA a k-step keeps the fp32 value to about 2^-17 and a head's two rows are
+// added at the end; the cache rows (exact in bf16) are B, read in the ring's
+// pages:
+//  1. scores [heads, rows]: N = 8 rows a tile (a warp's), K = the row's
+//     c + rope columns; lane (g, t) reads row g's columns 8 t .. + 7 of each
+//     32 (one 16-byte load) as its k-slots (2t, 2t+1, 2t+8, 2t+9) of two
+//     steps, the query's columns likewise;
+//  2. the softmax (mla_fold_softmax);
+//  3. weighted sums [heads, c] += P [heads, rows] V [rows, c]: warp w's
+//     columns [64 w, 64 w + 64), eight N tiles; K = the fold's rows, 16 a
+//     step, V's fragments by ldmatrix.trans (rows past the fold read the last
+//     row again, under probabilities of 0). acc[i] is N tile i's fragment:
+//     [0], [1] head g's high-half sums at columns 2t, 2t + 1 of the tile, [2],
+//     [3] its low-half sums there.
+constexpr uint32_t kMlaMmaTiles = kMlaMaxLatent / (8 * kConsumerWarps);
+static_assert(kMlaMaxLatent == 64 * kConsumerWarps, "a warp takes 64 latent columns of the weighted sums");
+static_assert(kMaxMlaHeads == 8, "the heads fill M's eight high and eight low rows");
+
+// Whether a row of c latent and rope RoPE columns takes the tensor-core fold:
+// whole 32-column blocks on either side of c (scores), c within a warp's
+// columns.
+__host__ __device__ constexpr bool mla_mma_fits(uint32_t c, uint32_t rope) {
+  return c % 32 == 0 && rope % 32 == 0 && c <= kMlaMaxLatent;
+}
+
+__device__ void mla_fold_mma(const MlaShape& s, uint32_t nh, const FoldRows& f, const float* qlat, const float* qpe,
+                             MlaRunning& run, int parity, float (&acc)[kMlaMmaTiles][4]) {
+  const uint32_t n = f.n();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t g = uint32_t(lane) / 4, t = uint32_t(lane) % 4;
+  const uint32_t width = s.c + s.rope;
+  float(*prob)[kMaxMlaHeads] = run.prob[parity];
+  // 1. Scores: head g's query as A (zeros past the task's heads).
+  for (uint32_t tile = warp; 8 * tile < n; tile += kConsumerWarps) {
+    const __nv_bfloat16* r = f.at(min(8 * tile + g, n - 1));
+    float d[4] = {};
+    for (uint32_t k0 = 0; k0 < width; k0 += 32) {
+      const uint32_t col = k0 + 8 * t;
+      float x[8] = {};
+      if (g < nh) {
+        const float* q = k0 < s.c ? qlat + g * s.c + col : qpe + g * s.rope + (col - s.c);
+        const float4 lo4 = *reinterpret_cast<const float4*>(q), hi4 = *reinterpret_cast<const float4*>(q + 4);
+        x[0] = lo4.x, x[1] = lo4.y, x[2] = lo4.z, x[3] = lo4.w, x[4] = hi4.x, x[5] = hi4.y, x[6] = hi4.z, x[7] = hi4.w;
+      }
+      uint32_t hi[4], lo[4];
+#pragma unroll
+      for (int pr = 0; pr < 4; ++pr) split_pair<__nv_bfloat162>(x[2 * pr], x[2 * pr + 1], hi[pr], lo[pr]);
+      const uint4 w = *reinterpret_cast<const uint4*>(r + col);
+      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], hi[0], lo[0], hi[1], lo[1], w.x, w.y, d[0], d[1],
+                                                d[2], d[3]);
+      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], hi[2], lo[2], hi[3], lo[3], w.z, w.w, d[0], d[1],
+                                                d[2], d[3]);
+    }
+    const uint32_t j = 8 * tile + 2 * t;  // d: head g's scores of rows j, j + 1 (high halves, then low)
+    if (g < nh && j < n) prob[j][g] = (d[0] + d[2]) * s.scale;
+    if (g < nh && j + 1 < n) prob[j + 1][g] = (d[1] + d[3]) * s.scale;
+  }
+  consumer_sync();
+  mla_fold_softmax(nh, n, run, parity);
+  consumer_sync();
+  // 3. Weighted sums: the probabilities as A.
+  const float rescale = g < nh ? run.rescale[parity][g] : 0.f;
+#pragma unroll
+  for (uint32_t i = 0; i < kMlaMmaTiles; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] *= rescale;
+  }
+  const uint32_t c0 = 64 * uint32_t(warp);
+  if (c0 >= s.c) return;
+  for (uint32_t j0 = 0; j0 < n; j0 += 16) {
+    float p[4] = {};  // head g's probabilities of rows j0 + 2t, + 1, + 8, + 9
+#pragma unroll
+    for (uint32_t e = 0; e < 4; ++e) {
+      const uint32_t j = j0 + 2 * t + (e & 1) + 8 * (e >> 1);
+      if (g < nh && j < n) p[e] = prob[j][g];
+    }
+    uint32_t hi[2], lo[2];
+    split_pair<__nv_bfloat162>(p[0], p[1], hi[0], lo[0]);
+    split_pair<__nv_bfloat162>(p[2], p[3], hi[1], lo[1]);
+    // This lane's ldmatrix row: row j0 + (lane % 8) + 8 ((lane / 8) % 2), columns + 8 (lane / 16).
+    const __nv_bfloat16* r = f.at(min(j0 + uint32_t(lane) % 8 + 8 * ((uint32_t(lane) / 8) % 2), n - 1));
+#pragma unroll
+    for (uint32_t i = 0; i < kMlaMmaTiles; i += 2) {
+      const uint32_t col = c0 + 8 * i;
+      if (col >= s.c) break;
+      uint32_t b[4];  // b0, b1 of N tile i, then of tile i + 1
+      cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(r + col + 8 * (uint32_t(lane) / 16)),
+                                    b[0], b[1], b[2], b[3]);
+      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(acc[i][0], acc[i][1], acc[i][2], acc[i][3], hi[0], lo[0], hi[1], lo[1],
+                                                b[0], b[1], acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(acc[i + 1][0], acc[i + 1][1], acc[i + 1][2], acc[i + 1][3], hi[0],
+                                                lo[0], hi[1], lo[1], b[2], b[3], acc[i + 1][0], acc[i + 1][1],
+                                                acc[i + 1][2], acc[i + 1][3]);
+    }
+  }
+}
+
 // One (head group, KV split) task: partials [B, heads, splits, 2 + c] of
 // (max, sum of exp, sum of exp * c_kv), by online softmax over the split's
 // cache rows, then the current row. First every token's query is absorbed into
@@ -251,7 +365,8 @@ __device__ void mla_fold(const MlaShape& s, uint32_t nh, const FoldRows& f, cons
 // token by token, the cache rows through the ring, kMlaFoldPages pages per
 // fold (mla_split_load streams both). The split holding the current position
 // appends the new row to the cache (head group 0 writes it; the others use
-// their own copy in shared memory).
+// their own copy in shared memory). kMma: the folds on the tensor cores
+// (mla_fold_mma; widths as mla_mma_fits), otherwise on the CUDA cores.
 template <class T>
 struct MlaSplit {
   MlaShape shape;
@@ -308,8 +423,9 @@ __device__ void mla_absorb(const MlaShape& s, uint32_t nh, const float* qn, floa
   consumer_sync();  // every thread's sums are in (shared or global memory) for the folds
 }
 
-template <int B, class T>
+template <int B, class T, bool kMma = false>
 __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
+  if (kMma && !mla_mma_fits(a.shape.c, a.shape.rope)) __trap();  // the widths the tensor-core fold takes
   const MlaShape& s = a.shape;
   const uint32_t hg = a.head_group, split = a.split;
   const T *q = a.q, *ckv_raw = a.ckv_raw, *kpe = a.kpe;
@@ -373,7 +489,10 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
     if (threadIdx.x < kMaxMlaHeads) run.max[threadIdx.x] = -INFINITY, run.sum[threadIdx.x] = 0.f;
     consumer_sync();
     // The cache rows, kMlaFoldPages pages per fold; the current row joins the last fold.
-    float acc[kMaxMlaHeads][2] = {};
+    // The weighted sums' accumulators: a pair of latent columns of every head
+    // (mla_fold), or the tensor-core fold's tiles (mla_fold_mma).
+    using Acc = std::conditional_t<kMma, float[kMlaMmaTiles][4], float[kMaxMlaHeads][2]>;
+    Acc acc = {};
     const Rows cr = mla_cache_rows(s, split, cache, b, p_now);
     const uint32_t per = packed_rows(row), rows = cr.r1 - cr.r0;
     const uint32_t pages = (rows + per - 1) / per;
@@ -383,18 +502,35 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
       FoldRows f{it, nullptr, per, min(np * per, rows - pg * per), row};
       for (uint32_t k = 0; k < np; ++k) Barrier::wait(&ring_ptr()->full[(it + k) % kPages], ((it + k) / kPages) & 1);
       if (pg + np == pages && has_now) f.cur = cur;
-      mla_fold(s, nh, f, qlat_b, qpe, run, parity, acc);
+      if constexpr (kMma) {
+        mla_fold_mma(s, nh, f, qlat_b, qpe, run, parity, acc);
+      } else {
+        mla_fold(s, nh, f, qlat_b, qpe, run, parity, acc);
+      }
       for (uint32_t k = 0; k < np; ++k) release_page(&ring_ptr()->empty[(it + k) % kPages]);
       it += np;
       pg += np;
       parity ^= 1;
     }
-    if (pair < s.c / 2) {
+    auto part_of = [&](uint32_t h) { return partials + ((size_t(b) * s.heads + h0 + h) * s.splits + split) * (2 + s.c); };
+    if constexpr (kMma) {
+      // Lane (g, t) of warp w holds head g's sums at columns 64 w + 8 i + 2t, + 1: high halves plus low.
+      const uint32_t g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4, c0 = 64 * (threadIdx.x / 32);
+      if (g < nh) {
+        float* part = part_of(g);
+#pragma unroll
+        for (uint32_t i = 0; i < kMlaMmaTiles; ++i) {
+          const uint32_t col = c0 + 8 * i + 2 * t;
+          if (col < s.c) part[2 + col] = acc[i][0] + acc[i][2], part[3 + col] = acc[i][1] + acc[i][3];
+        }
+      }
+      if (threadIdx.x < nh) part_of(threadIdx.x)[0] = run.max[threadIdx.x], part_of(threadIdx.x)[1] = run.sum[threadIdx.x];
+    } else if (pair < s.c / 2) {
       const uint32_t cc = 2 * pair;
 #pragma unroll
       for (uint32_t h = 0; h < kMaxMlaHeads; ++h) {
         if (h >= nh) break;
-        float* part = partials + ((size_t(b) * s.heads + h0 + h) * s.splits + split) * (2 + s.c);
+        float* part = part_of(h);
         part[2 + cc] = acc[h][0];
         part[3 + cc] = acc[h][1];
         if (cc == 0) {
