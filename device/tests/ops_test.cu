@@ -409,19 +409,20 @@ static void test_fp8(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r
 }
 
 // ---------------------------------------------------------------------------
-// Router.
-constexpr int kRB = 4;
+// Router, at batch kRB (a warp per token).
 __device__ mkc::RouterShape g_router;
 __device__ const float* g_logits;
 __device__ const float* g_bias;
 __device__ int32_t* g_ids;
 __device__ float* g_wts;
 __device__ int32_t* g_log;
+template <int kRB>
 __global__ void router_kernel() {
   mkc::router<kRB>(
       mkc::Router{.shape = g_router, .logits = g_logits, .bias = g_bias, .ids = g_ids, .wts = g_wts, .log = g_log});
 }
 
+template <int kRB>
 static void test_router(std::mt19937& rng, uint32_t e, uint32_t k, uint32_t groups, uint32_t topk_group) {
   std::normal_distribution<float> n(0.f, 1.f);
   std::vector<float> logits(kRB * e), bias(e);
@@ -440,7 +441,7 @@ static void test_router(std::mt19937& rng, uint32_t e, uint32_t k, uint32_t grou
   CHECK(cudaMemcpyToSymbol(g_ids, &d_ids, sizeof d_ids));
   CHECK(cudaMemcpyToSymbol(g_wts, &d_w, sizeof d_w));
   CHECK(cudaMemcpyToSymbol(g_log, &d_log, sizeof d_log));
-  launch(router_kernel, "router");
+  launch(router_kernel<kRB>, "router");
   const auto ids = download(d_ids, kRB * k);
   const auto wts = download(d_w, kRB * k);
   double worst = 0;
@@ -482,8 +483,8 @@ static void test_router(std::mt19937& rng, uint32_t e, uint32_t k, uint32_t grou
   }
   ok &= worst < 1e-5;
   char detail[128];
-  std::snprintf(detail, sizeof detail, "E %u top-%u groups %u/%u: max rel weight error %.2e", e, k, topk_group, groups,
-                worst);
+  std::snprintf(detail, sizeof detail, "B %d, E %u top-%u groups %u/%u: max rel weight error %.2e", kRB, e, k,
+                topk_group, groups, worst);
   report("router (DeepSeek-V3 selection and weights)", ok, detail);
   CHECK(cudaFree(d_l));
   CHECK(cudaFree(d_b));
@@ -1140,10 +1141,13 @@ int main() {
   test_rows<4>(rng, 40, 3, 37, 12288, false, false, true, 128);
   test_rows<2>(rng, 16, 0, 16, 64, false, false, true, 16);
   test_rows<8>(rng, 16, 0, 16, 4096, false, false, true, 128);
-  test_router(rng, 64, 8, 1, 1);
-  test_router(rng, 64, 6, 8, 3);
-  test_router(rng, 384, 8, 8, 4);  // Kimi K2
-  test_router(rng, 896, 16, 1, 1); // Kimi K3
+  test_router<4>(rng, 64, 8, 1, 1);
+  test_router<4>(rng, 64, 6, 8, 3);
+  test_router<4>(rng, 384, 8, 8, 4);   // Kimi K2
+  test_router<4>(rng, 896, 16, 1, 1);  // Kimi K3
+  test_router<1>(rng, 384, 8, 8, 4);   // one warp busy
+  test_router<8>(rng, 384, 8, 8, 4);   // every warp a token
+  test_router<8>(rng, 896, 16, 1, 1);  // K3 at batch 8: 28 KiB of choices
   test_slots(rng);
   test_rope(rng, true);
   test_rope(rng, false);

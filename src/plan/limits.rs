@@ -196,14 +196,15 @@ impl Check<'_> {
     fn router(&self, n: NodeId, attrs: &Attrs) -> Lacks {
         let e = self.g.value_type(self.g.operands(n)[0]).elements();
         let n_group = attrs.int("n_group");
+        // The choices of every token are staged in the activation area.
+        let b = self.batch;
         if !(1..=ROUTER_MAX_GROUPS as i64).contains(&n_group)
             || !e.is_multiple_of(n_group as u64)
-            || e * 8 > SCRATCH_BYTES
+            || b * e * 4 > ACTIVATION_BYTES
         {
             return Err(format!(
-                "a router over {e} experts in {n_group} groups (the device router takes up to {ROUTER_MAX_GROUPS} \
-                 equal groups and {} experts)",
-                SCRATCH_BYTES / 8
+                "a router over {e} experts in {n_group} groups at batch {b} (the device router takes up to \
+                 {ROUTER_MAX_GROUPS} equal groups and batch x experts x 4 bytes up to {ACTIVATION_BYTES})"
             ));
         }
         Ok(())

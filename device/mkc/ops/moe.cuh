@@ -21,11 +21,16 @@ struct RouterShape {
   float scale;          // the weights' scale
 };
 
-// All consumer threads take part: scores and choices are staged in shared
-// memory (scratch), groups are ranked by one warp, and the top-k is k rounds
-// of a warp arg-max (ties to the lower expert id, as a sequential scan).
-// `log` [B, top_k] receives the ids too: the arena's routing log, which no
-// other stage reuses, so the host can read every router's choice after a step.
+// The choices of every token at once, all consumer threads, staged in the
+// activation area ([B][experts], B experts x 4 bytes at most
+// kActivationBytes: the planner's limit); then a warp per token ranks the
+// groups (a lane per group, its scores in scratch) and picks the top-k, k
+// rounds of a warp arg-max (ties to the lower expert id, as a sequential
+// scan), the tokens side by side (one at a time, batch 8's took eight times
+// one token's rounds). A pick's weight is its sigmoid, computed again from
+// the logit as the choice was. `log` [B, top_k] receives the ids too: the
+// arena's routing log, which no other stage reuses, so the host can read
+// every router's choice after a step.
 struct Router {
   RouterShape shape;
   const float* logits;  // [B, experts]
@@ -34,92 +39,82 @@ struct Router {
   float* wts;           // [B, top_k] their weights
   int32_t* log;         // [B, top_k] the routing log's rows of this router
 };
+__device__ __forceinline__ float router_score(float logit) { return 1.f / (1.f + expf(-logit)); }
 template <int B>
 __device__ void router(Router a) {
   const RouterShape& r = a.shape;
-  const float* logits = a.logits;
   const float* bias = a.bias;
-  int32_t* ids = a.ids;
-  float* wts = a.wts;
-  int32_t* log = a.log;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* score = reinterpret_cast<float*>(scratch_ptr());  // [experts]
-  float* choice = score + r.experts;                        // [experts], then what is left to pick
-  __shared__ float group_score[kRouterMaxGroups];
-  const uint32_t per = r.experts / r.n_group;
-  for (int b = 0; b < B; ++b) {
-    const float* lg = logits + size_t(b) * r.experts;
-    for (uint32_t e = threadIdx.x; e < r.experts; e += kConsumerThreads) {
-      const float s = 1.f / (1.f + expf(-lg[e]));
-      score[e] = s;
-      choice[e] = s + (bias != nullptr ? bias[e] : 0.f);
-    }
-    consumer_sync();
-    if (warp == 0) {
-      // Groups kept (n_group <= 64, checked at codegen): a lane per group
-      // sums its two best choices; lane 0 keeps the best topk_group groups.
-      uint64_t k = ~0ull;
-      if (r.n_group > 1) {
-        for (uint32_t g = lane; g < r.n_group; g += 32) {
-          float a = -INFINITY, c = -INFINITY;
-          for (uint32_t e = g * per; e < (g + 1) * per; ++e) {
-            const float v = choice[e];
-            if (v > a) c = a, a = v;
-            else if (v > c) c = v;
-          }
-          group_score[g] = a + (per > 1 ? c : 0.f);
-        }
-        __syncwarp();
-        k = 0;
-        for (uint32_t t = 0; t < r.topk_group; ++t) {
-          int best = -1;
-          for (uint32_t g = 0; g < r.n_group; ++g)
-            if (!(k >> g & 1) && (best < 0 || group_score[g] > group_score[best])) best = int(g);
-          k |= 1ull << best;
-        }
-        // Experts of dropped groups compete with choice 0.
-        for (uint32_t e = lane; e < r.experts; e += 32)
-          if (!(k >> (e / per) & 1)) choice[e] = 0.f;
-        __syncwarp();
-      }
-      int32_t* my_ids = ids + size_t(b) * r.top_k;
-      float* my_w = wts + size_t(b) * r.top_k;
-      float sum = 0.f;
-      for (uint32_t t = 0; t < r.top_k; ++t) {
-        float bv = -INFINITY;
-        int be = INT_MAX;
-        for (uint32_t e = lane; e < r.experts; e += 32) {
-          const float v = choice[e];
-          if (v > bv || (v == bv && int(e) < be)) bv = v, be = int(e);
-        }
-        for (int off = 16; off > 0; off /= 2) {
-          const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-          const int oe = __shfl_xor_sync(0xffffffffu, be, off);
-          if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
-        }
-        // Every lane holds the same winner; a picked expert leaves the race.
-        const float w = score[be];
-        sum += w;
-        if (lane == 0) {
-          my_ids[t] = be;
-          log[size_t(b) * r.top_k + t] = be;
-          my_w[t] = w;
-        }
-        __syncwarp();
-        if (lane == 0) choice[be] = -INFINITY;
-        __syncwarp();
-      }
-      if (lane < int(r.top_k)) {
-        const float w = my_w[lane];
-        my_w[lane] = (r.renormalize ? w / (sum + 1e-20f) : w) * r.scale;
-      }
-      for (uint32_t t = 32 + lane; t < r.top_k; t += 32) {
-        const float w = my_w[t];
-        my_w[t] = (r.renormalize ? w / (sum + 1e-20f) : w) * r.scale;
-      }
-    }
-    consumer_sync();
+  static_assert(kConsumerWarps * kRouterMaxGroups * sizeof(float) <= size_t(kScratchBytes), "group scores fit scratch");
+  if (size_t(B) * r.experts * sizeof(float) > size_t(kActivationBytes)) __trap();  // the planner's limit
+  float* choice = activation_ptr();  // [B][experts]: s + bias, then what is left to pick
+  for (uint32_t i = threadIdx.x; i < B * r.experts; i += kConsumerThreads) {
+    choice[i] = router_score(a.logits[i]) + (bias != nullptr ? bias[i % r.experts] : 0.f);
   }
+  consumer_sync();
+  float* group_score = reinterpret_cast<float*>(scratch_ptr()) + warp * kRouterMaxGroups;
+  const uint32_t per = r.experts / r.n_group;
+  for (uint32_t b = warp; b < uint32_t(B); b += kConsumerWarps) {
+    float* ch = choice + size_t(b) * r.experts;
+    const float* lg = a.logits + size_t(b) * r.experts;
+    if (r.n_group > 1) {
+      // Groups kept (n_group <= 64, checked at codegen): a lane per group
+      // sums its two best choices; every lane finds the best topk_group.
+      for (uint32_t g = lane; g < r.n_group; g += 32) {
+        float x = -INFINITY, y = -INFINITY;
+        for (uint32_t e = g * per; e < (g + 1) * per; ++e) {
+          const float v = ch[e];
+          if (v > x) y = x, x = v;
+          else if (v > y) y = v;
+        }
+        group_score[g] = x + (per > 1 ? y : 0.f);
+      }
+      __syncwarp();
+      uint64_t k = 0;
+      for (uint32_t t = 0; t < r.topk_group; ++t) {
+        int best = -1;
+        for (uint32_t g = 0; g < r.n_group; ++g)
+          if (!(k >> g & 1) && (best < 0 || group_score[g] > group_score[best])) best = int(g);
+        k |= 1ull << best;
+      }
+      // Experts of dropped groups compete with choice 0.
+      for (uint32_t e = lane; e < r.experts; e += 32)
+        if (!(k >> (e / per) & 1)) ch[e] = 0.f;
+      __syncwarp();
+    }
+    int32_t* my_ids = a.ids + size_t(b) * r.top_k;
+    float* my_w = a.wts + size_t(b) * r.top_k;
+    float sum = 0.f;
+    for (uint32_t t = 0; t < r.top_k; ++t) {
+      float bv = -INFINITY;
+      int be = INT_MAX;
+      for (uint32_t e = lane; e < r.experts; e += 32) {
+        const float v = ch[e];
+        if (v > bv || (v == bv && int(e) < be)) bv = v, be = int(e);
+      }
+      for (int off = 16; off > 0; off /= 2) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const int oe = __shfl_xor_sync(0xffffffffu, be, off);
+        if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
+      }
+      // Every lane holds the same winner; a picked expert leaves the race.
+      const float w = router_score(lg[be]);
+      sum += w;
+      if (lane == 0) {
+        my_ids[t] = be;
+        a.log[size_t(b) * r.top_k + t] = be;
+        my_w[t] = w;
+      }
+      __syncwarp();
+      if (lane == 0) ch[be] = -INFINITY;
+      __syncwarp();
+    }
+    for (uint32_t t = lane; t < r.top_k; t += 32) {
+      const float w = my_w[t];
+      my_w[t] = (r.renormalize ? w / (sum + 1e-20f) : w) * r.scale;
+    }
+  }
+  consumer_sync();
 }
 
 // ---------------------------------------------------------------------------
