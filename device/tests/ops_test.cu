@@ -1070,6 +1070,64 @@ static void test_situ(std::mt19937& rng) {
   CHECK(cudaFree(c.st));
 }
 
+// ---------------------------------------------------------------------------
+// Embedding rows and bank snapshots (copies, exact): batch kKB, the 16-byte
+// and four-column paths and the element-at-a-time ones (widths not a multiple
+// of 8 or 4).
+struct CopyCase {
+  const __nv_bfloat16* table;
+  const int32_t* tokens;
+  const float* bank;
+  const float* row;
+  uint32_t hidden, rows;
+  float* out;
+};
+__device__ CopyCase g_copy;
+__global__ void embedding_kernel() {
+  const CopyCase c = g_copy;
+  mkc::embedding<kKB>(mkc::Embedding<float>{.table = c.table, .tokens = c.tokens, .hidden = c.hidden, .out = c.out});
+}
+__global__ void stack_kernel() {
+  const CopyCase c = g_copy;
+  mkc::stack_rows<kKB>(
+      mkc::StackRows<float, float>{.bank = c.bank, .rows = c.rows, .row = c.row, .hidden = c.hidden, .out = c.out});
+}
+
+static void test_copies(std::mt19937& rng, uint32_t hidden, uint32_t rows) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const uint32_t vocab = 50;
+  std::vector<__nv_bfloat16> table(size_t(vocab) * hidden);
+  for (auto& x : table) x = __float2bfloat16(nd(rng));
+  const std::vector<int32_t> tokens = {37, 5};
+  std::vector<float> bank(size_t(kKB) * rows * hidden), row(size_t(kKB) * hidden);
+  for (auto& x : bank) x = nd(rng);
+  for (auto& x : row) x = nd(rng);
+  CopyCase c{.table = upload(table), .tokens = upload(tokens), .bank = upload(bank), .row = upload(row),
+             .hidden = hidden, .rows = rows, .out = upload(std::vector<float>(size_t(kKB) * (rows + 1) * hidden, NAN))};
+  CHECK(cudaMemcpyToSymbol(g_copy, &c, sizeof c));
+  launch(embedding_kernel, "embedding");
+  auto out = download(c.out, size_t(kKB) * hidden);
+  bool emb = true;
+  for (int b = 0; b < kKB; ++b)
+    for (uint32_t d = 0; d < hidden; ++d) emb &= out[b * hidden + d] == __bfloat162float(table[size_t(tokens[b]) * hidden + d]);
+  launch(stack_kernel, "stack_rows");
+  out = download(c.out, size_t(kKB) * (rows + 1) * hidden);
+  bool stack = true;
+  for (int b = 0; b < kKB; ++b)
+    for (uint32_t j = 0; j <= rows; ++j)
+      for (uint32_t d = 0; d < hidden; ++d) {
+        const float want = j < rows ? bank[(size_t(b) * rows + j) * hidden + d] : row[size_t(b) * hidden + d];
+        stack &= out[(size_t(b) * (rows + 1) + j) * hidden + d] == want;
+      }
+  char detail[96];
+  std::snprintf(detail, sizeof detail, "hidden %u, embedding %s; bank of %u rows and the row, %s", hidden,
+                emb ? "exact" : "WRONG", rows, stack ? "exact" : "WRONG");
+  report("embedding rows, bank snapshot (copies)", emb && stack, detail);
+  for (const void* p : {(const void*)c.table, (const void*)c.tokens, (const void*)c.bank, (const void*)c.row,
+                        (const void*)c.out})
+    CHECK(cudaFree(const_cast<void*>(p)));
+}
+
 static void test_attn_res(std::mt19937& rng, uint32_t rows, uint32_t hidden) {
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<float> bank(size_t(rows) * kKB * hidden), u(kKB * hidden);
@@ -1195,6 +1253,9 @@ int main() {
   test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots
   test_attn_res(rng, 1, 7168);   // one snapshot
   test_attn_res(rng, 31, 256);   // the largest bank (kMaxBankRows)
+  test_copies(rng, 7168, 3);     // K3's width: 16-byte rows, four-column snapshots
+  test_copies(rng, 36, 0);       // not a multiple of 8 (rows an element at a time); no bank rows
+  test_copies(rng, 6, 2);        // not a multiple of 4 either
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");
   return failures == 0 ? 0 : 1;
 }

@@ -103,11 +103,21 @@ struct StackRows {
 };
 template <int B, class T, class U>
 __device__ void stack_rows(StackRows<T, U> a) {
-  const uint32_t n = a.rows;
-  for (uint32_t i = threadIdx.x; i < B * (n + 1) * a.hidden; i += kConsumerThreads) {
-    const uint32_t b = i / ((n + 1) * a.hidden), j = (i / a.hidden) % (n + 1), d = i % a.hidden;
-    a.out[i] = j < n ? a.bank[(size_t(b) * n + j) * a.hidden + d]
-                       : from_float<T>(to_float(a.row[size_t(b) * a.hidden + d]));
+  const uint32_t n = a.rows, hidden = a.hidden;
+  if (hidden % 4 == 0) {  // four columns a thread at a time
+    const uint32_t quads = hidden / 4, per = (n + 1) * quads, total = uint32_t(B) * per;
+#pragma unroll 4
+    for (uint32_t i = threadIdx.x; i < total; i += kConsumerThreads) {
+      const uint32_t b = i / per, j = i / quads % (n + 1), d = i % quads * 4;
+      const float4 x =
+          j < n ? load_four(a.bank + (size_t(b) * n + j) * hidden + d) : load_four(a.row + size_t(b) * hidden + d);
+      store_four(a.out + size_t(i) * 4, x);
+    }
+  } else {
+    for (uint32_t i = threadIdx.x; i < B * (n + 1) * hidden; i += kConsumerThreads) {
+      const uint32_t b = i / ((n + 1) * hidden), j = (i / hidden) % (n + 1), d = i % hidden;
+      a.out[i] = j < n ? a.bank[(size_t(b) * n + j) * hidden + d] : from_float<T>(to_float(a.row[size_t(b) * hidden + d]));
+    }
   }
   consumer_sync();
 }
