@@ -47,6 +47,10 @@ constexpr uint32_t kMaxMlaHeads = 8;
 constexpr uint32_t kMlaLanePairs = 9;
 constexpr uint32_t kMlaMaxRow = 64 * kMlaLanePairs;
 constexpr uint32_t kMlaMaxLatent = 512;
+// The split's folds run on the tensor cores where the latent and RoPE widths
+// are whole blocks of kMlaMmaColumns (mla_fold_mma: a lane's eight columns of
+// each 32 are its k-slots of two MMA steps).
+constexpr uint32_t kMlaMmaColumns = 32;
 
 // KDA decode: head sizes up to kMaxKdaDim.
 constexpr uint32_t kMaxKdaDim = 256;

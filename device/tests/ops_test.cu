@@ -667,7 +667,7 @@ __global__ void mla_split_kernel() {
                                                .pos = g_mpos},
                              it);
   } else {
-    mkc::mla_split<kMB, float, kMma>(mkc::MlaSplit{.shape = g_mla,
+    mkc::mla_split<kMB, kMma>(mkc::MlaSplit{.shape = g_mla,
                                       .head_group = g_hg,
                                       .split = g_split,
                                       .q = g_q,

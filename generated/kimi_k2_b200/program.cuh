@@ -238,20 +238,20 @@ __device__ inline void mla0_mla_split_load(const TaskArgs& t, const Memory& m, c
                          it);
 }
 __device__ inline void mla0_mla_split(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
-  mla_split<kBatch>(MlaSplit{.shape = mla0_shape,
-                             .head_group = t.a[0],
-                             .split = t.a[1],
-                             .q = reinterpret_cast<float*>(m.arena + p.in),
-                             .ckv_raw = reinterpret_cast<float*>(m.arena + p.in_2),
-                             .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_kva]),
-                             .eps = 1e-6f,
-                             .kpe = reinterpret_cast<float*>(m.arena + p.in_3),
-                             .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
-                             .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
-                             .pos = m.pos,
-                             .partials = reinterpret_cast<float*>(m.arena + p.partials),
-                             .absorbed = nullptr},
-                    it);
+  mla_split<kBatch, true>(MlaSplit{.shape = mla0_shape,
+                                   .head_group = t.a[0],
+                                   .split = t.a[1],
+                                   .q = reinterpret_cast<float*>(m.arena + p.in),
+                                   .ckv_raw = reinterpret_cast<float*>(m.arena + p.in_2),
+                                   .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_kva]),
+                                   .eps = 1e-6f,
+                                   .kpe = reinterpret_cast<float*>(m.arena + p.in_3),
+                                   .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
+                                   .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
+                                   .pos = m.pos,
+                                   .partials = reinterpret_cast<float*>(m.arena + p.partials),
+                                   .absorbed = nullptr},
+                          it);
 }
 
 // mla_combine: split merge and value up-projection (W_UV through the page ring)

@@ -171,7 +171,9 @@ type Clock = Vec<u32>;
 /// task in 571 us on average at 1.98 GHz (2026-12-06, commit `83f732f`,
 /// bench/results/2026-12-06_h100_83f732f_k2_dims_b8_estimate_vs_trace.txt).
 /// The tensor-core rate the rest of the model assumes predicted the stage
-/// eleven times too fast.
+/// eleven times too fast. The split's folds on the tensor cores
+/// (`Stage::mla_tensor_cores`, mla_fold_mma) are not measured yet: charged
+/// the same rate until they are.
 pub const MLA_SPLIT_FLOPS_PER_CYCLE: f64 = 40.0;
 
 fn join(a: &mut Clock, b: &Clock) {

@@ -29,6 +29,7 @@ use serde::Serialize;
 
 use super::fuse::{FusedKind, Fusion};
 use super::Options;
+use crate::contract::{MLA_MAX_LATENT, MLA_MMA_COLUMNS};
 use crate::diag::Result;
 use crate::ir::{DType, Graph, NodeId, NodeKind, TensorType};
 use crate::ops::OpKind;
@@ -182,6 +183,10 @@ pub struct Stage {
     /// splits)`, for both MLA stages; what the generated code compiles in.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mla_split: Option<(u64, u64, u64)>,
+    /// MLA's split folds on the tensor cores (rows of whole `MLA_MMA_COLUMNS`
+    /// blocks; `mla_fold_mma`), else on the CUDA cores.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub mla_tensor_cores: bool,
 }
 
 /// A buffer of the scratch arena holding one stage's results for one step.
@@ -295,7 +300,7 @@ impl Builder<'_> {
             });
             ids.push(tid);
         }
-        self.stages.push(Stage { id, op, kind, tasks: ids, reads, mla_split: None });
+        self.stages.push(Stage { id, op, kind, tasks: ids, reads, mla_split: None, mla_tensor_cores: false });
         self.out_bytes.push(0);
         id
     }
@@ -501,6 +506,9 @@ impl Builder<'_> {
         }
         let split = self.add_stage(op, TaskKind::MlaSplit, reads, parts);
         self.stages[split].mla_split = Some((groups, hpt, splits));
+        // The device's rule (mla_mma_fits, device/mkc/ops/mla.cuh).
+        self.stages[split].mla_tensor_cores =
+            c.is_multiple_of(MLA_MMA_COLUMNS) && rope.is_multiple_of(MLA_MMA_COLUMNS) && c <= MLA_MAX_LATENT;
         let out = self.external_outputs(nodes) * b;
         // The combine takes a head per task (fewer when the heads outnumber the
         // SMs): its W_UV block and its splits' partials.

@@ -277,11 +277,12 @@ static_assert(kMlaMaxLatent == 64 * kConsumerWarps, "a warp takes 64 latent colu
 static_assert(kMaxMlaHeads == 8, "the heads fill M's eight high and eight low rows");
 
 // Whether a row of c latent and rope RoPE columns takes the tensor-core fold:
-// whole 32-column blocks on either side of c (scores), c within a warp's
-// columns.
+// whole column blocks on either side of c (scores), c within the warps'
+// columns (the planner's rule too, src/plan/tile.rs).
 __host__ __device__ constexpr bool mla_mma_fits(uint32_t c, uint32_t rope) {
-  return c % 32 == 0 && rope % 32 == 0 && c <= kMlaMaxLatent;
+  return c % kMlaMmaColumns == 0 && rope % kMlaMmaColumns == 0 && c <= kMlaMaxLatent;
 }
+static_assert(kMlaMmaColumns == 32, "a lane's eight columns of each 32 (mla_fold_mma)");
 
 __device__ void mla_fold_mma(const MlaShape& s, uint32_t nh, const FoldRows& f, const float* qlat, const float* qpe,
                              MlaRunning& run, int parity, float (&acc)[kMlaMmaTiles][4]) {
@@ -423,7 +424,7 @@ __device__ void mla_absorb(const MlaShape& s, uint32_t nh, const float* qn, floa
   consumer_sync();  // every thread's sums are in (shared or global memory) for the folds
 }
 
-template <int B, class T, bool kMma = false>
+template <int B, bool kMma = false, class T>
 __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
   if (kMma && !mla_mma_fits(a.shape.c, a.shape.rope)) __trap();  // the widths the tensor-core fold takes
   const MlaShape& s = a.shape;

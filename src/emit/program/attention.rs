@@ -79,8 +79,9 @@ impl Gen<'_> {
             "__device__ inline void {f}_load(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
              mla_split_load<kBatch>({load}, it);\n}}\n\
              __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
-             {st}mla_split<kBatch>({args}, it);\n}}",
+             {st}mla_split<kBatch{mma}>({args}, it);\n}}",
             st = if self.plan.arena.spills[split].is_some() { "float* st = staging(m);\n  " } else { "" },
+            mma = if self.plan.tiling.stages[split].mla_tensor_cores { ", true" } else { "" },
         );
         self.role(split, format!("{f}(t, m, p, it);"), Some(format!("{f}_load(t, m, p, it);")));
         self.header(combine, op, "split merge and value up-projection (W_UV through the page ring)");
