@@ -22,8 +22,9 @@
 #                                   every tiny library (seeds 0 1 2) and K3's per-layer dims (seed 0),
 #                                   tokens/s over 256 steps each way
 #   tests/gpu/run_all.sh quick      about a minute beside each other: ops_test and seed 0 of every tiny
-#                                   library built (K2, K3, Kimi Linear, FP8; 24 steps): a device change's
-#                                   first check, before the longer runs
+#                                   library built (K2, K3, Kimi Linear, FP8; 24 steps) and of K2's
+#                                   per-layer dims if built: a device change's first check, before the
+#                                   longer runs
 #   tests/gpu/run_all.sh soak       10,000 steps of K3 tiny at batch 4 with the e8m0-255 and truncated
 #                                   checkpoints, 2,000 of K2 per-layer dims (tests/gpu/soak.py)
 # Logs under $OUT; a short table last.
@@ -39,13 +40,16 @@ case "${1:-}" in
     : > "$out/quick/rc.txt"
     ( timeout 60 target/device/ops_test_sm90a > "$out/quick/ops_test.txt" 2>&1
       echo "ops_test rc=$?" >> "$out/quick/rc.txt" ) &
-    for dir in target/models/*_tiny_*/; do
+    # The tiny libraries, and K2's per-layer dims where built (the widths the MLA split's tensor-core
+    # folds take; the tiny configs keep the CUDA-core ones).
+    for dir in target/models/*_tiny_*/ target/models/kimi_k2_dims_2l16e_h200/; do
       name=$(basename "$dir")
       [ -f "$dir/lib$name.so" ] || continue
       case "$name" in
         kimi_k3_*) args=(tests/gpu/k3_decode.py --config model_graphs/kimi_k3/tiny.json) ;;
         kimi_linear_*) args=(tests/gpu/deepseek_v3_decode.py --config model_graphs/kimi_linear/tiny.json --arch kimi_linear) ;;
         *fp8*) args=(tests/gpu/deepseek_v3_decode.py --config model_graphs/kimi_k2/tiny_fp8.json --fp8) ;;
+        kimi_k2_dims_2l16e_h200) args=(tests/gpu/deepseek_v3_decode.py --config model_graphs/kimi_k2/test_2l16e.json) ;;
         *) args=(tests/gpu/deepseek_v3_decode.py --config model_graphs/kimi_k2/tiny.json) ;;
       esac
       ( timeout 150 python3 "${args[@]}" --lib "$dir/lib$name.so" --seeds 0 --gen 24 \
