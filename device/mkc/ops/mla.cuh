@@ -50,22 +50,41 @@ __device__ inline Rows mla_cache_rows(const MlaShape& s, uint32_t split, const _
 }
 
 // Contiguous rows (cache rows, a head's W_UK block) travel packed: a page
-// holds as many whole rows as fit (14 of K2's 576-element cache rows, 16 of
-// its 512-element W_UK rows), one bulk copy per page.
+// holds as many whole rows as fit, `stride` elements apart (14 of K2's
+// 576-element cache rows, 16 of its 512-element W_UK rows).
 constexpr uint32_t kMaxPackedRows = 16;
-__device__ inline uint32_t packed_rows(uint32_t row) { return min(kMaxPackedRows, uint32_t(kPageBytes) / (2 * row)); }
+__device__ inline uint32_t packed_rows(uint32_t stride) {
+  return min(kMaxPackedRows, uint32_t(kPageBytes) / (2 * stride));
+}
+// A cache row's place in a page: kCachePad elements (16 bytes) past the
+// row's end, so rows a multiple of 128 bytes long (K2's 1,152 bytes, K3's
+// 1,024) do not put the eight rows an ldmatrix tile or a quarter-warp's
+// 16-byte loads read in the same shared-memory banks (mla_fold_mma).
+constexpr uint32_t kCachePad = 8;
+__device__ inline uint32_t cache_stride(uint32_t row) { return row + kCachePad; }
 
-// Loader: rows [0, n) of `row` elements from `base`, packed pages.
-__device__ inline void packed_load(const __nv_bfloat16* base, uint32_t n, uint32_t row, uint32_t& it) {
-  const uint32_t per = packed_rows(row);
+// Loader: rows [0, n) of `row` elements from `base`, packed pages of rows
+// `stride` apart: one bulk copy a page where they are back to back, else one
+// a row (a lane each).
+__device__ inline void packed_load(const __nv_bfloat16* base, uint32_t n, uint32_t row, uint32_t stride,
+                                   uint32_t& it) {
+  const uint32_t per = packed_rows(stride), lane = threadIdx.x % 32;
+  static_assert(kMaxPackedRows <= 32, "a lane a row");
   for (uint32_t j0 = 0; j0 < n; j0 += per, ++it) {
-    const uint32_t bytes = min(per, n - j0) * row * 2;
+    const uint32_t cnt = min(per, n - j0), bytes = cnt * row * 2;
     const int slot = it % kPages;
-    if (threadIdx.x % 32 == 0) {
+    if (lane == 0) {
       Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
       Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], bytes);
-      cute::SM90_BULK_COPY_G2S::copy(base + size_t(j0) * row, &ring_ptr()->full[slot], ring_ptr()->page[slot],
-                                     int32_t(bytes));
+      if (stride == row) {
+        cute::SM90_BULK_COPY_G2S::copy(base + size_t(j0) * row, &ring_ptr()->full[slot], ring_ptr()->page[slot],
+                                       int32_t(bytes));
+      }
+    }
+    __syncwarp();
+    if (stride != row && lane < cnt) {
+      cute::SM90_BULK_COPY_G2S::copy(base + size_t(j0 + lane) * row, &ring_ptr()->full[slot],
+                                     ring_ptr()->page[slot] + lane * stride, int32_t(row * 2));
     }
     __syncwarp();
   }
@@ -92,10 +111,10 @@ template <int B>
 __device__ void mla_split_load(MlaSplitLoad a, uint32_t& it) {
   const MlaShape& s = a.shape;
   const uint32_t h0 = a.head_group * s.hpt, nh = min(s.hpt, s.heads - h0);
-  for (uint32_t h = h0; h < h0 + nh; ++h) packed_load(mla_key_block(s, a.wkvb, h), s.nope, s.c, it);
+  for (uint32_t h = h0; h < h0 + nh; ++h) packed_load(mla_key_block(s, a.wkvb, h), s.nope, s.c, s.c, it);
   for (int b = 0; b < B; ++b) {
     const Rows r = mla_cache_rows(s, a.split, a.cache, b, uint32_t(a.pos[b]));
-    packed_load(r.w0 + size_t(r.r0) * r.k, r.r1 - r.r0, r.k, it);
+    packed_load(r.w0 + size_t(r.r0) * r.k, r.r1 - r.r0, r.k, cache_stride(r.k), it);
   }
 }
 
@@ -126,15 +145,16 @@ static_assert(sizeof(MlaRunning) <= size_t(kActivationBytes) / 2,
               "the MLA softmax state fits half the staging area (the other half: the queries' no-PE parts)");
 
 // The rows of one fold: up to kMlaFoldPages ring pages of `per` packed rows
-// (cache_n rows in all), then, in a split's last fold, the current row.
+// `stride` elements apart (cache_n rows in all), then, in a split's last
+// fold, the current row.
 struct FoldRows {
   uint32_t first;            // ring position of the fold's first page
   const __nv_bfloat16* cur;  // nullptr: no current row in this fold
-  uint32_t per, cache_n, row;
+  uint32_t per, cache_n, stride;
   __device__ uint32_t n() const { return cache_n + (cur != nullptr ? 1 : 0); }
   __device__ const __nv_bfloat16* page(uint32_t k) const { return ring_ptr()->page[(first + k) % kPages]; }
   __device__ const __nv_bfloat16* at(uint32_t j) const {
-    return j == cache_n ? cur : page(j / per) + (j % per) * row;
+    return j == cache_n ? cur : page(j / per) + (j % per) * stride;
   }
 };
 
@@ -229,7 +249,7 @@ __device__ void mla_fold(const MlaShape& s, uint32_t nh, const FoldRows& f, cons
       acc[h][1] *= run.rescale[parity][h];
     }
     for (uint32_t j = 0, k = 0, jj = 0; j < n; ++j) {
-      const __nv_bfloat16* r = j == f.cache_n ? f.cur : f.page(k) + jj * f.row;
+      const __nv_bfloat16* r = j == f.cache_n ? f.cur : f.page(k) + jj * f.stride;
       if (++jj == f.per) jj = 0, ++k;
       const float2 kv = load_pair(r + 2 * pair);
       const float4 pa = *reinterpret_cast<const float4*>(&prob[j][0]);
@@ -260,11 +280,10 @@ __device__ void mla_fold(const MlaShape& s, uint32_t nh, const FoldRows& f, cons
 // (scores) or probabilities (weighted sums) and rows 8-15 the low half, so one
 // MMA a k-step keeps the fp32 value to about 2^-17 and a head's two rows are
 // added at the end; the cache rows (exact in bf16) are B, read in the ring's
-// pages:
+// pages by ldmatrix (their rows kCachePad elements apart, an odd number of
+// 16-byte bank groups: the eight rows of a tile in different banks):
 //  1. scores [heads, rows]: N = 8 rows a tile (a warp's), K = the row's
-//     c + rope columns; lane (g, t) reads row g's columns 8 t .. + 7 of each
-//     32 (one 16-byte load) as its k-slots (2t, 2t+1, 2t+8, 2t+9) of two
-//     steps, the query's columns likewise;
+//     c + rope columns, 32 (two steps) an ldmatrix;
 //  2. the softmax (mla_fold_softmax);
 //  3. weighted sums [heads, c] += P [heads, rows] V [rows, c]: warp w's
 //     columns [64 w, 64 w + 64), eight N tiles; K = the fold's rows, 16 a
@@ -291,26 +310,33 @@ __device__ void mla_fold_mma(const MlaShape& s, uint32_t nh, const FoldRows& f, 
   const uint32_t g = uint32_t(lane) / 4, t = uint32_t(lane) % 4;
   const uint32_t width = s.c + s.rope;
   float(*prob)[kMaxMlaHeads] = run.prob[parity];
-  // 1. Scores: head g's query as A (zeros past the task's heads).
+  // 1. Scores: head g's query as A (zeros past the task's heads), the tile's
+  // rows as B by ldmatrix, 32 columns (two k-steps) a load.
   for (uint32_t tile = warp; 8 * tile < n; tile += kConsumerWarps) {
-    const __nv_bfloat16* r = f.at(min(8 * tile + g, n - 1));
+    // This lane's ldmatrix row: the tile's row lane % 8, columns + 8 (lane / 8).
+    const __nv_bfloat16* r = f.at(min(8 * tile + uint32_t(lane) % 8, n - 1)) + 8 * (uint32_t(lane) / 8);
     float d[4] = {};
     for (uint32_t k0 = 0; k0 < width; k0 += 32) {
-      const uint32_t col = k0 + 8 * t;
+      // Head g's query at this lane's k-slots of the two steps: columns
+      // k0 + 2t, + 1, + 8, + 9 and the same + 16.
       float x[8] = {};
       if (g < nh) {
-        const float* q = k0 < s.c ? qlat + g * s.c + col : qpe + g * s.rope + (col - s.c);
-        const float4 lo4 = *reinterpret_cast<const float4*>(q), hi4 = *reinterpret_cast<const float4*>(q + 4);
-        x[0] = lo4.x, x[1] = lo4.y, x[2] = lo4.z, x[3] = lo4.w, x[4] = hi4.x, x[5] = hi4.y, x[6] = hi4.z, x[7] = hi4.w;
+        const float* q = (k0 < s.c ? qlat + g * s.c + k0 : qpe + g * s.rope + (k0 - s.c)) + 2 * t;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 v = *reinterpret_cast<const float2*>(q + 8 * e);
+          x[2 * e] = v.x, x[2 * e + 1] = v.y;
+        }
       }
       uint32_t hi[4], lo[4];
 #pragma unroll
       for (int pr = 0; pr < 4; ++pr) split_pair<__nv_bfloat162>(x[2 * pr], x[2 * pr + 1], hi[pr], lo[pr]);
-      const uint4 w = *reinterpret_cast<const uint4*>(r + col);
-      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], hi[0], lo[0], hi[1], lo[1], w.x, w.y, d[0], d[1],
-                                                d[2], d[3]);
-      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], hi[2], lo[2], hi[3], lo[3], w.z, w.w, d[0], d[1],
-                                                d[2], d[3]);
+      uint32_t w[4];  // b0, b1 of the step at k0, then of the step at k0 + 16
+      cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(r + k0), w[0], w[1], w[2], w[3]);
+      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], hi[0], lo[0], hi[1], lo[1], w[0], w[1], d[0],
+                                                d[1], d[2], d[3]);
+      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], hi[2], lo[2], hi[3], lo[3], w[2], w[3], d[0],
+                                                d[1], d[2], d[3]);
     }
     const uint32_t j = 8 * tile + 2 * t;  // d: head g's scores of rows j, j + 1 (high halves, then low)
     if (g < nh && j < n) prob[j][g] = (d[0] + d[2]) * s.scale;
@@ -495,12 +521,12 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
     using Acc = std::conditional_t<kMma, float[kMlaMmaTiles][4], float[kMaxMlaHeads][2]>;
     Acc acc = {};
     const Rows cr = mla_cache_rows(s, split, cache, b, p_now);
-    const uint32_t per = packed_rows(row), rows = cr.r1 - cr.r0;
+    const uint32_t per = packed_rows(cache_stride(row)), rows = cr.r1 - cr.r0;
     const uint32_t pages = (rows + per - 1) / per;
     // With no cache rows before it in this split, one fold of the current row alone.
     for (uint32_t pg = 0, alone = has_now; alone || pg < pages; alone = 0) {
       const uint32_t np = min(kMlaFoldPages, pages - pg);
-      FoldRows f{it, nullptr, per, min(np * per, rows - pg * per), row};
+      FoldRows f{it, nullptr, per, min(np * per, rows - pg * per), cache_stride(row)};
       for (uint32_t k = 0; k < np; ++k) Barrier::wait(&ring_ptr()->full[(it + k) % kPages], ((it + k) / kPages) & 1);
       if (pg + np == pages && has_now) f.cur = cur;
       if constexpr (kMma) {
