@@ -124,7 +124,7 @@ __device__ void stack_rows(StackRows<T, U> a) {
 
 // K3's MLA output gate's factor: sigmoid(g) (sigmoid_gate 1) or g itself (0).
 __device__ __forceinline__ float output_gate(float g, int sigmoid_gate) {
-  return sigmoid_gate ? 1.f / (1.f + expf(-g)) : g;
+  return sigmoid_gate ? sigmoid(g) : g;
 }
 
 // x * sigmoid(g) (or x * g) as the tensor-core rows consumer reads it,

@@ -54,6 +54,7 @@ __device__ inline unsigned char* scratch_ptr() {
 __device__ inline float* activation_ptr() { return reinterpret_cast<float*>(scratch_ptr() + kScratchBytes); }
 
 __device__ __forceinline__ float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <class T>

@@ -60,7 +60,7 @@ __device__ void kda_decode(KdaDecode<T> a) {
   for (int b = 0; b < B; ++b) {
     for (uint32_t h = h0; h < h1; ++h) {
       const float scale = expf(a_log[h]);
-      const float beta = 1.f / (1.f + expf(-to_float(b_logit[size_t(b) * s.heads + h])));
+      const float beta = sigmoid(to_float(b_logit[size_t(b) * s.heads + h]));
       float alpha[kPer][4], kk[kPer][4], qq[kPer][4];
 #pragma unroll
       for (uint32_t j = 0; j < kPer; ++j) {
@@ -117,7 +117,7 @@ __device__ void kda_decode(KdaDecode<T> a) {
 
 // The gated norm's activation of the gate: sigmoid (sigmoid_act 1) or SiLU (0).
 __device__ __forceinline__ float gated_norm_act(float g, int sigmoid_act) {
-  return sigmoid_act ? 1.f / (1.f + expf(-g)) : g / (1.f + expf(-g));
+  return sigmoid_act ? sigmoid(g) : g / (1.f + expf(-g));
 }
 
 // Gated RMSNorm per head (KDA's output norm), as a projection's prologue:

@@ -39,7 +39,6 @@ struct Router {
   float* wts;           // [B, top_k] their weights
   int32_t* log;         // [B, top_k] the routing log's rows of this router
 };
-__device__ __forceinline__ float router_score(float logit) { return 1.f / (1.f + expf(-logit)); }
 template <int B>
 __device__ void router(Router a) {
   const RouterShape& r = a.shape;
@@ -49,7 +48,7 @@ __device__ void router(Router a) {
   if (size_t(B) * r.experts * sizeof(float) > size_t(kActivationBytes)) __trap();  // the planner's limit
   float* choice = activation_ptr();  // [B][experts]: s + bias, then what is left to pick
   for (uint32_t i = threadIdx.x; i < B * r.experts; i += kConsumerThreads) {
-    choice[i] = router_score(a.logits[i]) + (bias != nullptr ? bias[i % r.experts] : 0.f);
+    choice[i] = sigmoid(a.logits[i]) + (bias != nullptr ? bias[i % r.experts] : 0.f);
   }
   consumer_sync();
   float* group_score = reinterpret_cast<float*>(scratch_ptr()) + warp * kRouterMaxGroups;
@@ -98,7 +97,7 @@ __device__ void router(Router a) {
         if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
       }
       // Every lane holds the same winner; a picked expert leaves the race.
-      const float w = router_score(lg[be]);
+      const float w = sigmoid(lg[be]);
       sum += w;
       if (lane == 0) {
         my_ids[t] = be;
