@@ -12,7 +12,9 @@
 // compared; every CUDA call is checked. Prints one line per test and exits 1
 // on any failure.
 //
-//   target/device/ops_test_sm90a        (on an H200)
+//   target/device/ops_test_sm90a [GROUP...]   (on an H200; GROUPs, to run some only: rows router slots
+//                                             rope mla conv kda situ mx fp8 attn_res copies; e.g. one
+//                                             group under compute-sanitizer's racecheck)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -20,6 +22,7 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -28,6 +31,14 @@
 
 
 static int failures = 0;
+
+// The test groups named on the command line (all when none is).
+static const char* const kGroups[] = {"rows", "router", "slots", "rope", "mla", "conv",
+                                      "kda", "situ", "mx", "fp8", "attn_res", "copies"};
+static std::vector<std::string> selected;
+static bool want(const char* group) {
+  return selected.empty() || std::find(selected.begin(), selected.end(), group) != selected.end();
+}
 
 static void report(const char* name, bool ok, const char* detail) {
   std::printf("%-44s %s  %s\n", name, ok ? "ok  " : "FAIL", detail);
@@ -1172,90 +1183,98 @@ static void test_attn_res(std::mt19937& rng, uint32_t rows, uint32_t hidden) {
   for (void* p : {(void*)c.bank, (void*)c.u, (void*)c.w, (void*)c.gamma, (void*)c.out}) CHECK(cudaFree(p));
 }
 
-int main() {
+int main(int argc, char** argv) {
+  selected.assign(argv + 1, argv + argc);
+  for (const std::string& g : selected) {
+    if (std::none_of(std::begin(kGroups), std::end(kGroups), [&](const char* k) { return g == k; })) {
+      std::fprintf(stderr, "ops_test: no test group '%s' (groups: rows router slots rope mla conv kda situ mx fp8 "
+                   "attn_res copies)\n", g.c_str());
+      return 2;
+    }
+  }
   std::mt19937 rng(std::random_device{}());
-  test_rows<1>(rng, 40, 3, 37, 7168, false, true);  // ragged row blocks, 7 pages per row
-  test_rows<1>(rng, 64, 0, 64, 1536, true, false);  // gate/up pair, a half page
-  test_rows<4>(rng, 20, 5, 19, 64, false, true);     // tiny k: part of one warp's columns
-  test_rows<8>(rng, 24, 0, 24, 2048, true, true);
-  test_rows<3>(rng, 20, 1, 18, 1024, true, true);   // a batch that is not a power of two (the warp sums padded)
-  test_rows<1>(rng, 16, 0, 16, 12288, false, false, true);  // K3's MLA output gate at batch 1: shared memory
-  test_rows<2>(rng, 16, 2, 13, 12288, false, false, true);  // and at batch 2: read in place (tensor cores)
-  test_rows<1>(rng, 20, 2, 19, 33792, true, true);   // the dense layer's down width: x from global memory, 5 row blocks
-  test_rows<4>(rng, 12, 0, 11, 17408, false, true);  // batch 4 from global memory, the RMS prologue per page
+  if (want("rows")) test_rows<1>(rng, 40, 3, 37, 7168, false, true);  // ragged row blocks, 7 pages per row
+  if (want("rows")) test_rows<1>(rng, 64, 0, 64, 1536, true, false);  // gate/up pair, a half page
+  if (want("rows")) test_rows<4>(rng, 20, 5, 19, 64, false, true);     // tiny k: part of one warp's columns
+  if (want("rows")) test_rows<8>(rng, 24, 0, 24, 2048, true, true);
+  if (want("rows")) test_rows<3>(rng, 20, 1, 18, 1024, true, true);   // a batch that is not a power of two (the warp sums padded)
+  if (want("rows")) test_rows<1>(rng, 16, 0, 16, 12288, false, false, true);  // K3's MLA output gate at batch 1: shared memory
+  if (want("rows")) test_rows<2>(rng, 16, 2, 13, 12288, false, false, true);  // and at batch 2: read in place (tensor cores)
+  if (want("rows")) test_rows<1>(rng, 20, 2, 19, 33792, true, true);   // the dense layer's down width: x from global memory, 5 row blocks
+  if (want("rows")) test_rows<4>(rng, 12, 0, 11, 17408, false, true);  // batch 4 from global memory, the RMS prologue per page
   // The tensor-core consumer (batch 2 to 8): groups of eight row blocks (four at 7 and 8), the k chunks outer.
-  test_rows<2>(rng, 200, 3, 141, 3584, false, true);  // 18 blocks: two groups and two blocks, ragged; a half page
-  test_rows<4>(rng, 160, 0, 72, 1536, true, false);   // a gate/up pair, 18 blocks
-  test_rows<6>(rng, 80, 8, 77, 7168, false, true);    // batch 6 from global memory, the RMS prologue
-  test_rows<5>(rng, 40, 0, 33, 520, false, false);    // a chunk ending inside a warp's columns
-  test_rows<4>(rng, 24, 0, 20, 12288, false, false, true);  // K3's MLA output gate at batch 4, read in place
-  test_rows<8>(rng, 200, 3, 141, 7168, false, true);  // batch 8, 18 blocks: four groups of four and two blocks
-  test_rows<7>(rng, 80, 0, 72, 1536, true, false);    // batch 7, a gate/up pair, 18 blocks
-  test_rows<8>(rng, 12, 0, 11, 17408, false, true);   // batch 8 from global memory, the RMS prologue per page
-  test_rows<8>(rng, 24, 0, 20, 12288, false, false, true);  // K3's MLA output gate at batch 8, read in place
+  if (want("rows")) test_rows<2>(rng, 200, 3, 141, 3584, false, true);  // 18 blocks: two groups and two blocks, ragged; a half page
+  if (want("rows")) test_rows<4>(rng, 160, 0, 72, 1536, true, false);   // a gate/up pair, 18 blocks
+  if (want("rows")) test_rows<6>(rng, 80, 8, 77, 7168, false, true);    // batch 6 from global memory, the RMS prologue
+  if (want("rows")) test_rows<5>(rng, 40, 0, 33, 520, false, false);    // a chunk ending inside a warp's columns
+  if (want("rows")) test_rows<4>(rng, 24, 0, 20, 12288, false, false, true);  // K3's MLA output gate at batch 4, read in place
+  if (want("rows")) test_rows<8>(rng, 200, 3, 141, 7168, false, true);  // batch 8, 18 blocks: four groups of four and two blocks
+  if (want("rows")) test_rows<7>(rng, 80, 0, 72, 1536, true, false);    // batch 7, a gate/up pair, 18 blocks
+  if (want("rows")) test_rows<8>(rng, 12, 0, 11, 17408, false, true);   // batch 8 from global memory, the RMS prologue per page
+  if (want("rows")) test_rows<8>(rng, 24, 0, 20, 12288, false, false, true);  // K3's MLA output gate at batch 8, read in place
   // KDA's gated output norm: K3's heads (96 x 128) at batch 1 (staged in shared memory) and 4 (read in
   // place), Kimi Linear's tiny head size at batch 2, and batch 8 (staged in global memory).
-  test_rows<1>(rng, 16, 0, 16, 12288, false, false, true, 128);
-  test_rows<4>(rng, 40, 3, 37, 12288, false, false, true, 128);
-  test_rows<2>(rng, 16, 0, 16, 64, false, false, true, 16);
-  test_rows<8>(rng, 16, 0, 16, 4096, false, false, true, 128);
-  test_router<4>(rng, 64, 8, 1, 1);
-  test_router<4>(rng, 64, 6, 8, 3);
-  test_router<4>(rng, 384, 8, 8, 4);   // Kimi K2
-  test_router<4>(rng, 896, 16, 1, 1);  // Kimi K3
-  test_router<1>(rng, 384, 8, 8, 4);   // one warp busy
-  test_router<8>(rng, 384, 8, 8, 4);   // every warp a token
-  test_router<8>(rng, 896, 16, 1, 1);  // K3 at batch 8: 28 KiB of choices
-  test_slots(rng);
-  test_rope(rng, true);
-  test_rope(rng, false);
+  if (want("rows")) test_rows<1>(rng, 16, 0, 16, 12288, false, false, true, 128);
+  if (want("rows")) test_rows<4>(rng, 40, 3, 37, 12288, false, false, true, 128);
+  if (want("rows")) test_rows<2>(rng, 16, 0, 16, 64, false, false, true, 16);
+  if (want("rows")) test_rows<8>(rng, 16, 0, 16, 4096, false, false, true, 128);
+  if (want("router")) test_router<4>(rng, 64, 8, 1, 1);
+  if (want("router")) test_router<4>(rng, 64, 6, 8, 3);
+  if (want("router")) test_router<4>(rng, 384, 8, 8, 4);   // Kimi K2
+  if (want("router")) test_router<4>(rng, 896, 16, 1, 1);  // Kimi K3
+  if (want("router")) test_router<1>(rng, 384, 8, 8, 4);   // one warp busy
+  if (want("router")) test_router<8>(rng, 384, 8, 8, 4);   // every warp a token
+  if (want("router")) test_router<8>(rng, 896, 16, 1, 1);  // K3 at batch 8: 28 KiB of choices
+  if (want("slots")) test_slots(rng);
+  if (want("rope")) test_rope(rng, true);
+  if (want("rope")) test_rope(rng, false);
   // The current row in split 1 and in the last split; small dims, then K2's per-head dims.
-  test_mla(rng, MlaDims{6, 2, 3, 4, 64, 32, 16, 8, 16, {20, 63}, 0.2f});
-  test_mla(rng, MlaDims{8, 4, 2, 3, 200, 512, 128, 64, 128, {150, 7}, 0.0722f});
+  if (want("mla")) test_mla(rng, MlaDims{6, 2, 3, 4, 64, 32, 16, 8, 16, {20, 63}, 0.2f});
+  if (want("mla")) test_mla(rng, MlaDims{8, 4, 2, 3, 200, 512, 128, 64, 128, {150, 7}, 0.0722f});
   // K3's form (no RoPE part), six heads per task: two register passes of the query.
-  test_mla(rng, MlaDims{12, 6, 2, 2, 300, 512, 128, 0, 128, {299, 64}, 0.0884f});
+  if (want("mla")) test_mla(rng, MlaDims{12, 6, 2, 2, 300, 512, 128, 0, 128, {299, 64}, 0.0884f});
   // The same on the tensor cores (mla_fold_mma): K2's rows (512 + 64: 14 a page, 57 a fold), K3's (512: 16
   // a page, 65 a fold, nine tiles of scores over eight warps), a split of the current row alone (pos 0).
-  test_mla(rng, MlaDims{8, 4, 2, 3, 200, 512, 128, 64, 128, {150, 7}, 0.0722f}, true);
-  test_mla(rng, MlaDims{12, 6, 2, 2, 300, 512, 128, 0, 128, {299, 64}, 0.0884f}, true);
-  test_mla(rng, MlaDims{8, 8, 1, 4, 256, 512, 128, 64, 128, {0, 255}, 0.0722f}, true);
-  test_conv_l2(rng);
-  test_kda(rng, 4, 16, false);   // Kimi Linear tiny: softplus gate
-  test_kda(rng, 4, 128, true);   // K3's head size and safe gate
-  test_situ(rng);
-  test_mx<1>(rng, 40, 8, 40, 3584, true, false);  // K3's latent width: one full chunk
-  test_mx<4>(rng, 16, 0, 16, 64, false, true);    // tiny widths
-  test_mx<4>(rng, 21, 8, 21, 3584, false, true);  // batch 4 at K3's latent width, a partial tile
-  test_mx<8>(rng, 16, 0, 16, 3584, true, true);   // batch 8: the input staged in global memory
-  test_mx<1>(rng, 24, 8, 24, 3072, false, false);
-  test_mx<3>(rng, 16, 0, 13, 3584, false, true);  // batch 3
-  test_mx<1>(rng, 24, 8, 24, 7680, true, false);  // two full chunks and a partial one
-  test_mx<2>(rng, 160, 8, 152, 3584, true, false);  // batch 2, 36 row blocks: four and a half groups of partial sums
-  test_mx<4>(rng, 96, 0, 90, 3072, false, true);    // batch 4, 12 row blocks
-  test_mx<1>(rng, 16, 0, 16, 32, false, false);     // one block: a tile's scales padded to 16 bytes
-  test_mx<2>(rng, 8, 0, 8, 96, true, true);         // three blocks: an odd pair
-  test_mx<8>(rng, 24, 8, 24, 96, true, false);      // batch 8 at an odd number of blocks
-  test_mx<8>(rng, 160, 0, 150, 3584, false, true);  // batch 8, 19 row blocks: groups of four partial sums
-  test_mx<6>(rng, 96, 0, 88, 3072, true, false);    // batch 6, a gate/up pair (whole tiles, as the planner cuts them)
-  test_mx<5>(rng, 40, 8, 40, 1024, false, true);    // batch 5: three n-tiles, the last half empty
-  test_mx<7>(rng, 16, 0, 16, 3584, false, true);    // batch 7 spilled: its fragments outgrow the input, the CUDA cores
-  test_mx<1>(rng, 12, 0, 12, 10240, false, true);   // batch 1 past the fragments' room: the CUDA-core consumer
-  test_fp8<1>(rng, 300, 3, 261, 7168, false, true);   // K2's hidden width: 4 pages a row, rows across 128-row blocks
-  test_fp8<1>(rng, 256, 128, 192, 2048, true, false); // a gate/up pair, one full page
-  test_fp8<4>(rng, 40, 0, 40, 1040, false, true);     // a partial column block (1040 = 8 x 128 + 16) and page
-  test_fp8<8>(rng, 24, 8, 24, 7168, true, true);      // batch 8: the input staged in global memory
-  test_fp8<3>(rng, 130, 120, 130, 4112, false, false); // the last, partial row block; three pages, the last of 16 columns
+  if (want("mla")) test_mla(rng, MlaDims{8, 4, 2, 3, 200, 512, 128, 64, 128, {150, 7}, 0.0722f}, true);
+  if (want("mla")) test_mla(rng, MlaDims{12, 6, 2, 2, 300, 512, 128, 0, 128, {299, 64}, 0.0884f}, true);
+  if (want("mla")) test_mla(rng, MlaDims{8, 8, 1, 4, 256, 512, 128, 64, 128, {0, 255}, 0.0722f}, true);
+  if (want("conv")) test_conv_l2(rng);
+  if (want("kda")) test_kda(rng, 4, 16, false);   // Kimi Linear tiny: softplus gate
+  if (want("kda")) test_kda(rng, 4, 128, true);   // K3's head size and safe gate
+  if (want("situ")) test_situ(rng);
+  if (want("mx")) test_mx<1>(rng, 40, 8, 40, 3584, true, false);  // K3's latent width: one full chunk
+  if (want("mx")) test_mx<4>(rng, 16, 0, 16, 64, false, true);    // tiny widths
+  if (want("mx")) test_mx<4>(rng, 21, 8, 21, 3584, false, true);  // batch 4 at K3's latent width, a partial tile
+  if (want("mx")) test_mx<8>(rng, 16, 0, 16, 3584, true, true);   // batch 8: the input staged in global memory
+  if (want("mx")) test_mx<1>(rng, 24, 8, 24, 3072, false, false);
+  if (want("mx")) test_mx<3>(rng, 16, 0, 13, 3584, false, true);  // batch 3
+  if (want("mx")) test_mx<1>(rng, 24, 8, 24, 7680, true, false);  // two full chunks and a partial one
+  if (want("mx")) test_mx<2>(rng, 160, 8, 152, 3584, true, false);  // batch 2, 36 row blocks: four and a half groups of partial sums
+  if (want("mx")) test_mx<4>(rng, 96, 0, 90, 3072, false, true);    // batch 4, 12 row blocks
+  if (want("mx")) test_mx<1>(rng, 16, 0, 16, 32, false, false);     // one block: a tile's scales padded to 16 bytes
+  if (want("mx")) test_mx<2>(rng, 8, 0, 8, 96, true, true);         // three blocks: an odd pair
+  if (want("mx")) test_mx<8>(rng, 24, 8, 24, 96, true, false);      // batch 8 at an odd number of blocks
+  if (want("mx")) test_mx<8>(rng, 160, 0, 150, 3584, false, true);  // batch 8, 19 row blocks: groups of four partial sums
+  if (want("mx")) test_mx<6>(rng, 96, 0, 88, 3072, true, false);    // batch 6, a gate/up pair (whole tiles, as the planner cuts them)
+  if (want("mx")) test_mx<5>(rng, 40, 8, 40, 1024, false, true);    // batch 5: three n-tiles, the last half empty
+  if (want("mx")) test_mx<7>(rng, 16, 0, 16, 3584, false, true);    // batch 7 spilled: its fragments outgrow the input, the CUDA cores
+  if (want("mx")) test_mx<1>(rng, 12, 0, 12, 10240, false, true);   // batch 1 past the fragments' room: the CUDA-core consumer
+  if (want("fp8")) test_fp8<1>(rng, 300, 3, 261, 7168, false, true);   // K2's hidden width: 4 pages a row, rows across 128-row blocks
+  if (want("fp8")) test_fp8<1>(rng, 256, 128, 192, 2048, true, false); // a gate/up pair, one full page
+  if (want("fp8")) test_fp8<4>(rng, 40, 0, 40, 1040, false, true);     // a partial column block (1040 = 8 x 128 + 16) and page
+  if (want("fp8")) test_fp8<8>(rng, 24, 8, 24, 7168, true, true);      // batch 8: the input staged in global memory
+  if (want("fp8")) test_fp8<3>(rng, 130, 120, 130, 4112, false, false); // the last, partial row block; three pages, the last of 16 columns
   // The tensor-core consumer (batch 2 to 8): groups of row blocks, the k chunks outer.
-  test_fp8<2>(rng, 300, 3, 261, 7168, false, true);    // 33 blocks: four groups of eight and one block
-  test_fp8<8>(rng, 200, 0, 150, 7168, true, false);    // batch 8, a gate/up pair: groups of four
-  test_fp8<6>(rng, 40, 0, 37, 1040, false, true);      // a partial column block and page, a ragged row block
-  test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone
-  test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots
-  test_attn_res(rng, 1, 7168);   // one snapshot
-  test_attn_res(rng, 31, 256);   // the largest bank (kMaxBankRows)
-  test_copies(rng, 7168, 3);     // K3's width: 16-byte rows, four-column snapshots
-  test_copies(rng, 36, 0);       // not a multiple of 8 (rows an element at a time); no bank rows
-  test_copies(rng, 6, 2);        // not a multiple of 4 either
+  if (want("fp8")) test_fp8<2>(rng, 300, 3, 261, 7168, false, true);    // 33 blocks: four groups of eight and one block
+  if (want("fp8")) test_fp8<8>(rng, 200, 0, 150, 7168, true, false);    // batch 8, a gate/up pair: groups of four
+  if (want("fp8")) test_fp8<6>(rng, 40, 0, 37, 1040, false, true);      // a partial column block and page, a ragged row block
+  if (want("attn_res")) test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone
+  if (want("attn_res")) test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots
+  if (want("attn_res")) test_attn_res(rng, 1, 7168);   // one snapshot
+  if (want("attn_res")) test_attn_res(rng, 31, 256);   // the largest bank (kMaxBankRows)
+  if (want("copies")) test_copies(rng, 7168, 3);     // K3's width: 16-byte rows, four-column snapshots
+  if (want("copies")) test_copies(rng, 36, 0);       // not a multiple of 8 (rows an element at a time); no bank rows
+  if (want("copies")) test_copies(rng, 6, 2);        // not a multiple of 4 either
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");
   return failures == 0 ? 0 : 1;
 }
