@@ -388,7 +388,8 @@ __device__ void mla_fold_mma(const MlaShape& s, uint32_t nh, const FoldRows& f, 
 // the latent space (qlat[b, h] = q_nope[b, h] W_UK[h], W_UK streamed through
 // the page ring once, a thread per pair of latent columns): at batch 1 into
 // scratch, at larger batches into `absorbed` (the SM's staging; the no-PE
-// queries staged in the upper half of the activation area meanwhile). Then,
+// queries staged in the upper half of the activation area meanwhile), from
+// where each token's are copied into scratch before its folds. Then,
 // token by token, the cache rows through the ring, kMlaFoldPages pages per
 // fold (mla_split_load streams both). The split holding the current position
 // appends the new row to the cache (head group 0 writes it; the others use
@@ -485,7 +486,14 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
   mla_absorb<B>(s, nh, qn_all, B == 1 ? qlat : a.absorbed, it);
   int parity = 0;
   for (int b = 0; b < B; ++b) {
-    const float* qlat_b = B == 1 ? qlat : a.absorbed + size_t(b) * nh * s.c;
+    if constexpr (B > 1) {
+      // Token b's absorbed queries into scratch's qlat (unused at batch > 1): the folds read them
+      // at every k-step, and read from the staging in global memory each waited out an L2 round
+      // trip (K2's split at batch 8 spent most of its 700 us a layer there). The previous token's
+      // folds are done (the barrier closing its loop).
+      const float* src = a.absorbed + size_t(b) * nh * s.c;
+      for (uint32_t i = threadIdx.x; i < nh * s.c; i += kConsumerThreads) qlat[i] = src[i];
+    }
     const uint32_t p_now = uint32_t(pos[b]);
     const bool has_now = p0 <= p_now && p_now < p1;
     if (has_now) {
@@ -530,9 +538,9 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
       for (uint32_t k = 0; k < np; ++k) Barrier::wait(&ring_ptr()->full[(it + k) % kPages], ((it + k) / kPages) & 1);
       if (pg + np == pages && has_now) f.cur = cur;
       if constexpr (kMma) {
-        mla_fold_mma(s, nh, f, qlat_b, qpe, run, parity, acc);
+        mla_fold_mma(s, nh, f, qlat, qpe, run, parity, acc);
       } else {
-        mla_fold(s, nh, f, qlat_b, qpe, run, parity, acc);
+        mla_fold(s, nh, f, qlat, qpe, run, parity, acc);
       }
       for (uint32_t k = 0; k < np; ++k) release_page(&ring_ptr()->empty[(it + k) % kPages]);
       it += np;
