@@ -20,6 +20,11 @@
 //   mx-fma:      mx_rows_load + mx_rows_pages (the CUDA-core consumer), batch 1
 //   mx-fma-b8:   the same at batch 8 (where the megakernel uses it)
 //   mx-idle:     mx_rows_load, consumers only wait for and release each page
+// and the FP8 variants, 2 GiB of e4m3 codes of rows [n, 7168] (K2's hidden width) and their fp32
+// block scales (one per 128 x 128; GB/s counts codes and scales):
+//   fp8, fp8-bN: fp8_rows_load + the tensor-core consumer (fp8_rows_pages_mma, kFp8Group blocks at a
+//                time), batch 1 and N, the input in shared memory or (batch 8) in global memory
+//   fp8-fma:     a block at a time through the CUDA-core consumer (fp8_rows_pages), batch 1
 // A measurement, not a test: nothing is asserted; the numbers go in docs/PERFORMANCE.md.
 //
 //   target/device/ring_bench_sm90a        (on an H200)
@@ -241,6 +246,45 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) mx_stream(const uint8_t* cod
   }
 }
 
+// FP8 rows [n, kK] (e4m3 codes, fp32 scales [ceil(n / 128)][kK / 128]) at batch B: this SM's share
+// through the loader in the order the consumer takes (kFp8Group blocks, or one at a time for the
+// CUDA-core consumer, batch 1 only), the input (ones) in shared memory where [B, kK] fits, else in
+// global memory, the output tiles (1024 rows) in global memory (`staging`, per SM).
+template <int B, bool kMma>
+__global__ void __launch_bounds__(mkc::kThreads, 1) fp8_stream(const uint8_t* codes, const float* scales, uint32_t rows,
+                                                              float* out, const float* ones, float* staging) {
+  static_assert(kMma || B == 1, "the CUDA-core consumer is batch 1's");
+  if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
+  __syncthreads();
+  const uint32_t per_sm = rows / gridDim.x, r0 = blockIdx.x * per_sm;
+  const mkc::Fp8Rows r{codes, scales, nullptr, nullptr, r0, r0 + per_sm, kK};
+  const int warp = threadIdx.x / 32;
+  uint32_t it = 0;
+  if (warp == mkc::kConsumerWarps) {
+    mkc::fp8_rows_load_grouped(r, kMma ? mkc::kFp8Group<B> : 1, it);
+  } else if (warp < mkc::kConsumerWarps) {
+    constexpr bool kFits = size_t(B) * kK * sizeof(float) <= size_t(mkc::kActivationBytes);
+    const float* xs = ones;
+    if (kFits) {
+      float* a = mkc::activation_ptr();
+      for (uint32_t i = threadIdx.x; i < B * kK; i += mkc::kConsumerThreads) a[i] = 1.f;
+      mkc::consumer_sync();
+      xs = a;
+    }
+    float* st = staging + size_t(blockIdx.x) * 1024 * B;
+    for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 1024) {
+      const mkc::Fp8Rows part{codes, scales, nullptr, nullptr, j0, min(j0 + 1024, r.r1), kK};
+      if constexpr (kMma) {
+        mkc::fp8_rows_pages_mma<B>(part, xs, it, warp, st);
+      } else {
+        mkc::fp8_rows_pages<B>(part, xs, it, warp, st);
+      }
+      mkc::consumer_sync();
+      if (threadIdx.x == 0) out[blockIdx.x] += st[0];
+    }
+  }
+}
+
 template <class K, class... Args>
 static void timed(const char* name, K kernel, double bytes, int sms, Args... args) {
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
@@ -304,6 +348,11 @@ int main() {
   CHECK(cudaMemcpy(norm, host_norm.data(), host_norm.size() * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice));
   float* staging = nullptr;  // the batch variants' output tiles, [sms][1024 rows][8 tokens]
   CHECK(cudaMalloc(&staging, size_t(sms) * 1024 * 8 * sizeof(float)));
+  // The FP8 variants' block scales, [ceil(n / 128)][kK / 128] for the n = 2 rows of codes each bf16 row's bytes hold.
+  float* fp8_scales = nullptr;
+  const std::vector<float> host_scales((size_t(rows) * 2 / 128 + 1) * (kK / 128), 0.01f);
+  CHECK(cudaMalloc(&fp8_scales, host_scales.size() * sizeof(float)));
+  CHECK(cudaMemcpy(fp8_scales, host_scales.data(), host_scales.size() * sizeof(float), cudaMemcpyHostToDevice));
   std::printf("%d SMs, %u rows of %u bf16, %d pages of %d KiB\n", sms, rows, kK, mkc::kPages, mkc::kPageBytes / 1024);
   for (int round = 0; round < 2; ++round) {  // twice: the first round may run before the clocks settle
   std::printf("round %d\n", round);
@@ -347,11 +396,19 @@ int main() {
   timed("mx-fma", mx_stream<1, 1>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
   timed("mx-fma-b8", mx_stream<8, 1>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
   timed("mx-idle", mx_stream<1, 2>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
+  // FP8: the same 2 GiB as e4m3 codes (0x3C: 1.5), the scales apart.
+  const uint32_t fp8_rows = uint32_t(size_t(rows) * kK * 2 / kK) / (1024 * sms) * (1024 * sms);
+  const double fp8_bytes = double(fp8_rows) * kK + double(fp8_rows / 128) * (kK / 128) * sizeof(float);
+  timed("fp8", fp8_stream<1, true>, fp8_bytes, sms, codes, fp8_scales, fp8_rows, out, ones, staging);
+  timed("fp8-fma", fp8_stream<1, false>, fp8_bytes, sms, codes, fp8_scales, fp8_rows, out, ones, staging);
+  timed("fp8-b4", fp8_stream<4, true>, fp8_bytes, sms, codes, fp8_scales, fp8_rows, out, ones, staging);
+  timed("fp8-b8", fp8_stream<8, true>, fp8_bytes, sms, codes, fp8_scales, fp8_rows, out, ones, staging);
   }
   CHECK(cudaFree(w));
   CHECK(cudaFree(out));
   CHECK(cudaFree(ones));
   CHECK(cudaFree(staging));
   CHECK(cudaFree(norm));
+  CHECK(cudaFree(fp8_scales));
   return 0;
 }

@@ -75,12 +75,21 @@ __device__ inline void fp8_rows_load_grouped(const Fp8Rows& r, uint32_t group, u
   __syncwarp();
 }
 
+// FP8 rows run on the tensor cores at every batch (fp8_rows_pages_mma; at
+// batch 1 too: the CUDA-core consumer, fp8_rows_pages, spent more on turning
+// each code into an fp32 value than the page took to arrive, and ran the
+// routed experts at K2's widths no faster than their bf16 rows). Its row
+// blocks come kFp8Group<B> at a time, a chunk's activation fragments made once
+// for the group's pages (at batch 1 as at 2 to 6: the partial sums of a group
+// of kBlockGroup blocks fit scratch).
+template <int B>
+constexpr uint32_t kFp8Group = kSumGroup<B>;
+
 // The loader of FP8 rows consumed at batch B (fp8_rows_compute<B>): the
-// tensor-core consumer's groups of row blocks from batch 2, a block at a time
-// at batch 1.
+// tensor-core consumer's groups of row blocks.
 template <int B>
 __device__ inline void fp8_rows_load(const Fp8Rows& r, uint32_t& it) {
-  fp8_rows_load_grouped(r, kRowsGroup<B>, it);
+  fp8_rows_load_grouped(r, kFp8Group<B>, it);
 }
 
 // Eight e4m3 codes (8 bytes, the first in the low byte) as four fp16 pairs
@@ -113,8 +122,10 @@ __device__ __forceinline__ void e4m3x8(uint2 c, float (&w)[8]) {
 }
 
 // Consumers: rows of y = x W^T into st [B, cols] (x fp32 [B, k], in shared
-// memory or global), on the CUDA cores (batch 1; fp8_rows_pages_mma below
-// from batch 2). Warp w takes columns
+// memory or global), on the CUDA cores, a row block at a time (its loader:
+// fp8_rows_load_grouped with group 1): the batch-1 consumer before
+// fp8_rows_pages_mma took batch 1 too, kept as ring_bench's baseline for it
+// (fp8-fma against fp8). Warp w takes columns
 // [256 w, 256 w + 256) of each page, eight a lane (one 8-byte load a row), so
 // a lane's columns lie in one 128-column block: their eight products are
 // summed before the row's block scale multiplies them once. After a row
@@ -167,7 +178,7 @@ __device__ void fp8_rows_pages(const Fp8Rows& r, const float* x, uint32_t& it, i
   }
 }
 
-// The page loop of fp8_rows_compute on the tensor cores at batch 2 to 8:
+// The page loop of fp8_rows_compute on the tensor cores, batch 1 to 8:
 // mma.sync m16n8k16, fp16 inputs, fp32 sums, the activations as A and a
 // page's eight rows as B, as the bf16 consumer (rows_pages_mma) lays them:
 // A's row b is token b's fp16 high part and row 8 + b its low part, token b
@@ -179,14 +190,14 @@ __device__ void fp8_rows_pages(const Fp8Rows& r, const float* x, uint32_t& it, i
 // of steps 2i and 2i + 1, and token g's activations of the same columns as
 // A's. A block's eight MMAs sum into fresh registers, which the scales of the
 // lane's two rows (2t, 2t + 1) in that block then multiply once. The pages
-// come kRowsGroup<B> row blocks at a time, the k chunks outer
+// come kFp8Group<B> row blocks at a time, the k chunks outer
 // (fp8_rows_load<B>): a chunk's A fragments are made once for the group's
 // blocks, and the group's sums wait in scratch (sum_block_group).
 template <int B>
 __device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& it, int warp, float* st) {
-  constexpr uint32_t G = kRowsGroup<B>;
+  constexpr uint32_t G = kFp8Group<B>;
   constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;
-  static_assert(B >= 2 && B <= 8, "A's eight token rows");
+  static_assert(B >= 1 && B <= 8, "A's eight token rows");
   static_assert(2 * G * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
   __shared__ float rs[B], scale[B];
   token_scales<B>(x, r.k, static_cast<const __nv_bfloat16*>(nullptr), 0.f, 14, rs, scale);
@@ -258,8 +269,7 @@ __device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& i
 
 // FP8 rows of y = x' W^T, x' = x or RMSNorm(x) * norm, the input staged as
 // fp32 in shared memory, or in `spill` when it does not fit (input_area); on
-// the CUDA cores at batch 1, on the tensor cores from batch 2. The task's
-// loader is fp8_rows_load<B>.
+// the tensor cores. The task's loader is fp8_rows_load<B>.
 template <class T>
 struct Fp8RowsCompute {
   Fp8Rows rows;               // the task's weight rows (fp8_rows_load streams them)
@@ -272,11 +282,7 @@ template <int B, class T>
 __device__ void fp8_rows_compute(Fp8RowsCompute<T> a, uint32_t& it, int warp, float* st) {
   const Fp8Rows& r = a.rows;
   const float* xs = stage_input<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill));
-  if constexpr (kRowsMma<B>) {
-    fp8_rows_pages_mma<B>(r, xs, it, warp, st);
-  } else {
-    fp8_rows_pages<B>(r, xs, it, warp, st);
-  }
+  fp8_rows_pages_mma<B>(r, xs, it, warp, st);
 }
 
 }  // namespace mkc
