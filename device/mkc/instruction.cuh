@@ -32,6 +32,7 @@ enum Opcode : uint16_t {
   kLmHeadRows,
   kArgmax,
   kElementwise,
+  kMlaAbsorb,
 };
 
 // What a debug build reports instead of hanging.

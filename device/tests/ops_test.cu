@@ -659,39 +659,44 @@ __device__ const __nv_bfloat16* g_wkvb;
 __device__ __nv_bfloat16* g_cache;
 __device__ const int32_t* g_mpos;
 __device__ float* g_part;
-__device__ float* g_absorbed;  // [kMB, hpt, c]: the split's absorbed queries (the SM's staging in the megakernel)
+__device__ float* g_absorbed;  // [kMB, heads, c]: the absorbed queries (an arena block in the megakernel)
 __device__ float* g_out;
 __device__ uint32_t g_hg, g_split;
-// Split and combine stream the cache rows and W_UV through the page ring, as
-// in the megakernel: warp 8 loads, warps 0-7 compute.
+// Absorb, split and combine stream W_UK, the cache rows and W_UV through the
+// page ring, as in the megakernel: warp 8 loads, warps 0-7 compute.
+__global__ void mla_absorb_kernel() {
+  if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
+  __syncthreads();
+  uint32_t it = 0;
+  if (threadIdx.x / 32 == mkc::kConsumerWarps) {
+    mkc::mla_absorb_load<kMB>(mkc::MlaAbsorbLoad{.shape = g_mla, .h0 = g_hg, .h1 = g_hg + 1, .wkvb = g_wkvb}, it);
+  } else {
+    mkc::mla_absorb_heads<kMB>(
+        mkc::MlaAbsorb{.shape = g_mla, .h0 = g_hg, .h1 = g_hg + 1, .q = g_q, .absorbed = g_absorbed}, it);
+  }
+}
 template <bool kMma>
 __global__ void mla_split_kernel() {
   if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
   __syncthreads();
   uint32_t it = 0;
   if (threadIdx.x / 32 == mkc::kConsumerWarps) {
-    mkc::mla_split_load<kMB>(mkc::MlaSplitLoad{.shape = g_mla,
-                                               .head_group = g_hg,
-                                               .split = g_split,
-                                               .wkvb = g_wkvb,
-                                               .cache = g_cache,
-                                               .pos = g_mpos},
-                             it);
+    mkc::mla_split_load<kMB>(
+        mkc::MlaSplitLoad{.shape = g_mla, .head_group = g_hg, .split = g_split, .cache = g_cache, .pos = g_mpos}, it);
   } else {
     mkc::mla_split<kMB, kMma>(mkc::MlaSplit{.shape = g_mla,
-                                      .head_group = g_hg,
-                                      .split = g_split,
-                                      .q = g_q,
-                                      .ckv_raw = g_ckv,
-                                      .norm = g_norm,
-                                      .eps = 1e-6f,
-                                      .kpe = g_kpe,
-                                      .wkvb = g_wkvb,
-                                      .cache = g_cache,
-                                      .pos = g_mpos,
-                                      .partials = g_part,
-                                      .absorbed = g_absorbed},
-                        it);
+                                            .head_group = g_hg,
+                                            .split = g_split,
+                                            .q = g_q,
+                                            .absorbed = g_absorbed,
+                                            .ckv_raw = g_ckv,
+                                            .norm = g_norm,
+                                            .eps = 1e-6f,
+                                            .kpe = g_kpe,
+                                            .cache = g_cache,
+                                            .pos = g_mpos,
+                                            .partials = g_part},
+                              it);
   }
 }
 __global__ void mla_combine_kernel() {
@@ -748,7 +753,7 @@ static void test_mla(std::mt19937& rng, const MlaDims& d, bool mma = false) {
   int32_t* d_pos = upload(pos);
   float* d_part = upload(std::vector<float>(kMB * heads * splits * (c + 2), NAN));
   float* d_out = upload(std::vector<float>(kMB * heads * v, NAN));
-  float* d_absorbed = upload(std::vector<float>(kMB * hpt * c, NAN));
+  float* d_absorbed = upload(std::vector<float>(kMB * heads * c, NAN));
   CHECK(cudaMemcpyToSymbol(g_absorbed, &d_absorbed, sizeof d_absorbed));
   CHECK(cudaMemcpyToSymbol(g_mla, &s, sizeof s));
   CHECK(cudaMemcpyToSymbol(g_q, &d_q, sizeof d_q));
@@ -760,6 +765,10 @@ static void test_mla(std::mt19937& rng, const MlaDims& d, bool mma = false) {
   CHECK(cudaMemcpyToSymbol(g_mpos, &d_pos, sizeof d_pos));
   CHECK(cudaMemcpyToSymbol(g_part, &d_part, sizeof d_part));
   CHECK(cudaMemcpyToSymbol(g_out, &d_out, sizeof d_out));
+  for (uint32_t h = 0; h < heads; ++h) {  // a head per absorption task, as the planner tiles it
+    CHECK(cudaMemcpyToSymbol(g_hg, &h, sizeof h));
+    launch_with_loader(mla_absorb_kernel);
+  }
   for (uint32_t hg = 0; hg < groups; ++hg) {
     for (uint32_t sp = 0; sp < splits; ++sp) {
       CHECK(cudaMemcpyToSymbol(g_hg, &hg, sizeof hg));
@@ -1238,6 +1247,8 @@ int main(int argc, char** argv) {
   if (want("mla")) test_mla(rng, MlaDims{8, 4, 2, 3, 200, 512, 128, 64, 128, {150, 7}, 0.0722f}, true);
   if (want("mla")) test_mla(rng, MlaDims{12, 6, 2, 2, 300, 512, 128, 0, 128, {299, 64}, 0.0884f}, true);
   if (want("mla")) test_mla(rng, MlaDims{8, 8, 1, 4, 256, 512, 128, 64, 128, {0, 255}, 0.0722f}, true);
+  // K2's layout as the planner shapes it: eight heads a split task (M's eight rows), two head groups.
+  if (want("mla")) test_mla(rng, MlaDims{16, 8, 2, 4, 256, 512, 128, 64, 128, {100, 255}, 0.0722f}, true);
   if (want("conv")) test_conv_l2(rng);
   if (want("kda")) test_kda(rng, 4, 16, false);   // Kimi Linear tiny: softplus gate
   if (want("kda")) test_kda(rng, 4, 128, true);   // K3's head size and safe gate

@@ -2,7 +2,7 @@
 // (batch 1, context 4096). Do not edit: run `mkc codegen`.
 //
 // The code of one decode step: one device function per kind of stage. The
-// 730 stages and 71379 tasks of this model are data in plan.mkcplan (format
+// 791 stages and 73331 tasks of this model are data in plan.mkcplan (format
 // 1, runtime/include/mkc/plan_file.h): per stage, its kind's role here and
 // its parameters (weights, arena offsets, states); per SM, its instructions.
 // What is the same for every stage of a kind (widths, epsilons, shapes) is
@@ -18,10 +18,10 @@ inline constexpr const char* kModel = "kimi_k2_gb300";
 inline constexpr const char* kTarget = "gb300";
 inline constexpr int kBatch = 1;
 inline constexpr uint64_t kContext = 4096;
-inline constexpr uint64_t kArenaBytes = 1666304;
+inline constexpr uint64_t kArenaBytes = 4462848;
 // The routing log: each router's expert ids of the last step, [router][batch][top_k]
 // int32 from here (after the buffers; the host reads it: mkc_model_routing).
-inline constexpr uint64_t kRouteLog = 1664256;
+inline constexpr uint64_t kRouteLog = 4460800;
 inline constexpr uint32_t kRouters = 60;
 // Their common top-k (0: no routers, or routers of different top-k).
 inline constexpr uint32_t kRouterTopK = 8;
@@ -214,12 +214,13 @@ struct mla0_params {
   uint64_t kv_cache;  // state index
   uint64_t o;         // arena offset
   uint64_t partials;  // arena offset
+  uint64_t absorbed;  // arena offset
 };
 
 __device__ constexpr MlaShape mla0_shape = MlaShape{.heads = 64,
-                                                    .hpt = 4,
-                                                    .groups = 16,
-                                                    .splits = 10,
+                                                    .hpt = 8,
+                                                    .groups = 8,
+                                                    .splits = 16,
                                                     .ctx = 4096,
                                                     .c = 512,
                                                     .nope = 128,
@@ -227,12 +228,27 @@ __device__ constexpr MlaShape mla0_shape = MlaShape{.heads = 64,
                                                     .v_dim = 128,
                                                     .scale = 1.308608e-1f};
 
+// mla_absorb: every token's queries of some heads absorbed into the latent space (W_UK through the page ring)
+__device__ inline void mla0_mla_absorb_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
+  mla_absorb_load<kBatch>(
+      MlaAbsorbLoad{
+          .shape = mla0_shape, .h0 = t.a[0], .h1 = t.a[1], .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb])},
+      it);
+}
+__device__ inline void mla0_mla_absorb(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
+  mla_absorb_heads<kBatch>(MlaAbsorb{.shape = mla0_shape,
+                                     .h0 = t.a[0],
+                                     .h1 = t.a[1],
+                                     .q = reinterpret_cast<float*>(m.arena + p.in),
+                                     .absorbed = reinterpret_cast<float*>(m.arena + p.absorbed)},
+                           it);
+}
+
 // mla_split: attention over one KV split (cache rows through the page ring, online softmax)
 __device__ inline void mla0_mla_split_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
   mla_split_load<kBatch>(MlaSplitLoad{.shape = mla0_shape,
                                       .head_group = t.a[0],
                                       .split = t.a[1],
-                                      .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
                                       .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
                                       .pos = m.pos},
                          it);
@@ -242,15 +258,14 @@ __device__ inline void mla0_mla_split(const TaskArgs& t, const Memory& m, const 
                                    .head_group = t.a[0],
                                    .split = t.a[1],
                                    .q = reinterpret_cast<float*>(m.arena + p.in),
+                                   .absorbed = reinterpret_cast<float*>(m.arena + p.absorbed),
                                    .ckv_raw = reinterpret_cast<float*>(m.arena + p.in_2),
                                    .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_kva]),
                                    .eps = 1e-6f,
                                    .kpe = reinterpret_cast<float*>(m.arena + p.in_3),
-                                   .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
                                    .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
                                    .pos = m.pos,
-                                   .partials = reinterpret_cast<float*>(m.arena + p.partials),
-                                   .absorbed = nullptr},
+                                   .partials = reinterpret_cast<float*>(m.arena + p.partials)},
                           it);
 }
 
@@ -787,55 +802,60 @@ struct Step {
       }
       case 3: {
         const auto p = stage_params<mla0_params>(m, t);
-        mla0_mla_split_load(t, m, p, it);
+        mla0_mla_absorb_load(t, m, p, it);
         break;
       }
       case 4: {
         const auto p = stage_params<mla0_params>(m, t);
-        mla0_mla_combine_load(t, m, p, it);
+        mla0_mla_split_load(t, m, p, it);
         break;
       }
       case 5: {
+        const auto p = stage_params<mla0_params>(m, t);
+        mla0_mla_combine_load(t, m, p, it);
+        break;
+      }
+      case 6: {
         const auto p = stage_params<projection2_params>(m, t);
         fp8_rows_load<kBatch>(projection2_rows(t, m, p), it);
         break;
       }
-      case 6: {
+      case 7: {
         const auto p = stage_params<projection3_params>(m, t);
         fp8_rows_load<kBatch>(projection3_rows(t, m, p), it);
         break;
       }
-      case 7: {
+      case 8: {
         const auto p = stage_params<projection4_params>(m, t);
         fp8_rows_load<kBatch>(projection4_rows(t, m, p), it);
         break;
       }
-      case 8: {
+      case 9: {
         const auto p = stage_params<projection5_params>(m, t);
         rows_load<kBatch>(projection5_rows(t, m, p), it);
         break;
       }
-      case 10: {
+      case 11: {
         const auto p = stage_params<moe0_params>(m, t);
         fp8_rows_load<kBatch>(moe0_expert_up_rows(t, m, p), it);
         break;
       }
-      case 11: {
+      case 12: {
         const auto p = stage_params<moe0_params>(m, t);
         fp8_rows_load<kBatch>(moe0_expert_down_rows(t, m, p), it);
         break;
       }
-      case 13: {
+      case 14: {
         const auto p = stage_params<projection6_params>(m, t);
         fp8_rows_load<kBatch>(projection6_rows(t, m, p), it);
         break;
       }
-      case 14: {
+      case 15: {
         const auto p = stage_params<projection7_params>(m, t);
         fp8_rows_load<kBatch>(projection7_rows(t, m, p), it);
         break;
       }
-      case 15: {
+      case 16: {
         const auto p = stage_params<lm_head0_params>(m, t);
         rows_load<kBatch>(lm_head0_lm_head_rows_rows(t, m, p), it);
         break;
@@ -874,19 +894,20 @@ struct Step {
         break;
       }
       case 3:
-      case 4: {
+      case 4:
+      case 5: {
         const auto p = stage_params<mla0_params>(m, t);
         prefetch_l1(m.w + p.n_kva);
         prefetch_l1(m.w + p.w_kvb);
         break;
       }
-      case 5: {
+      case 6: {
         const auto p = stage_params<projection2_params>(m, t);
         prefetch_l1(m.w + p.w_o);
         prefetch_l1(m.w + p.w_o_scales);
         break;
       }
-      case 6: {
+      case 7: {
         const auto p = stage_params<projection3_params>(m, t);
         prefetch_l1(m.w + p.n_post);
         prefetch_l1(m.w + p.w_gate);
@@ -895,26 +916,26 @@ struct Step {
         prefetch_l1(m.w + p.w_up_scales);
         break;
       }
-      case 7: {
+      case 8: {
         const auto p = stage_params<projection4_params>(m, t);
         prefetch_l1(m.w + p.w_down);
         prefetch_l1(m.w + p.w_down_scales);
         break;
       }
-      case 8: {
+      case 9: {
         const auto p = stage_params<projection5_params>(m, t);
         prefetch_l1(m.w + p.n_post);
         prefetch_l1(m.w + p.router_w);
         break;
       }
-      case 9: {
+      case 10: {
         const auto p = stage_params<router0_params>(m, t);
         prefetch_l1(m.w + p.router_b);
         break;
       }
-      case 10:
       case 11:
-      case 12: {
+      case 12:
+      case 13: {
         const auto p = stage_params<moe0_params>(m, t);
         prefetch_l1(m.w + p.n_post);
         prefetch_l1(m.w + p.e_gate);
@@ -922,7 +943,7 @@ struct Step {
         prefetch_l1(m.w + p.e_down);
         break;
       }
-      case 13: {
+      case 14: {
         const auto p = stage_params<projection6_params>(m, t);
         prefetch_l1(m.w + p.n_post);
         prefetch_l1(m.w + p.s_gate);
@@ -931,14 +952,14 @@ struct Step {
         prefetch_l1(m.w + p.s_up_scales);
         break;
       }
-      case 14: {
+      case 15: {
         const auto p = stage_params<projection7_params>(m, t);
         prefetch_l1(m.w + p.s_down);
         prefetch_l1(m.w + p.s_down_scales);
         break;
       }
-      case 15:
-      case 16: {
+      case 16:
+      case 17: {
         const auto p = stage_params<lm_head0_params>(m, t);
         prefetch_l1(m.w + p.final_norm);
         prefetch_l1(m.w + p.lm_w);
@@ -972,70 +993,75 @@ struct Step {
       }
       case 3: {
         const auto p = stage_params<mla0_params>(m, t);
-        mla0_mla_split(t, m, p, it);
+        mla0_mla_absorb(t, m, p, it);
         break;
       }
       case 4: {
         const auto p = stage_params<mla0_params>(m, t);
-        mla0_mla_combine(t, m, p, it, warp);
+        mla0_mla_split(t, m, p, it);
         break;
       }
       case 5: {
+        const auto p = stage_params<mla0_params>(m, t);
+        mla0_mla_combine(t, m, p, it, warp);
+        break;
+      }
+      case 6: {
         const auto p = stage_params<projection2_params>(m, t);
         projection2(t, m, p, it, warp);
         break;
       }
-      case 6: {
+      case 7: {
         const auto p = stage_params<projection3_params>(m, t);
         projection3(t, m, p, it, warp);
         break;
       }
-      case 7: {
+      case 8: {
         const auto p = stage_params<projection4_params>(m, t);
         projection4(t, m, p, it, warp);
         break;
       }
-      case 8: {
+      case 9: {
         const auto p = stage_params<projection5_params>(m, t);
         projection5(t, m, p, it, warp);
         break;
       }
-      case 9: {
+      case 10: {
         const auto p = stage_params<router0_params>(m, t);
         router0(m, p);
         break;
       }
-      case 10: {
+      case 11: {
         const auto p = stage_params<moe0_params>(m, t);
         moe0_expert_up(t, m, p, it, warp);
         break;
       }
-      case 11: {
+      case 12: {
         const auto p = stage_params<moe0_params>(m, t);
         moe0_expert_down(t, m, p, it, warp);
         break;
       }
-      case 12: {
+      case 13: {
         const auto p = stage_params<moe0_params>(m, t);
         moe0_expert_combine(t, m, p);
         break;
       }
-      case 13: {
+      case 14: {
         const auto p = stage_params<projection6_params>(m, t);
         projection6(t, m, p, it, warp);
         break;
       }
-      case 14: {
+      case 15: {
         const auto p = stage_params<projection7_params>(m, t);
         projection7(t, m, p, it, warp);
         break;
       }
-      case 15: {
+      case 16: {
         const auto p = stage_params<lm_head0_params>(m, t);
         lm_head0_lm_head_rows(t, m, p, it, warp);
         break;
       }
-      case 16: {
+      case 17: {
         const auto p = stage_params<lm_head0_params>(m, t);
         lm_head0_argmax(m, p);
         break;
@@ -1046,6 +1072,6 @@ struct Step {
   }
 };
 
-inline constexpr uint32_t kRoles = 17;
+inline constexpr uint32_t kRoles = 18;
 
 }  // namespace mkc::generated::kimi_k2_gb300

@@ -2,7 +2,7 @@
 // (batch 1, context 4096). Do not edit: run `mkc codegen`.
 //
 // The code of one decode step: one device function per kind of stage. The
-// 1231 stages and 101438 tasks of this model are data in plan.mkcplan (format
+// 1255 stages and 103838 tasks of this model are data in plan.mkcplan (format
 // 1, runtime/include/mkc/plan_file.h): per stage, its kind's role here and
 // its parameters (weights, arena offsets, states); per SM, its instructions.
 // What is the same for every stage of a kind (widths, epsilons, shapes) is
@@ -18,10 +18,10 @@ inline constexpr const char* kModel = "kimi_k3_h200";
 inline constexpr const char* kTarget = "h200";
 inline constexpr int kBatch = 1;
 inline constexpr uint64_t kContext = 4096;
-inline constexpr uint64_t kArenaBytes = 3884800;
+inline constexpr uint64_t kArenaBytes = 5298432;
 // The routing log: each router's expert ids of the last step, [router][batch][top_k]
 // int32 from here (after the buffers; the host reads it: mkc_model_routing).
-inline constexpr uint64_t kRouteLog = 3878912;
+inline constexpr uint64_t kRouteLog = 5292544;
 inline constexpr uint32_t kRouters = 92;
 // Their common top-k (0: no routers, or routers of different top-k).
 inline constexpr uint32_t kRouterTopK = 16;
@@ -950,12 +950,13 @@ struct mla0_params {
   uint64_t kv_cache;  // state index
   uint64_t o;         // arena offset
   uint64_t partials;  // arena offset
+  uint64_t absorbed;  // arena offset
 };
 
 __device__ constexpr MlaShape mla0_shape = MlaShape{.heads = 96,
-                                                    .hpt = 6,
-                                                    .groups = 16,
-                                                    .splits = 8,
+                                                    .hpt = 8,
+                                                    .groups = 12,
+                                                    .splits = 11,
                                                     .ctx = 4096,
                                                     .c = 512,
                                                     .nope = 128,
@@ -963,12 +964,27 @@ __device__ constexpr MlaShape mla0_shape = MlaShape{.heads = 96,
                                                     .v_dim = 128,
                                                     .scale = 7.216878e-2f};
 
+// mla_absorb: every token's queries of some heads absorbed into the latent space (W_UK through the page ring)
+__device__ inline void mla0_mla_absorb_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
+  mla_absorb_load<kBatch>(
+      MlaAbsorbLoad{
+          .shape = mla0_shape, .h0 = t.a[0], .h1 = t.a[1], .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb])},
+      it);
+}
+__device__ inline void mla0_mla_absorb(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
+  mla_absorb_heads<kBatch>(MlaAbsorb{.shape = mla0_shape,
+                                     .h0 = t.a[0],
+                                     .h1 = t.a[1],
+                                     .q = reinterpret_cast<float*>(m.arena + p.in),
+                                     .absorbed = reinterpret_cast<float*>(m.arena + p.absorbed)},
+                           it);
+}
+
 // mla_split: attention over one KV split (cache rows through the page ring, online softmax)
 __device__ inline void mla0_mla_split_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
   mla_split_load<kBatch>(MlaSplitLoad{.shape = mla0_shape,
                                       .head_group = t.a[0],
                                       .split = t.a[1],
-                                      .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
                                       .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
                                       .pos = m.pos},
                          it);
@@ -978,15 +994,14 @@ __device__ inline void mla0_mla_split(const TaskArgs& t, const Memory& m, const 
                                    .head_group = t.a[0],
                                    .split = t.a[1],
                                    .q = reinterpret_cast<float*>(m.arena + p.in),
+                                   .absorbed = reinterpret_cast<float*>(m.arena + p.absorbed),
                                    .ckv_raw = reinterpret_cast<float*>(m.arena + p.in_2),
                                    .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_kva]),
                                    .eps = 1e-6f,
                                    .kpe = reinterpret_cast<float*>(m.arena + p.in_3),
-                                   .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
                                    .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
                                    .pos = m.pos,
-                                   .partials = reinterpret_cast<float*>(m.arena + p.partials),
-                                   .absorbed = nullptr},
+                                   .partials = reinterpret_cast<float*>(m.arena + p.partials)},
                           it);
 }
 
@@ -1318,30 +1333,35 @@ struct Step {
       }
       case 20: {
         const auto p = stage_params<mla0_params>(m, t);
-        mla0_mla_split_load(t, m, p, it);
+        mla0_mla_absorb_load(t, m, p, it);
         break;
       }
       case 21: {
         const auto p = stage_params<mla0_params>(m, t);
-        mla0_mla_combine_load(t, m, p, it);
+        mla0_mla_split_load(t, m, p, it);
         break;
       }
       case 22: {
+        const auto p = stage_params<mla0_params>(m, t);
+        mla0_mla_combine_load(t, m, p, it);
+        break;
+      }
+      case 23: {
         const auto p = stage_params<projection11_params>(m, t);
         rows_load<kBatch>(projection11_rows(t, m, p), it);
         break;
       }
-      case 23: {
+      case 24: {
         const auto p = stage_params<projection12_params>(m, t);
         rows_load<kBatch>(projection12_rows(t, m, p), it);
         break;
       }
-      case 24: {
+      case 25: {
         const auto p = stage_params<projection13_params>(m, t);
         rows_load<kBatch>(projection13_rows(t, m, p), it);
         break;
       }
-      case 26: {
+      case 27: {
         const auto p = stage_params<lm_head0_params>(m, t);
         rows_load<kBatch>(lm_head0_lm_head_rows_rows(t, m, p), it);
         break;
@@ -1479,35 +1499,36 @@ struct Step {
         break;
       }
       case 20:
-      case 21: {
+      case 21:
+      case 22: {
         const auto p = stage_params<mla0_params>(m, t);
         prefetch_l1(m.w + p.n_kva);
         prefetch_l1(m.w + p.w_kvb);
         break;
       }
-      case 22: {
+      case 23: {
         const auto p = stage_params<projection11_params>(m, t);
         prefetch_l1(m.w + p.w_o);
         break;
       }
-      case 23: {
+      case 24: {
         const auto p = stage_params<projection12_params>(m, t);
         prefetch_l1(m.w + p.s_down);
         break;
       }
-      case 24: {
+      case 25: {
         const auto p = stage_params<projection13_params>(m, t);
         prefetch_l1(m.w + p.s_down);
         break;
       }
-      case 25: {
+      case 26: {
         const auto p = stage_params<attn_res3_params>(m, t);
         prefetch_l1(m.w + p.out_w);
         prefetch_l1(m.w + p.out_n);
         break;
       }
-      case 26:
-      case 27: {
+      case 27:
+      case 28: {
         const auto p = stage_params<lm_head0_params>(m, t);
         prefetch_l1(m.w + p.final_norm);
         prefetch_l1(m.w + p.lm_w);
@@ -1626,40 +1647,45 @@ struct Step {
       }
       case 20: {
         const auto p = stage_params<mla0_params>(m, t);
-        mla0_mla_split(t, m, p, it);
+        mla0_mla_absorb(t, m, p, it);
         break;
       }
       case 21: {
         const auto p = stage_params<mla0_params>(m, t);
-        mla0_mla_combine(t, m, p, it, warp);
+        mla0_mla_split(t, m, p, it);
         break;
       }
       case 22: {
+        const auto p = stage_params<mla0_params>(m, t);
+        mla0_mla_combine(t, m, p, it, warp);
+        break;
+      }
+      case 23: {
         const auto p = stage_params<projection11_params>(m, t);
         projection11(t, m, p, it, warp);
         break;
       }
-      case 23: {
+      case 24: {
         const auto p = stage_params<projection12_params>(m, t);
         projection12(t, m, p, it, warp);
         break;
       }
-      case 24: {
+      case 25: {
         const auto p = stage_params<projection13_params>(m, t);
         projection13(t, m, p, it, warp);
         break;
       }
-      case 25: {
+      case 26: {
         const auto p = stage_params<attn_res3_params>(m, t);
         attn_res3(m, p);
         break;
       }
-      case 26: {
+      case 27: {
         const auto p = stage_params<lm_head0_params>(m, t);
         lm_head0_lm_head_rows(t, m, p, it, warp);
         break;
       }
-      case 27: {
+      case 28: {
         const auto p = stage_params<lm_head0_params>(m, t);
         lm_head0_argmax(m, p);
         break;
@@ -1670,6 +1696,6 @@ struct Step {
   }
 };
 
-inline constexpr uint32_t kRoles = 28;
+inline constexpr uint32_t kRoles = 29;
 
 }  // namespace mkc::generated::kimi_k3_h200

@@ -2,7 +2,7 @@
 // (batch 1, context 4096). Do not edit: run `mkc codegen`.
 //
 // The code of one decode step: one device function per kind of stage. The
-// 42 stages and 161 tasks of this model are data in plan.mkcplan (format
+// 43 stages and 117 tasks of this model are data in plan.mkcplan (format
 // 1, runtime/include/mkc/plan_file.h): per stage, its kind's role here and
 // its parameters (weights, arena offsets, states); per SM, its instructions.
 // What is the same for every stage of a kind (widths, epsilons, shapes) is
@@ -18,10 +18,10 @@ inline constexpr const char* kModel = "kimi_linear_tiny_b200";
 inline constexpr const char* kTarget = "b200";
 inline constexpr int kBatch = 1;
 inline constexpr uint64_t kContext = 4096;
-inline constexpr uint64_t kArenaBytes = 12544;
+inline constexpr uint64_t kArenaBytes = 13056;
 // The routing log: each router's expert ids of the last step, [router][batch][top_k]
 // int32 from here (after the buffers; the host reads it: mkc_model_routing).
-inline constexpr uint64_t kRouteLog = 12288;
+inline constexpr uint64_t kRouteLog = 12800;
 inline constexpr uint32_t kRouters = 3;
 // Their common top-k (0: no routers, or routers of different top-k).
 inline constexpr uint32_t kRouterTopK = 2;
@@ -752,11 +752,12 @@ struct mla0_params {
   uint64_t kv_cache;  // state index
   uint64_t o;         // arena offset
   uint64_t partials;  // arena offset
+  uint64_t absorbed;  // arena offset
 };
 
 __device__ constexpr MlaShape mla0_shape = MlaShape{.heads = 4,
-                                                    .hpt = 1,
-                                                    .groups = 4,
+                                                    .hpt = 4,
+                                                    .groups = 1,
                                                     .splits = 16,
                                                     .ctx = 4096,
                                                     .c = 32,
@@ -765,12 +766,27 @@ __device__ constexpr MlaShape mla0_shape = MlaShape{.heads = 4,
                                                     .v_dim = 16,
                                                     .scale = 2.0412415e-1f};
 
+// mla_absorb: every token's queries of some heads absorbed into the latent space (W_UK through the page ring)
+__device__ inline void mla0_mla_absorb_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
+  mla_absorb_load<kBatch>(
+      MlaAbsorbLoad{
+          .shape = mla0_shape, .h0 = t.a[0], .h1 = t.a[1], .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb])},
+      it);
+}
+__device__ inline void mla0_mla_absorb(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
+  mla_absorb_heads<kBatch>(MlaAbsorb{.shape = mla0_shape,
+                                     .h0 = t.a[0],
+                                     .h1 = t.a[1],
+                                     .q = reinterpret_cast<float*>(m.arena + p.in),
+                                     .absorbed = reinterpret_cast<float*>(m.arena + p.absorbed)},
+                           it);
+}
+
 // mla_split: attention over one KV split (cache rows through the page ring, online softmax)
 __device__ inline void mla0_mla_split_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {
   mla_split_load<kBatch>(MlaSplitLoad{.shape = mla0_shape,
                                       .head_group = t.a[0],
                                       .split = t.a[1],
-                                      .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
                                       .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
                                       .pos = m.pos},
                          it);
@@ -780,15 +796,14 @@ __device__ inline void mla0_mla_split(const TaskArgs& t, const Memory& m, const 
                              .head_group = t.a[0],
                              .split = t.a[1],
                              .q = reinterpret_cast<float*>(m.arena + p.in),
+                             .absorbed = reinterpret_cast<float*>(m.arena + p.absorbed),
                              .ckv_raw = reinterpret_cast<float*>(m.arena + p.in_2),
                              .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_kva]),
                              .eps = 1e-5f,
                              .kpe = reinterpret_cast<float*>(m.arena + p.in_3),
-                             .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
                              .cache = static_cast<__nv_bfloat16*>(m.state[p.kv_cache]),
                              .pos = m.pos,
-                             .partials = reinterpret_cast<float*>(m.arena + p.partials),
-                             .absorbed = nullptr},
+                             .partials = reinterpret_cast<float*>(m.arena + p.partials)},
                     it);
 }
 
@@ -974,20 +989,25 @@ struct Step {
       }
       case 15: {
         const auto p = stage_params<mla0_params>(m, t);
-        mla0_mla_split_load(t, m, p, it);
+        mla0_mla_absorb_load(t, m, p, it);
         break;
       }
       case 16: {
         const auto p = stage_params<mla0_params>(m, t);
-        mla0_mla_combine_load(t, m, p, it);
+        mla0_mla_split_load(t, m, p, it);
         break;
       }
       case 17: {
+        const auto p = stage_params<mla0_params>(m, t);
+        mla0_mla_combine_load(t, m, p, it);
+        break;
+      }
+      case 18: {
         const auto p = stage_params<projection9_params>(m, t);
         rows_load<kBatch>(projection9_rows(t, m, p), it);
         break;
       }
-      case 18: {
+      case 19: {
         const auto p = stage_params<lm_head0_params>(m, t);
         rows_load<kBatch>(lm_head0_lm_head_rows_rows(t, m, p), it);
         break;
@@ -1093,19 +1113,20 @@ struct Step {
         break;
       }
       case 15:
-      case 16: {
+      case 16:
+      case 17: {
         const auto p = stage_params<mla0_params>(m, t);
         prefetch_l1(m.w + p.n_kva);
         prefetch_l1(m.w + p.w_kvb);
         break;
       }
-      case 17: {
+      case 18: {
         const auto p = stage_params<projection9_params>(m, t);
         prefetch_l1(m.w + p.w_o);
         break;
       }
-      case 18:
-      case 19: {
+      case 19:
+      case 20: {
         const auto p = stage_params<lm_head0_params>(m, t);
         prefetch_l1(m.w + p.final_norm);
         prefetch_l1(m.w + p.lm_w);
@@ -1199,25 +1220,30 @@ struct Step {
       }
       case 15: {
         const auto p = stage_params<mla0_params>(m, t);
-        mla0_mla_split(t, m, p, it);
+        mla0_mla_absorb(t, m, p, it);
         break;
       }
       case 16: {
         const auto p = stage_params<mla0_params>(m, t);
-        mla0_mla_combine(t, m, p, it, warp);
+        mla0_mla_split(t, m, p, it);
         break;
       }
       case 17: {
+        const auto p = stage_params<mla0_params>(m, t);
+        mla0_mla_combine(t, m, p, it, warp);
+        break;
+      }
+      case 18: {
         const auto p = stage_params<projection9_params>(m, t);
         projection9(t, m, p, it, warp);
         break;
       }
-      case 18: {
+      case 19: {
         const auto p = stage_params<lm_head0_params>(m, t);
         lm_head0_lm_head_rows(t, m, p, it, warp);
         break;
       }
-      case 19: {
+      case 20: {
         const auto p = stage_params<lm_head0_params>(m, t);
         lm_head0_argmax(m, p);
         break;
@@ -1228,6 +1254,6 @@ struct Step {
   }
 };
 
-inline constexpr uint32_t kRoles = 20;
+inline constexpr uint32_t kRoles = 21;
 
 }  // namespace mkc::generated::kimi_linear_tiny_b200

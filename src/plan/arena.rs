@@ -12,7 +12,7 @@
 //!   [`kept`]), in the region of the operation's last stage; graph outputs
 //!   have buffers of their own and no block;
 //! - the scratch a stage keeps for a later stage of its operation: MLA's
-//!   per-split partial results, the LM head's per-tile maxima, the experts'
+//!   absorbed queries and per-split partial results, the LM head's per-tile maxima, the experts'
 //!   activations and down-projection rows.
 //!
 //! Blocks are 16-byte aligned in their region; each buffer is as large as the
@@ -69,6 +69,9 @@ pub enum Block {
         /// Which of its outputs.
         output: u16,
     },
+    /// MLA: every token's queries absorbed into the latent space,
+    /// `[batch][heads][c]` fp32.
+    MlaAbsorbed,
     /// MLA: each split's partial output and softmax statistics,
     /// `[batch][heads][splits][c + 2]` fp32.
     MlaPartials,
@@ -127,8 +130,7 @@ pub struct Arena {
     pub staging_floats: u64,
     /// Per stage: where its fp32 input spills in the SM's staging (a float
     /// offset), when it stages its input whole and it does not fit in shared
-    /// memory; for an MLA split above batch 1, where its tokens' absorbed
-    /// queries go.
+    /// memory.
     pub spills: Vec<Option<u64>>,
     /// Per stage: the values made by other stages that it reads.
     #[serde(skip)]
@@ -390,19 +392,19 @@ impl Layout<'_> {
                 let NodeKind::Op { attrs, .. } = &g.node(n).kind else { unreachable!("an op") };
                 let heads = attrs.int("heads") as u64;
                 let c = g.value_type(g.operands(n)[1]).elements();
-                let Some((_, hpt, splits)) = self.tiling.stages[first].mla_split else {
+                let [absorb, split, _] = stages[..] else {
+                    return Err(bug(format!("fused operation {} is not three MLA stages", op.id)));
+                };
+                let Some((_, _, splits)) = self.tiling.stages[split].mla_split else {
                     return Err(bug(format!("fused operation {} has an MLA split the tiling did not shape", op.id)));
                 };
+                let bytes = self.size(absorb, "the MLA absorbed queries", &[self.batch, heads, c, 4])?;
+                self.reserve(absorb, Block::MlaAbsorbed, bytes)?;
                 let bytes =
-                    self.size(first, "the MLA partials", &[self.batch, heads, splits, c.saturating_add(2), 4])?;
-                self.reserve(first, Block::MlaPartials, bytes)?;
-                // Above batch 1 the split absorbs every token's query at once, into its SM's staging.
-                if self.batch > 1 {
-                    let floats = self.size(first, "the MLA split's absorbed queries", &[self.batch, hpt, c])?;
-                    self.stage_floats(first, floats)?;
-                    self.spills[first] = Some(0);
-                }
-                self.reads[first] = reads;
+                    self.size(split, "the MLA partials", &[self.batch, heads, splits, c.saturating_add(2), 4])?;
+                self.reserve(split, Block::MlaPartials, bytes)?;
+                self.reads[absorb] = reads.clone();
+                self.reads[split] = reads;
             }
             FusedKind::Moe => {
                 let n = op

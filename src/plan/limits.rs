@@ -113,9 +113,10 @@ impl Check<'_> {
         let Some((_, hpt, _)) = self.stages.first().and_then(|s| self.tiling.stages[*s].mla_split) else {
             return Err("an MLA split the tiling did not shape".into());
         };
-        // The split's scratch: qlat, q_pe, q_nope (fp32), the new row (bf16);
-        // the combine's activation area: the latent output and W_UV's result.
-        let scratch = 4 * hpt * (c + rope + nope) + 2 * (c + rope);
+        // The split's scratch: its heads' absorbed queries and RoPE parts (fp32),
+        // the new row (bf16); the combine's activation area: the latent output
+        // and W_UV's result.
+        let scratch = 4 * hpt * (c + rope) + 2 * (c + rope);
         let combine = 4 * self.batch * (c + v_dim);
         if scratch > SCRATCH_BYTES {
             return Err(format!("MLA scratch of {scratch} bytes for {hpt} heads a task (at most {SCRATCH_BYTES})"));
@@ -123,14 +124,28 @@ impl Check<'_> {
         if combine > ACTIVATION_BYTES {
             return Err(format!("an MLA combine staging of {combine} bytes (at most {ACTIVATION_BYTES})"));
         }
-        // Above batch 1 the split absorbs every token's query at once: their no-PE
-        // parts wait in the upper half of the activation area (the softmax state in the lower).
-        let queries = 4 * self.batch * hpt * nope;
-        if self.batch > 1 && queries > ACTIVATION_BYTES / 2 {
+        // The absorption stages its heads' no-PE queries of every token in the activation area.
+        let absorbed_heads = self
+            .stages
+            .first()
+            .map(|s| {
+                self.tiling.stages[*s]
+                    .tasks
+                    .iter()
+                    .map(|t| match self.tiling.tasks[*t].args {
+                        TaskArgs::Heads { h0, h1 } => u64::from(h1.saturating_sub(h0)),
+                        _ => 0,
+                    })
+                    .max()
+                    .unwrap_or(0)
+            })
+            .unwrap_or(0);
+        let queries = 4 * self.batch * absorbed_heads * nope;
+        if queries > ACTIVATION_BYTES {
             return Err(format!(
-                "MLA no-PE queries of {queries} bytes at batch {} for {hpt} heads a task (at most {})",
-                self.batch,
-                ACTIVATION_BYTES / 2
+                "MLA no-PE queries of {queries} bytes at batch {} for {absorbed_heads} heads an absorption task \
+                 (at most {ACTIVATION_BYTES})",
+                self.batch
             ));
         }
         if !c.is_multiple_of(8) || !rope.is_multiple_of(8) || c > MLA_MAX_LATENT || c + rope > MLA_MAX_ROW {

@@ -116,7 +116,8 @@ pub fn specialize(tiling: &Tiling, target: &Target, opts: Options) -> Result<War
                 TaskKind::ExpertUp | TaskKind::ExpertDown => {
                     (warps, pages, "the routed expert's weight rows, by the id the router wrote")
                 }
-                TaskKind::MlaSplit => (warps, pages, "latent-cache rows of the split and W_UK slices"),
+                TaskKind::MlaAbsorb => (warps, pages, "W_UK slices"),
+                TaskKind::MlaSplit => (warps, pages, "latent-cache rows of the split"),
                 TaskKind::MlaCombine => (warps, pages.min(4), "W_UV slices"),
                 TaskKind::Kda => (warps, pages.min(8), "the heads' fp32 state"),
                 TaskKind::AttnRes => (warps, pages.min(4), "bank rows"),

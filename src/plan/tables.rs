@@ -12,7 +12,7 @@ use super::tile::TaskKind;
 use super::Plan;
 
 /// Every task kind, in opcode order.
-pub const OPCODES: [TaskKind; 13] = [
+pub const OPCODES: [TaskKind; 14] = [
     TaskKind::ProjectionRows,
     TaskKind::MlaSplit,
     TaskKind::MlaCombine,
@@ -26,6 +26,7 @@ pub const OPCODES: [TaskKind; 13] = [
     TaskKind::LmHeadRows,
     TaskKind::Argmax,
     TaskKind::Elementwise,
+    TaskKind::MlaAbsorb,
 ];
 
 /// The device opcode of a task kind.

@@ -29,7 +29,7 @@ use serde::Serialize;
 
 use super::fuse::{FusedKind, Fusion};
 use super::Options;
-use crate::contract::{MLA_MAX_LATENT, MLA_MMA_COLUMNS};
+use crate::contract::{MAX_MLA_HEADS, MLA_MAX_LATENT, MLA_MMA_COLUMNS};
 use crate::diag::Result;
 use crate::ir::{DType, Graph, NodeId, NodeKind, TensorType};
 use crate::ops::OpKind;
@@ -66,6 +66,9 @@ pub enum TaskKind {
     Argmax,
     /// Element-wise ops.
     Elementwise,
+    /// MLA's queries absorbed into the latent space for some heads (W_UK
+    /// streamed once a step for every KV split).
+    MlaAbsorb,
 }
 
 /// One unit of work, run by one SM.
@@ -230,9 +233,12 @@ impl Tiling {
 /// FLOPs and arguments.
 type Part = (String, u64, u64, u64, u64, TaskArgs);
 
-/// How MLA decode splits: `(head groups, heads per group, KV splits)`.
+/// How MLA decode splits: `(head groups, heads per group, KV splits)`. A
+/// split task takes up to [`MAX_MLA_HEADS`] heads (the tensor-core fold's
+/// eight rows of M; each head group streams the cache once), the KV length
+/// split so that the tasks fill the SMs, at least 256 rows a split.
 pub fn mla_split_shape(heads: u64, context: u64, sms: u32) -> (u64, u64, u64) {
-    let groups = heads.min(16);
+    let groups = heads.div_ceil(MAX_MLA_HEADS).max(1);
     let hpt = heads.div_ceil(groups);
     let groups = heads.div_ceil(hpt);
     let ctx = context.max(1);
@@ -472,7 +478,10 @@ impl Builder<'_> {
         total
     }
 
-    fn mla(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>) -> (usize, usize) {
+    /// MLA decode as three stages: the queries absorbed (a head per task, or
+    /// a few where the heads outnumber the SMs: W_UK once a step), the
+    /// attention over (head group, KV split) tasks, and the combine with W_UV.
+    fn mla(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>) -> (usize, usize, usize) {
         let g = self.g;
         let n = nodes.iter().copied().find(|n| op_of(g, *n) == Some(OpKind::MlaDecode)).expect("mla anchor");
         let NodeKind::Op { attrs, .. } = &g.node(node(g, n)).kind else { unreachable!("an op") };
@@ -486,17 +495,33 @@ impl Builder<'_> {
         // W_UK and W_UV stream as bf16 rows (FP8 ones are made bf16 on upload).
         let w = self.weight_of(n, 3);
         let per_row = w.shape[1] * 2;
-        let wk = hpt * nope * per_row;
         let in_bytes = self.external_inputs(nodes) * b;
+        // Heads per absorption and combine task: one, fewer tasks than SMs.
+        let per = heads.div_ceil(u64::from(self.target.sms).min(heads).max(1));
+        let mut parts = vec![];
+        for h0 in (0..heads).step_by(per as usize) {
+            let h1 = (h0 + per).min(heads);
+            let n = h1 - h0;
+            parts.push((
+                format!("heads[{h0}..{h1}]"),
+                n * nope * per_row,
+                n * (nope + rope) * 4 * b + n * c * 4 * b,
+                0,
+                2 * n * nope * c * b,
+                TaskArgs::Heads { h0: h0 as u32, h1: h1 as u32 },
+            ));
+        }
+        let absorb = self.add_stage(op, TaskKind::MlaAbsorb, reads.clone(), parts);
+        self.out_bytes[absorb] = b * heads * c * 4;
         let mut parts = vec![];
         for hg in 0..groups {
             for s in 0..splits {
                 let chunk = ctx / splits + u64::from(s < ctx % splits);
-                let flops = 2 * hpt * chunk * (c + rope) * 2 * b + 2 * hpt * nope * c * b;
-                let act = in_bytes / groups + hpt * splits.min(1) * (c + 2) * 4 * b;
+                let flops = 2 * hpt * chunk * (c + rope) * 2 * b;
+                let act = in_bytes / groups + hpt * c * 4 * b + hpt * (c + 2) * 4 * b;
                 parts.push((
                     format!("heads[{}..{}] kv split {s}/{splits}", hg * hpt, ((hg + 1) * hpt).min(heads)),
-                    wk / splits,
+                    0,
                     act,
                     chunk * cache_row * b / groups,
                     flops,
@@ -504,15 +529,12 @@ impl Builder<'_> {
                 ));
             }
         }
-        let split = self.add_stage(op, TaskKind::MlaSplit, reads, parts);
-        self.stages[split].mla_split = Some((groups, hpt, splits));
+        let split = self.add_stage(op, TaskKind::MlaSplit, [vec![absorb], reads].concat(), parts);
         // The device's rule (mla_mma_fits, device/mkc/ops/mla.cuh).
         self.stages[split].mla_tensor_cores =
             c.is_multiple_of(MLA_MMA_COLUMNS) && rope.is_multiple_of(MLA_MMA_COLUMNS) && c <= MLA_MAX_LATENT;
         let out = self.external_outputs(nodes) * b;
-        // The combine takes a head per task (fewer when the heads outnumber the
-        // SMs): its W_UV block and its splits' partials.
-        let per = heads.div_ceil(u64::from(self.target.sms).min(heads).max(1));
+        // The combine: its heads' W_UV blocks and their splits' partials.
         let mut parts = vec![];
         for h0 in (0..heads).step_by(per as usize) {
             let h1 = (h0 + per).min(heads);
@@ -527,9 +549,11 @@ impl Builder<'_> {
             ));
         }
         let combine = self.add_stage(op, TaskKind::MlaCombine, vec![split], parts);
-        self.stages[combine].mla_split = Some((groups, hpt, splits));
+        for s in [absorb, split, combine] {
+            self.stages[s].mla_split = Some((groups, hpt, splits));
+        }
         self.out_bytes[split] = groups * splits * hpt * (c + 2) * 4 * b;
-        (split, combine)
+        (absorb, split, combine)
     }
 
     fn kda(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>) -> usize {
@@ -668,7 +692,7 @@ pub fn tile(v: &Validated, fusion: &Fusion, target: &Target, opts: Options) -> R
                 bld.out_bytes[rows] = tiles * 8 * bld.b();
                 bld.single(op.id, &[], vec![rows], TaskKind::Argmax, 0, tiles * bld.b())
             }
-            FusedKind::MlaDecode => bld.mla(op.id, nodes, reads).1,
+            FusedKind::MlaDecode => bld.mla(op.id, nodes, reads).2,
             FusedKind::KdaDecode => bld.kda(op.id, nodes, reads),
             FusedKind::Moe => bld.moe(op.id, nodes, reads).2,
             FusedKind::Router => {

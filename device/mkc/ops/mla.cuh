@@ -96,22 +96,18 @@ __device__ inline const __nv_bfloat16* mla_key_block(const MlaShape& s, const __
   return wkvb + size_t(h) * (s.nope + s.v_dim) * s.c;
 }
 
-// Loader side of a split task: the W_UK block of each head of the group
-// once (the queries' absorption, every token's at once; L2-resident, every
-// split of the group reads it), then the split's cache rows token by token.
+// Loader side of a split task: the split's cache rows, token by token (the
+// queries come absorbed, mla_absorb_heads).
 struct MlaSplitLoad {
   MlaShape shape;
   uint32_t head_group;         // the task's heads [head_group hpt, + hpt)
   uint32_t split;              // the task's KV split
-  const __nv_bfloat16* wkvb;   // kv_b_proj [heads (nope + v_dim), c]
   const __nv_bfloat16* cache;  // [B][ctx][c + rope]
   const int32_t* pos;          // [B] each sequence's position
 };
 template <int B>
 __device__ void mla_split_load(MlaSplitLoad a, uint32_t& it) {
   const MlaShape& s = a.shape;
-  const uint32_t h0 = a.head_group * s.hpt, nh = min(s.hpt, s.heads - h0);
-  for (uint32_t h = h0; h < h0 + nh; ++h) packed_load(mla_key_block(s, a.wkvb, h), s.nope, s.c, s.c, it);
   for (int b = 0; b < B; ++b) {
     const Rows r = mla_cache_rows(s, a.split, a.cache, b, uint32_t(a.pos[b]));
     packed_load(r.w0 + size_t(r.r0) * r.k, r.r1 - r.r0, r.k, cache_stride(r.k), it);
@@ -384,40 +380,35 @@ __device__ void mla_fold_mma(const MlaShape& s, uint32_t nh, const FoldRows& f, 
 
 // One (head group, KV split) task: partials [B, heads, splits, 2 + c] of
 // (max, sum of exp, sum of exp * c_kv), by online softmax over the split's
-// cache rows, then the current row. First every token's query is absorbed into
-// the latent space (qlat[b, h] = q_nope[b, h] W_UK[h], W_UK streamed through
-// the page ring once, a thread per pair of latent columns): at batch 1 into
-// scratch, at larger batches into `absorbed` (the SM's staging; the no-PE
-// queries staged in the upper half of the activation area meanwhile), from
-// where each token's are copied into scratch before its folds. Then,
-// token by token, the cache rows through the ring, kMlaFoldPages pages per
-// fold (mla_split_load streams both). The split holding the current position
-// appends the new row to the cache (head group 0 writes it; the others use
-// their own copy in shared memory). kMma: the folds on the tensor cores
-// (mla_fold_mma; widths as mla_mma_fits), otherwise on the CUDA cores.
+// cache rows, then the current row. The queries come absorbed into the latent
+// space (`absorbed`, mla_absorb_heads' stage); token by token, the task's
+// heads' absorbed queries are copied into scratch and the cache rows come
+// through the ring, kMlaFoldPages pages per fold (mla_split_load). The split
+// holding the current position appends the new row to the cache (head group
+// 0 writes it; the others use their own copy in shared memory). kMma: the
+// folds on the tensor cores (mla_fold_mma; widths as mla_mma_fits), otherwise
+// on the CUDA cores.
 template <class T>
 struct MlaSplit {
   MlaShape shape;
-  uint32_t head_group;         // the task's heads [head_group hpt, + hpt)
-  uint32_t split;              // the task's KV split
-  const T* q;                  // [B, heads (nope + rope)]
-  const T* ckv_raw;            // [B, c] the new latent row, before its norm
-  const __nv_bfloat16* norm;   // [c] the latent's RMSNorm weight, or null: none
-  float eps;                   // the norm's epsilon
-  const T* kpe;                // [B, rope] the new row's RoPE'd key
-  const __nv_bfloat16* wkvb;   // kv_b_proj [heads (nope + v_dim), c]
-  __nv_bfloat16* cache;        // [B][ctx][c + rope]
-  const int32_t* pos;          // [B] each sequence's position
-  float* partials;             // [B, heads, splits, 2 + c]
-  float* absorbed;             // [B, hpt, c] the absorbed queries at batch > 1 (the SM's staging), else null
+  uint32_t head_group;        // the task's heads [head_group hpt, + hpt)
+  uint32_t split;             // the task's KV split
+  const T* q;                 // [B, heads (nope + rope)]: the RoPE parts are read here
+  const float* absorbed;      // [B, heads, c] q_nope W_UK per head (mla_absorb_heads)
+  const T* ckv_raw;           // [B, c] the new latent row, before its norm
+  const __nv_bfloat16* norm;  // [c] the latent's RMSNorm weight, or null: none
+  float eps;                  // the norm's epsilon
+  const T* kpe;               // [B, rope] the new row's RoPE'd key
+  __nv_bfloat16* cache;       // [B][ctx][c + rope]
+  const int32_t* pos;         // [B] each sequence's position
+  float* partials;            // [B, heads, splits, 2 + c]
 };
 
-// W_UK of the task's nh heads [h0, h0 + nh) through the ring, each page's rows
-// multiplied by every token's no-PE query: a thread per pair of latent
-// columns, qn [B][nh][nope] read from shared memory, the sums into qlat
-// [B][nh][c] (scratch at batch 1, the SM's staging otherwise).
+// W_UK of nh heads through the ring, each page's rows multiplied by every
+// token's no-PE query: a thread per pair of latent columns, qn [B][nh][nope]
+// read from shared memory, head h's sums of token b into qlat + (b ld + h) c.
 template <int B>
-__device__ void mla_absorb(const MlaShape& s, uint32_t nh, const float* qn, float* qlat, uint32_t& it) {
+__device__ void mla_absorb(const MlaShape& s, uint32_t nh, const float* qn, float* qlat, uint32_t ld, uint32_t& it) {
   const uint32_t pair = threadIdx.x, per_k = packed_rows(s.c);
   for (uint32_t h = 0; h < nh; ++h) {
     float acc[B][2] = {};
@@ -442,13 +433,53 @@ __device__ void mla_absorb(const MlaShape& s, uint32_t nh, const float* qn, floa
     if (pair < s.c / 2) {
 #pragma unroll
       for (int b = 0; b < B; ++b) {
-        float* out = qlat + (size_t(b) * nh + h) * s.c + 2 * pair;
+        float* out = qlat + (size_t(b) * ld + h) * s.c + 2 * pair;
         out[0] = acc[b][0];
         out[1] = acc[b][1];
       }
     }
   }
-  consumer_sync();  // every thread's sums are in (shared or global memory) for the folds
+  consumer_sync();  // every thread's sums are out
+}
+
+// Loader side of an absorption task: the W_UK block of each of its heads
+// [h0, h1), in order.
+struct MlaAbsorbLoad {
+  MlaShape shape;
+  uint32_t h0, h1;            // the task's heads
+  const __nv_bfloat16* wkvb;  // kv_b_proj [heads (nope + v_dim), c]
+};
+template <int B>
+__device__ inline void mla_absorb_load(MlaAbsorbLoad a, uint32_t& it) {
+  for (uint32_t h = a.h0; h < a.h1; ++h) packed_load(mla_key_block(a.shape, a.wkvb, h), a.shape.nope, a.shape.c, a.shape.c, it);
+}
+
+// One absorption task: heads [h0, h1) of every token into the latent space,
+// absorbed[b, h] = q_nope[b, h] W_UK[h] (W_UK streamed through the ring once a
+// step; the split tasks of every KV split then read the result), the no-PE
+// queries staged in the activation area ([B][nh][nope], within it: the
+// planner's limit).
+template <class T>
+struct MlaAbsorb {
+  MlaShape shape;
+  uint32_t h0, h1;  // the task's heads
+  const T* q;       // [B, heads (nope + rope)]
+  float* absorbed;  // [B, heads, c]
+};
+template <int B, class T>
+__device__ void mla_absorb_heads(MlaAbsorb<T> a, uint32_t& it) {
+  const MlaShape& s = a.shape;
+  const uint32_t h0 = a.h0, nh = a.h1 - a.h0, qk = s.nope + s.rope;
+  if (size_t(B) * nh * s.nope * sizeof(float) > size_t(kActivationBytes) || s.c > 2 * kConsumerThreads) {
+    __trap();  // the planner's limits: the no-PE queries fit the activation area, a thread per pair of columns
+  }
+  float* qn = activation_ptr();
+  for (uint32_t i = threadIdx.x; i < B * nh * s.nope; i += kConsumerThreads) {
+    const uint32_t b = i / (nh * s.nope), h = i / s.nope % nh, n = i % s.nope;
+    qn[i] = to_float(a.q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + n]);
+  }
+  consumer_sync();
+  mla_absorb<B>(s, nh, qn, a.absorbed + size_t(h0) * s.c, s.heads, it);
 }
 
 template <int B, bool kMma = false, class T>
@@ -468,32 +499,16 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
   split_range(s, split, p0, p1);
   float* qlat = reinterpret_cast<float*>(scratch_ptr());  // [hpt, c]
   float* qpe = qlat + s.hpt * s.c;                         // [hpt, rope]
-  float* qn = qpe + s.hpt * s.rope;                        // [hpt, nope]
-  __nv_bfloat16* cur = reinterpret_cast<__nv_bfloat16*>(qn + s.hpt * s.nope);  // [c + rope], 16-byte aligned
+  __nv_bfloat16* cur = reinterpret_cast<__nv_bfloat16*>(qpe + s.hpt * s.rope);  // [c + rope], 16-byte aligned
   MlaRunning& run = *reinterpret_cast<MlaRunning*>(activation_ptr());
-  const uint32_t pair = threadIdx.x;  // a thread per pair of latent columns (absorption, weighted sums)
-  // Every token's no-PE query ([B][nh][nope]: scratch's qn at batch 1, the
-  // upper half of the activation area otherwise), then the absorption.
-  if (B > 1 && (a.absorbed == nullptr || size_t(B) * nh * s.nope * sizeof(float) > size_t(kActivationBytes) / 2)) {
-    __trap();  // the planner gives batch > 1 an absorbed-query staging and keeps the queries in half the area
-  }
-  float* qn_all = B == 1 ? qn : activation_ptr() + kActivationBytes / sizeof(float) / 2;
-  for (uint32_t i = threadIdx.x; i < B * nh * s.nope; i += kConsumerThreads) {
-    const uint32_t b = i / (nh * s.nope), h = i / s.nope % nh, n = i % s.nope;
-    qn_all[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + n]);
-  }
-  consumer_sync();
-  mla_absorb<B>(s, nh, qn_all, B == 1 ? qlat : a.absorbed, it);
+  const uint32_t pair = threadIdx.x;  // a thread per pair of latent columns (the weighted sums)
   int parity = 0;
   for (int b = 0; b < B; ++b) {
-    if constexpr (B > 1) {
-      // Token b's absorbed queries into scratch's qlat (unused at batch > 1): the folds read them
-      // at every k-step, and read from the staging in global memory each waited out an L2 round
-      // trip (K2's split at batch 8 spent most of its 700 us a layer there). The previous token's
-      // folds are done (the barrier closing its loop).
-      const float* src = a.absorbed + size_t(b) * nh * s.c;
-      for (uint32_t i = threadIdx.x; i < nh * s.c; i += kConsumerThreads) qlat[i] = src[i];
-    }
+    // Token b's absorbed queries of the task's heads into scratch: the folds read them at every
+    // k-step (from the arena each read would wait out an L2 round trip). The previous token's
+    // folds are done (the barrier closing its loop).
+    const float* src = a.absorbed + (size_t(b) * s.heads + h0) * s.c;
+    for (uint32_t i = threadIdx.x; i < nh * s.c; i += kConsumerThreads) qlat[i] = src[i];
     const uint32_t p_now = uint32_t(pos[b]);
     const bool has_now = p0 <= p_now && p_now < p1;
     if (has_now) {

@@ -1,5 +1,5 @@
-//! Attention stages: weight-absorbed MLA (split over the KV length and
-//! combine), KDA decode, and K3's attention-residual mix.
+//! Attention stages: weight-absorbed MLA (the queries absorbed, the split
+//! over the KV length, the combine), KDA decode, and K3's attention-residual mix.
 
 use super::*;
 
@@ -7,7 +7,9 @@ impl Gen<'_> {
     pub(super) fn mla(&mut self, op: &FusedOp) -> Result<()> {
         let g = self.g;
         let stages = self.stages_of(op);
-        let (split, combine) = (stages[0], stages[1]);
+        let [absorb, split, combine] = stages[..] else {
+            return Err(internal(op, "an MLA operation of three stages (absorb, split, combine)"));
+        };
         self.place_outputs(op);
         let n = op
             .nodes
@@ -36,6 +38,8 @@ impl Gen<'_> {
         };
         let at = self.block(op, split, Block::MlaPartials)?;
         let partials = format!("reinterpret_cast<float*>({})", self.arena("partials", at));
+        let at = self.block(op, absorb, Block::MlaAbsorbed)?;
+        let absorbed = format!("reinterpret_cast<float*>({})", self.arena("absorbed", at));
         let shape = init!("MlaShape";
             heads = heads,
             hpt = hpt,
@@ -49,13 +53,24 @@ impl Gen<'_> {
             scale = float(attrs.float("scale")),
         );
         let _ = writeln!(self.code, "\n__device__ constexpr MlaShape @K@_shape = {shape};");
+        self.header(absorb, op, "every token's queries of some heads absorbed into the latent space (W_UK through the page ring)");
+        let f = self.fname(op, absorb);
+        let load = init!("MlaAbsorbLoad"; shape = "@K@_shape", h0 = "t.a[0]", h1 = "t.a[1]", wkvb = wkvb);
+        let args = init!("MlaAbsorb"; shape = "@K@_shape", h0 = "t.a[0]", h1 = "t.a[1]", q = q, absorbed = absorbed);
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void {f}_load(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
+             mla_absorb_load<kBatch>({load}, it);\n}}\n\
+             __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
+             mla_absorb_heads<kBatch>({args}, it);\n}}",
+        );
+        self.role(absorb, format!("{f}(t, m, p, it);"), Some(format!("{f}_load(t, m, p, it);")));
         self.header(split, op, "attention over one KV split (cache rows through the page ring, online softmax)");
         let f = self.fname(op, split);
         let load = init!("MlaSplitLoad";
             shape = "@K@_shape",
             head_group = "t.a[0]",
             split = "t.a[1]",
-            wkvb = wkvb,
             cache = cache,
             pos = "m.pos",
         );
@@ -64,23 +79,21 @@ impl Gen<'_> {
             head_group = "t.a[0]",
             split = "t.a[1]",
             q = q,
+            absorbed = absorbed,
             ckv_raw = ckv,
             norm = norm,
             eps = float(eps),
             kpe = kpe,
-            wkvb = wkvb,
             cache = cache,
             pos = "m.pos",
             partials = partials,
-            absorbed = self.spill(split),
         );
         let _ = writeln!(
             self.code,
             "__device__ inline void {f}_load(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
              mla_split_load<kBatch>({load}, it);\n}}\n\
              __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
-             {st}mla_split<kBatch{mma}>({args}, it);\n}}",
-            st = if self.plan.arena.spills[split].is_some() { "float* st = staging(m);\n  " } else { "" },
+             mla_split<kBatch{mma}>({args}, it);\n}}",
             mma = if self.plan.tiling.stages[split].mla_tensor_cores { ", true" } else { "" },
         );
         self.role(split, format!("{f}(t, m, p, it);"), Some(format!("{f}_load(t, m, p, it);")));

@@ -122,6 +122,7 @@ fn what(kind: TaskKind) -> &'static str {
     use TaskKind::*;
     match kind {
         ProjectionRows => "rows",
+        MlaAbsorb => "absorb",
         MlaSplit => "kv split",
         MlaCombine => "combine",
         Kda => "heads",
