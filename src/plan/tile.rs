@@ -496,21 +496,21 @@ impl Builder<'_> {
         let w = self.weight_of(n, 3);
         let per_row = w.shape[1] * 2;
         let in_bytes = self.external_inputs(nodes) * b;
-        // Heads per absorption and combine task: one, fewer tasks than SMs.
+        // Heads per absorption and combine task: one, fewer tasks than SMs; `cost`
+        // gives the (weight, activation, FLOP) counts of n heads.
         let per = heads.div_ceil(u64::from(self.target.sms).min(heads).max(1));
-        let mut parts = vec![];
-        for h0 in (0..heads).step_by(per as usize) {
-            let h1 = (h0 + per).min(heads);
-            let n = h1 - h0;
-            parts.push((
-                format!("heads[{h0}..{h1}]"),
-                n * nope * per_row,
-                n * (nope + rope) * 4 * b + n * c * 4 * b,
-                0,
-                2 * n * nope * c * b,
-                TaskArgs::Heads { h0: h0 as u32, h1: h1 as u32 },
-            ));
-        }
+        let head_parts = |cost: &dyn Fn(u64) -> (u64, u64, u64)| -> Vec<Part> {
+            (0..heads)
+                .step_by(per as usize)
+                .map(|h0| {
+                    let h1 = (h0 + per).min(heads);
+                    let (w, act, flops) = cost(h1 - h0);
+                    (format!("heads[{h0}..{h1}]"), w, act, 0, flops, TaskArgs::Heads { h0: h0 as u32, h1: h1 as u32 })
+                })
+                .collect()
+        };
+        let parts =
+            head_parts(&|n| (n * nope * per_row, n * (nope + rope) * 4 * b + n * c * 4 * b, 2 * n * nope * c * b));
         let absorb = self.add_stage(op, TaskKind::MlaAbsorb, reads.clone(), parts);
         self.out_bytes[absorb] = b * heads * c * 4;
         let mut parts = vec![];
@@ -535,19 +535,9 @@ impl Builder<'_> {
             c.is_multiple_of(MLA_MMA_COLUMNS) && rope.is_multiple_of(MLA_MMA_COLUMNS) && c <= MLA_MAX_LATENT;
         let out = self.external_outputs(nodes) * b;
         // The combine: its heads' W_UV blocks and their splits' partials.
-        let mut parts = vec![];
-        for h0 in (0..heads).step_by(per as usize) {
-            let h1 = (h0 + per).min(heads);
-            let n = h1 - h0;
-            parts.push((
-                format!("heads[{h0}..{h1}]"),
-                n * v_dim * per_row,
-                splits * n * (c + 2) * 4 * b + out * n / heads,
-                0,
-                2 * n * v_dim * c * b,
-                TaskArgs::Heads { h0: h0 as u32, h1: h1 as u32 },
-            ));
-        }
+        let parts = head_parts(&|n| {
+            (n * v_dim * per_row, splits * n * (c + 2) * 4 * b + out * n / heads, 2 * n * v_dim * c * b)
+        });
         let combine = self.add_stage(op, TaskKind::MlaCombine, vec![split], parts);
         for s in [absorb, split, combine] {
             self.stages[s].mla_split = Some((groups, hpt, splits));

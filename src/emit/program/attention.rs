@@ -53,7 +53,11 @@ impl Gen<'_> {
             scale = float(attrs.float("scale")),
         );
         let _ = writeln!(self.code, "\n__device__ constexpr MlaShape @K@_shape = {shape};");
-        self.header(absorb, op, "every token's queries of some heads absorbed into the latent space (W_UK through the page ring)");
+        self.header(
+            absorb,
+            op,
+            "every token's queries of some heads absorbed into the latent space (W_UK through the page ring)",
+        );
         let f = self.fname(op, absorb);
         let load = init!("MlaAbsorbLoad"; shape = "@K@_shape", h0 = "t.a[0]", h1 = "t.a[1]", wkvb = wkvb);
         let args = init!("MlaAbsorb"; shape = "@K@_shape", h0 = "t.a[0]", h1 = "t.a[1]", q = q, absorbed = absorbed);
