@@ -172,8 +172,13 @@ type Clock = Vec<u32>;
 /// bench/results/2026-12-06_h100_83f732f_k2_dims_b8_estimate_vs_trace.txt).
 /// The tensor-core rate the rest of the model assumes predicted the stage
 /// eleven times too fast. The split's folds on the tensor cores
-/// (`Stage::mla_tensor_cores`, mla_fold_mma) are not measured yet: charged
-/// the same rate until they are.
+/// (`Stage::mla_tensor_cores`, mla_fold_mma) reached the same rate at
+/// `ea003bf` (K2 dims on the H100: 42 FLOP per SM cycle at batch 1, 30 at
+/// batch 8, bench/results/2026-12-06_h100_ea003bf_stages.txt), bound there by
+/// each split's own pass of W_UK and, at batch 8, by absorbed queries read from
+/// global memory at every k-step, not by the MMAs; both are gone since (the
+/// absorption stage, queries in shared memory), and the rate is to be measured
+/// again.
 pub const MLA_SPLIT_FLOPS_PER_CYCLE: f64 = 40.0;
 
 fn join(a: &mut Clock, b: &Clock) {

@@ -102,7 +102,10 @@ case "${1:-}" in
       name=$(basename "$dir")
       [ -f "$dir/lib$name.so" ] || continue
       config=model_graphs/kimi_k2/tiny_fp8.json
-      case "$name" in kimi_k2_dims_fp8*) config=model_graphs/kimi_k2/test_2l16e_fp8.json ;; esac
+      case "$name" in
+        kimi_k2_dims_fp8_2l64e*) config=model_graphs/kimi_k2/test_2l64e_fp8.json ;;
+        kimi_k2_dims_fp8*) config=model_graphs/kimi_k2/test_2l16e_fp8.json ;;
+      esac
       ( timeout "${MKC_LIB_TIMEOUT:-400}" python3 tests/gpu/deepseek_v3_decode.py --lib "$dir/lib$name.so" --config "$config" \
           --fp8 --seeds 0 1 2 --json "$out/fp8/$name.json" > "$out/fp8/$name.log" 2>&1
         echo "$name rc=$?" > "$out/fp8/$name.rc" ) &
