@@ -76,9 +76,11 @@ __device__ inline void fp8_rows_load_grouped(const Fp8Rows& r, uint32_t group, u
 }
 
 // FP8 rows run on the tensor cores at every batch (fp8_rows_pages_mma; at
-// batch 1 too: the CUDA-core consumer, fp8_rows_pages, spent more on turning
-// each code into an fp32 value than the page took to arrive, and ran the
-// routed experts at K2's widths no faster than their bf16 rows). Its row
+// batch 1 too: with the CUDA-core consumer, fp8_rows_pages, which turns each
+// code into an fp32 value, the routed experts at K2's widths ran no faster
+// than their bf16 rows, half the bytes; on the tensor cores the codes go to
+// fp16 pairs and straight into the MMA; ring_bench's fp8 against fp8-fma
+// measures the two). Its row
 // blocks come kFp8Group<B> at a time, a chunk's activation fragments made once
 // for the group's pages (at batch 1 as at 2 to 6: the partial sums of a group
 // of kBlockGroup blocks fit scratch).
