@@ -32,7 +32,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -43,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
 from mkc_runtime import Model  # noqa: E402
 import fp8_checkpoint  # noqa: E402
+from checkpoints import scratch_dir  # noqa: E402
 
 BF = torch.bfloat16
 
@@ -284,12 +284,13 @@ class Peer(CapturedStep):
             }
             m = p + "mlp."
             if d.moe(i):
-                parts = [w[m + "gate.weight"]]
+                # The router in fp32 (as the kernel's and the reference's): in bf16 its near-tied scores
+                # would pick other experts than the kernel's at random.
+                L["wg"] = w[m + "gate.weight"].float()
                 if d.shared:
                     s = m + "shared_experts."
-                    parts += [w[s + "gate_proj.weight"], w[s + "up_proj.weight"]]
+                    L["wr"] = torch.cat([w[s + "gate_proj.weight"], w[s + "up_proj.weight"]])
                     L["wsd"] = w[s + "down_proj.weight"]
-                L["wr"] = torch.cat(parts)
                 L["bias"] = w[m + "gate.e_score_correction_bias"].float()
                 gu, dn = merged[i]
                 L["gu_t"], L["dn_t"] = gu.transpose(1, 2), dn.transpose(1, 2)
@@ -321,10 +322,14 @@ class Peer(CapturedStep):
             keep = torch.zeros_like(gs).scatter_(1, gs.topk(d.topk_group, dim=-1)[1], 1)
             mask = keep.unsqueeze(-1).expand(self.b, d.n_group, d.experts // d.n_group).reshape(self.b, -1)
             choice = choice.masked_fill(mask == 0, 0.0)
-        ids = choice.topk(d.top_k, dim=-1)[1]
+        top = choice.topk(min(d.top_k + 1, d.experts), dim=-1)
+        ids = top[1][:, : d.top_k]
         wts = scores.gather(1, ids)
         wts = wts / (wts.sum(-1, keepdim=True) + 1e-20) * d.scale
-        return ids, wts
+        # The routing gap: how far the last chosen expert's score is above the first one left out. Below
+        # the router's rounding (bf16 here, fp32 in mkc) the two sides may choose differently.
+        gap = (top[0][:, d.top_k - 1] - top[0][:, d.top_k]).min() if d.top_k < d.experts else top[0].new_tensor(1.0)
+        return ids, wts, gap
 
     def experts(self, x, ids, wts, L):
         d = self.d
@@ -370,13 +375,13 @@ class Peer(CapturedStep):
             o = torch.einsum("bhc,hvc->bhv", o_lat, L["w_uv"]).reshape(b, -1)
             h = h + o @ L["wo"].T
             x = self.rms(h, L["n_post"])
-            if "wr" in L:
-                r = x @ L["wr"].T
-                ids, wts = self.route(r[:, : d.experts].float(), L["bias"])
+            if "wg" in L:
+                ids, wts, L["gap"] = self.route(x.float() @ L["wg"].T, L["bias"])
                 out = self.experts(x, ids, wts, L)
                 if d.shared:
                     n = d.moe_inter * d.shared
-                    out = out + (F.silu(r[:, d.experts: d.experts + n]) * r[:, d.experts + n:]) @ L["wsd"].T
+                    r = x @ L["wr"].T
+                    out = out + (F.silu(r[:, :n]) * r[:, n:]) @ L["wsd"].T
                 L["ids"] = ids
             else:
                 gu = x @ L["wgu"].T
@@ -438,11 +443,12 @@ def report(config, bw, rows, json_path):
 def print_table(rows):
     """The benchmarks' last lines: a row per library."""
     print(f"{'library':36} {'B':>2} {'mkc ms':>8} {'peer ms':>8} {'floor ms':>8} {'mkc %floor':>10} {'peer %floor':>11} "
-          f"{'mkc tok/s/u':>11} {'rel L2':>8} next=")
+          f"{'mkc tok/s/u':>11} {'rel L2':>8} {'route gap':>9} next=")
     for r in rows:
         print(f"{r['lib']:36} {r['batch']:>2} {r['mkc_ms']:>8.3f} {r['peer_ms']:>8.3f} {r['floor_ms']:>8.3f} "
               f"{100 * r['mkc_floor_fraction']:>9.1f}% {100 * r['peer_floor_fraction']:>10.1f}% "
-              f"{r['mkc_tokens_per_s_per_user']:>11.1f} {r['logits_rel_l2_vs_peer']:>8.2e} {r['next_equal']}")
+              f"{r['mkc_tokens_per_s_per_user']:>11.1f} {r['logits_rel_l2_vs_peer']:>8.2e} "
+              f"{r.get('routing_gap_min', float('nan')):>9.1e} {r['next_equal']}")
 
 
 def measure(model, lib, state, tokens, trace):
@@ -467,7 +473,7 @@ def measure(model, lib, state, tokens, trace):
     return nxt, logits, ms, ms2
 
 
-def result_row(lib, batch, pos, load_s, mkc_ms, mkc_ms_repeat, peer, peer_ms, nbytes, bw, nxt, p_next, rel):
+def result_row(lib, batch, pos, load_s, mkc_ms, mkc_ms_repeat, peer, peer_ms, nbytes, bw, nxt, p_next, rel, gap=None):
     """One library's measurement, as the JSON report and print_table have it."""
     floor_ms = nbytes / bw * 1e3
     return {
@@ -477,6 +483,7 @@ def result_row(lib, batch, pos, load_s, mkc_ms, mkc_ms_repeat, peer, peer_ms, nb
         "peer_floor_fraction": floor_ms / peer_ms, "mkc_tokens_per_s_per_user": 1e3 / mkc_ms,
         "peer_tokens_per_s_per_user": 1e3 / peer_ms,
         "next_equal": bool((torch.from_numpy(nxt).cuda() == p_next).all()), "logits_rel_l2_vs_peer": rel,
+        "routing_gap_min": gap,
     }
 
 
@@ -501,7 +508,7 @@ def main():
     bw = read_bandwidth()
     w, merged = make_weights(d, args.seed)
     ckpt = quantise_fp8(d, w, merged) if args.fp8 else w
-    work = tempfile.mkdtemp(prefix="mkc_bench_")
+    work = scratch_dir("mkc_bench_")
     t0 = time.time()
     save_checkpoint(ckpt, config, os.path.join(work, "ckpt"))
     # Only the sizes are needed from here on (step_bytes): the FP8 codes leave the GPU.
@@ -528,9 +535,11 @@ def main():
         p_logits, p_next = peer.out
         rel = float((torch.from_numpy(logits).cuda() - p_logits).norm() / p_logits.norm())
         ids = [L["ids"].cpu() for L in peer.layers if "ids" in L]
+        gap = min((float(L["gap"]) for L in peer.layers if "gap" in L), default=float("inf"))
         peer_ms = peer.time()
         nbytes = step_bytes(d, ckpt, ids, b, args.pos)
-        rows.append(result_row(lib, b, args.pos, load_s, ours_ms, ours_ms2, peer, peer_ms, nbytes, bw, nxt, p_next, rel))
+        rows.append(result_row(lib, b, args.pos, load_s, ours_ms, ours_ms2, peer, peer_ms, nbytes, bw, nxt, p_next, rel,
+                               gap))
         del peer, caches
         torch.cuda.empty_cache()
     shutil.rmtree(work, ignore_errors=True)

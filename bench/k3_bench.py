@@ -28,7 +28,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -43,6 +42,7 @@ from k2_bench import CapturedStep, measure, read_bandwidth, report, result_row  
 from k3_reference import Config, load_checkpoint, mxfp4_dequant, pack_state, state_context  # noqa: E402
 from make_k3_checkpoint import PREFIX, make  # noqa: E402
 from mkc_runtime import Model  # noqa: E402
+from checkpoints import scratch_dir  # noqa: E402
 
 BF = torch.bfloat16
 
@@ -102,6 +102,7 @@ class Peer(CapturedStep):
         self.pos = torch.full((batch,), pos, dtype=torch.long, device="cuda")
         self.valid = torch.arange(ctx, device="cuda")[None, :] <= self.pos[:, None]
         self.ids = {}
+        self.gaps = {}
 
     def rms(self, x, w, eps=None):
         xf = x.float()
@@ -165,7 +166,10 @@ class Peer(CapturedStep):
         # The router in fp32 (as the kernel's and the reference's): in bf16 its
         # near-tied scores would pick other experts than the kernel at random.
         scores = torch.sigmoid(x.float() @ L["w_gate"].T)
-        ids = (scores + L["bias"]).topk(c.top_k, dim=-1)[1]  # num_expert_group 1 in K3
+        top = (scores + L["bias"]).topk(c.top_k + 1, dim=-1)  # num_expert_group 1 in K3
+        ids = top[1][:, : c.top_k]
+        # The routing gap (k2_bench.Peer.route): a near-tie explains a difference in the logits.
+        self.gaps[l] = (top[0][:, c.top_k - 1] - top[0][:, c.top_k]).min()
         wts = scores.gather(1, ids)
         if c.renorm:
             wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
@@ -293,7 +297,7 @@ def main():
     args = ap.parse_args()
     c = Config.load(args.config)
     bw = read_bandwidth()
-    work = tempfile.mkdtemp(prefix="mkc_k3_bench_")
+    work = scratch_dir("mkc_k3_bench_")
     ckpt = os.path.join(work, "ckpt")
     t0 = time.time()
     make(args.config, ckpt, True, args.seed)
@@ -328,7 +332,9 @@ def main():
         ids = {l: t.cpu() for l, t in peer.ids.items()}
         peer_ms = peer.time()
         nbytes = step_bytes(c, raw, ids, b, args.pos)
-        rows.append(result_row(lib, b, args.pos, load_s, ours_ms, ours_ms2, peer, peer_ms, nbytes, bw, nxt, p_next, rel))
+        gap = min((float(g) for g in peer.gaps.values()), default=float("inf"))
+        rows.append(result_row(lib, b, args.pos, load_s, ours_ms, ours_ms2, peer, peer_ms, nbytes, bw, nxt, p_next, rel,
+                               gap))
         del peer, st, kv0, conv0, ssm0
         torch.cuda.empty_cache()
     shutil.rmtree(work, ignore_errors=True)

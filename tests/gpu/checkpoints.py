@@ -20,3 +20,19 @@ def make_checkpoint(arch, config, seed, out):
 
         deepseek_v3_decode.ARCH = arch
         deepseek_v3_decode.make_checkpoint(config, seed, out)
+
+
+def scratch_dir(prefix):
+    """A temporary folder for checkpoints (gigabytes at real widths), removed when the process ends: at exit, and
+    on SIGTERM (`timeout` stopping a run), which would otherwise leave it behind and fill the disk for the runs
+    after it."""
+    import atexit
+    import shutil
+    import signal
+    import tempfile
+
+    work = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, work, True)
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return work

@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -43,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python")
 from compare import TeacherForced, free_running  # noqa: E402
 from make_k3_checkpoint import kda_dt_bias  # noqa: E402
 import fp8_checkpoint  # noqa: E402
+from checkpoints import scratch_dir  # noqa: E402
 from mkc_runtime import MkcError, Model  # noqa: E402
 
 
@@ -291,7 +291,7 @@ def main():
     DEBUG = args.debug
     ARCH = args.arch
     FP8 = args.fp8
-    work = tempfile.mkdtemp(prefix="mkc_k2_")
+    work = scratch_dir("mkc_k2_")
     rows, ckpt = [], None
     for seed in args.seeds:
         row, ckpt = run_seed(args.lib, args.config, seed, args.prompt_len, args.gen, work)

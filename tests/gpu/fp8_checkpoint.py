@@ -24,10 +24,11 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from checkpoints import scratch_dir
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -175,7 +176,7 @@ def check_blocks(key, codes, scale, w):
 def self_test():
     """Quantise, dequantise and check a random checkpoint of odd shapes on the CPU."""
     torch.manual_seed(0)
-    work = tempfile.mkdtemp(prefix="mkc_fp8_")
+    work = scratch_dir("mkc_fp8_")
     try:
         src, fp8, ref = (os.path.join(work, d) for d in ("bf16", "fp8", "ref"))
         os.makedirs(src)

@@ -26,14 +26,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
-from checkpoints import make_checkpoint  # noqa: E402
+from checkpoints import make_checkpoint, scratch_dir  # noqa: E402
 from mkc_runtime import MkcError, Model  # noqa: E402
 
 
@@ -140,7 +139,7 @@ def main():
     ap.add_argument("--bench", type=int, default=256, help="steps timed each way (0: none)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    work = tempfile.mkdtemp(prefix="mkc_generate_")
+    work = scratch_dir("mkc_generate_")
     try:
         rows = [run_seed(args, s, work) for s in args.seeds]
     finally:

@@ -16,7 +16,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ import k3_noise_floor  # noqa: E402
 from k3_reference import Config, K3Reference  # noqa: E402
 from make_k3_checkpoint import make  # noqa: E402
 from mkc_runtime import Model  # noqa: E402
+from checkpoints import scratch_dir  # noqa: E402
 
 
 def default_variants(c: Config) -> dict[str, list[str]]:
@@ -90,7 +90,7 @@ def main():
     for v in args.variant:
         name, _, pats = v.partition("=")
         variants[name] = [p for p in pats.split(",") if p]
-    work = tempfile.mkdtemp(prefix="mkc_bisect_")
+    work = scratch_dir("mkc_bisect_")
     rows = []
     for name, zero in variants.items():
         errs = run(args.lib, args.config, args.seed, args.steps, zero, work, noise_floor=name == "full")

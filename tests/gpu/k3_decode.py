@@ -45,7 +45,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 
 import numpy as np
 import torch
@@ -57,6 +56,7 @@ from compare import ROUTING_NEAR_TIE, ROUTING_NOISE_FACTOR, TeacherForced, free_
 from k3_reference import K3Reference, bf16_state  # noqa: E402
 from make_k3_checkpoint import make  # noqa: E402
 from mkc_runtime import Model  # noqa: E402
+from checkpoints import scratch_dir  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the reference's (tests/gpu/test_k3_decode.py: CPU)
 
@@ -227,7 +227,7 @@ def main():
     ap.add_argument("--bf16-experts", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
-    work = tempfile.mkdtemp(prefix="mkc_k3_")
+    work = scratch_dir("mkc_k3_")
     rows = [run_seed(lambda ckpt: Model(args.lib, ckpt), args.config, s, args.prompt_len, args.gen, not args.bf16_experts, work) for s in args.seeds]
     shutil.rmtree(work, ignore_errors=True)
     if args.json:

@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -36,7 +35,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 import make_k3_checkpoint  # noqa: E402
-from checkpoints import make_checkpoint  # noqa: E402
+from checkpoints import make_checkpoint, scratch_dir  # noqa: E402
 from mkc_runtime import MkcError, Model  # noqa: E402
 
 MEMORY_SLACK = 1 << 20
@@ -168,7 +167,7 @@ def main():
     ap.add_argument("--checks", action="store_true", help="the e8m0 and truncation checkpoints (K3 libraries)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    work = tempfile.mkdtemp(prefix="mkc_soak_")
+    work = scratch_dir("mkc_soak_")
     try:
         ckpt = os.path.join(work, "ckpt")
         make_checkpoint(args.arch, args.config, args.seed, ckpt)
