@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) stream_batch(const __nv_bflo
     for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 1024) {
       const mkc::Rows part{w, nullptr, j0, min(j0 + 1024, r.r1), K};
       if constexpr (kMma) {
-        mkc::rows_pages_mma<B>(part, mkc::RowsInput<float>{xs, K, kNorm ? norm : nullptr, kNorm ? scale : nullptr},
+        mkc::rows_pages_mma<B>(part, mkc::RowsInput<float, kNorm>{xs, K, norm, scale},
                                it, warp, st);
       } else {
         mkc::rows_pages_fma<B, !kFits>(part, xs, nullptr, nullptr, it, warp, st);

@@ -214,17 +214,26 @@ __device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& i
     for (uint32_t k0 = 0; k0 < r.k; k0 += kFp8PageK) {
       const uint32_t nk = min(kFp8PageK, r.k - k0);
       uint32_t hi[2][4][4], lo[2][4][4];  // [q][i][pair]
+      // A lane's eight reads with no branch between them, in flight together (the input is in global
+      // memory where it does not fit shared memory: a branch each made that eight round trips a chunk).
+      // Lanes past the batch or the chunk read token 0's column 0 and take zeros.
+      float4 a[2][4][2];
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          float v[8] = {};
           const uint32_t e = c0 + 128 * q + 32 * i;
-          if (g < B && e < nk) {
-            const float4 a = load_four(x + size_t(g) * r.k + k0 + e), b = load_four(x + size_t(g) * r.k + k0 + e + 4);
-            v[0] = a.x * sg, v[1] = a.y * sg, v[2] = a.z * sg, v[3] = a.w * sg;
-            v[4] = b.x * sg, v[5] = b.y * sg, v[6] = b.z * sg, v[7] = b.w * sg;
-          }
+          const size_t at = g < B && e < nk ? size_t(g) * r.k + k0 + e : 0;
+          a[q][i][0] = load_four(x + at), a[q][i][1] = load_four(x + at + 4);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float s = g < B && c0 + 128 * q + 32 * i < nk ? sg : 0.f;
+          const float4 p = a[q][i][0], u = a[q][i][1];
+          const float v[8] = {p.x * s, p.y * s, p.z * s, p.w * s, u.x * s, u.y * s, u.z * s, u.w * s};
 #pragma unroll
           for (int pr = 0; pr < 4; ++pr) split_pair<__half2>(v[2 * pr], v[2 * pr + 1], hi[q][i][pr], lo[q][i][pr]);
         }
@@ -234,6 +243,16 @@ __device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& i
       for (int j = 0; j < int(G); ++j) {
         if (uint32_t(j) >= nb) break;
         const uint32_t j0 = (b0 + j) * kPageRows;  // the block's first tile column
+        // The scales of the lane's two rows in the warp's two blocks, asked for before the page is
+        // waited for: their round trip overlaps the wait and the MMAs instead of holding the page.
+        float sa[2], sb[2];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const uint32_t kb = kb0 + q, ra = j0 + 2 * t, rb = ra + 1;
+          const bool block_in = uint32_t(warp) * 256 + 128 * q < nk;
+          sa[q] = block_in && ra < cols ? __ldg(r.scales(ra) + kb) : 0.f;
+          sb[q] = block_in && rb < cols ? __ldg(r.scales(rb) + kb) : 0.f;
+        }
         const int slot = it % kPages;
         Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
         const auto* row = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]) + g * kFp8PageK + c0;
@@ -253,13 +272,10 @@ __device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& i
             cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, hi[q][i][2], lo[q][i][2], hi[q][i][3], lo[q][i][3],
                                                     w[2], w[3], d0, d1, d2, d3);
           }
-          const uint32_t kb = kb0 + q, ra = j0 + 2 * t, rb = ra + 1;
-          const float sa = ra < cols ? __ldg(r.scales(ra) + kb) : 0.f;
-          const float sb = rb < cols ? __ldg(r.scales(rb) + kb) : 0.f;
-          acc[j][0] = fmaf(sa, d0, acc[j][0]);
-          acc[j][1] = fmaf(sb, d1, acc[j][1]);
-          acc[j][2] = fmaf(sa, d2, acc[j][2]);
-          acc[j][3] = fmaf(sb, d3, acc[j][3]);
+          acc[j][0] = fmaf(sa[q], d0, acc[j][0]);
+          acc[j][1] = fmaf(sb[q], d1, acc[j][1]);
+          acc[j][2] = fmaf(sa[q], d2, acc[j][2]);
+          acc[j][3] = fmaf(sb[q], d3, acc[j][3]);
         }
         release_page(&ring_ptr()->empty[slot]);
         ++it;

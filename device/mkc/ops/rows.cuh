@@ -211,20 +211,21 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uin
 }
 
 // The tensor-core consumer's inputs: eight activations of token b from
-// column e (a multiple of 8) as fp32, computed where they are read.
+// column e (a multiple of 8) as fp32, computed where they are read, without
+// branches (rows_pages_mma issues a chunk's loads together).
 // RowsInput: x [B, k] (shared or global memory), times scale[b] * norm[e]
-// when `norm` is given (rows_compute's RMS prologue).
-template <class T>
+// with kNorm (rows_compute's RMS prologue).
+template <class T, bool kNorm>
 struct RowsInput {
   const T* x;
   uint32_t k;
-  const __nv_bfloat16* norm;
-  const float* scale;
+  const __nv_bfloat16* norm;  // kNorm: [k]
+  const float* scale;         // kNorm: [B]
   __device__ void operator()(uint32_t b, uint32_t e, float (&v)[8]) const {
     const T* xb = x + size_t(b) * k + e;
     const float4 p = load_four(xb), q = load_four(xb + 4);
     v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z, v[7] = q.w;
-    if (norm != nullptr) {
+    if constexpr (kNorm) {
       const float4 m = load_four(norm + e), n = load_four(norm + e + 4);
       const float s = scale[b];
       v[0] *= s * m.x, v[1] *= s * m.y, v[2] *= s * m.z, v[3] *= s * m.w;
@@ -288,13 +289,22 @@ __device__ void rows_pages_mma(const Rows& r, const In& in, uint32_t& it, int wa
     for (uint32_t k0 = 0; k0 < r.k; k0 += kPageK) {
       const uint32_t nk = min(uint32_t(kPageK), r.k - k0);
       uint32_t hi[4][4], lo[4][4];  // [i][pair]: columns 32 i + 8 t + 2 pair, + 1
+      // The four reads of a lane, with no branch between them: they are in flight together (a branch
+      // each took an input with a prologue, whose reads come from L2, to four round trips a chunk).
+      // Lanes past the batch or the chunk read token 0's column 0 and take zeros.
+      float v[4][8];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        float v[8] = {};
-        const uint32_t e = c0 + 32 * i;
-        if (g < B && e < nk) in(uint32_t(g), k0 + e, v);
+        const bool ok = g < B && c0 + 32 * i < nk;
+        in(ok ? uint32_t(g) : 0u, ok ? k0 + c0 + 32 * i : 0u, v[i]);
+      }
 #pragma unroll
-        for (int pr = 0; pr < 4; ++pr) split_pair<__nv_bfloat162>(v[2 * pr], v[2 * pr + 1], hi[i][pr], lo[i][pr]);
+      for (int i = 0; i < 4; ++i) {
+        const bool ok = g < B && c0 + 32 * i < nk;
+#pragma unroll
+        for (int pr = 0; pr < 4; ++pr) {
+          split_pair<__nv_bfloat162>(ok ? v[i][2 * pr] : 0.f, ok ? v[i][2 * pr + 1] : 0.f, hi[i][pr], lo[i][pr]);
+        }
       }
 #pragma unroll
       for (int j = 0; j < int(G); ++j) {
@@ -330,7 +340,11 @@ template <int B, bool kAhead = false, class T>
 __device__ void rows_pages(const Rows& r, const T* x, const __nv_bfloat16* norm, const float* scale, uint32_t& it,
                            int warp, float* st) {
   if constexpr (kRowsMma<B>) {
-    rows_pages_mma<B>(r, RowsInput<T>{x, r.k, norm, scale}, it, warp, st);
+    if (norm != nullptr) {
+      rows_pages_mma<B>(r, RowsInput<T, true>{x, r.k, norm, scale}, it, warp, st);
+    } else {
+      rows_pages_mma<B>(r, RowsInput<T, false>{x, r.k, nullptr, nullptr}, it, warp, st);
+    }
   } else {
     rows_pages_fma<B, kAhead>(r, x, norm, scale, it, warp, st);
   }
