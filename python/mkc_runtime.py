@@ -26,6 +26,7 @@ class _Info(ctypes.Structure):
         ("state_bytes", ctypes.c_uint64),
         ("routers", ctypes.c_uint32),
         ("router_top_k", ctypes.c_uint32),
+        ("positions", ctypes.c_uint32),
     ]
 
 
@@ -48,6 +49,9 @@ class Model:
                                           ctypes.c_size_t]
         lib.mkc_model_profile_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
                                                ctypes.c_char_p, ctypes.c_size_t]
+        if hasattr(lib, "mkc_model_verify"):  # libraries built before it lack it (bench/compare.sh's baselines)
+            lib.mkc_model_verify.argtypes = [ctypes.c_void_p] + [ctypes.c_void_p] * 5 + [ctypes.c_char_p,
+                                                                                        ctypes.c_size_t]
         if hasattr(lib, "mkc_model_generate"):  # libraries built before it lack it (bench/compare.sh's baselines)
             lib.mkc_model_generate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int32,
                                                ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
@@ -75,6 +79,9 @@ class Model:
         self.state_bytes = info.state_bytes
         self.routers = info.routers
         self.router_top_k = info.router_top_k
+        # Rows a sequence holds (a verify step's positions); libraries built before the field leave it 0.
+        self.positions = info.positions or 1
+        self.sequences = self.batch // self.positions
 
     def step(self, tokens, debug=False):
         """One decode step; returns (next tokens [batch] int32, logits [batch, vocab] float32)."""
@@ -85,6 +92,24 @@ class Model:
                                     len(self._err)) != 0:
             raise MkcError(self._err.value.decode())
         return nxt, logits
+
+    def verify(self, tokens):
+        """A speculative verify step (a library of positions > 1): tokens [sequences, positions], each
+        sequence's last accepted token then its drafts. Returns (accepted [sequences] int32: the drafts
+        that stand, next [sequences] int32: the greedy token after them, argmax [sequences, positions]
+        int32, logits [sequences, positions, vocab] float32); each sequence advances accepted + 1."""
+        if not hasattr(self._lib, "mkc_model_verify"):
+            raise MkcError(f"{self.name}: this library was built before mkc_model_verify")
+        t = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(self.batch))
+        accepted = np.zeros(self.sequences, dtype=np.int32)
+        nxt = np.zeros(self.sequences, dtype=np.int32)
+        argmax = np.zeros(self.batch, dtype=np.int32)
+        logits = np.zeros((self.batch, self.vocab), dtype=np.float32)
+        if self._lib.mkc_model_verify(self._m, t.ctypes.data, accepted.ctypes.data, nxt.ctypes.data,
+                                      argmax.ctypes.data, logits.ctypes.data, self._err, len(self._err)) != 0:
+            raise MkcError(self._err.value.decode())
+        shape = (self.sequences, self.positions)
+        return accepted, nxt, argmax.reshape(shape), logits.reshape(shape + (self.vocab,))
 
     def generate(self, tokens, n, stop=-1):
         """Greedy generation in one launch: up to n steps from tokens [batch], each step's next tokens fed

@@ -18,10 +18,10 @@ cd "$(dirname "$0")/.."
 pattern=${1:-*}
 models=${MKC_MODELS_DIR:-target/models}
 cargo build --release --locked --quiet
-grep -v '^#' scripts/gpu_libs.txt | while IFS=: read -r model name config batch; do
+grep -v '^#' scripts/gpu_libs.txt | while IFS=: read -r model name config batch positions; do
   # shellcheck disable=SC2254
   case "$name" in $pattern) ;; *) continue ;; esac
   ./target/release/mkc codegen "model_graphs/$model/graph.mkc" --config "model_graphs/$model/$config" \
-    --target h200 --batch "$batch" -o "target/gen/$name" > /dev/null
+    --target h200 --batch "$batch" ${positions:+--positions "$positions"} -o "target/gen/$name" > /dev/null
   scripts/build_model.sh "target/gen/$name" "$models/$name"
 done

@@ -10,15 +10,16 @@ use mkc::config::Config;
 use mkc::lower::Limits;
 use mkc::sizes::{graph_sizes, Resident, MAX_EXPERT_PARALLEL};
 use mkc::target::Target;
-use mkc::{checkpoint, diag, dot, emit, plan, report, Error};
+use mkc::{checkpoint, diag, dot, emit, plan, report, Error, ErrorKind};
 
 /// The largest `--batch`: sequences one step carries. Above the device's
 /// `kMaxBatch` (8) the projections take the wider register budget, and the
 /// planner refuses, by name, each operation whose scratch a batch outgrows.
 const MAX_BATCH: i64 = 64;
 
-/// The most positions per sequence in a speculative verify step.
-const MAX_SPECULATIVE: i64 = 8;
+/// The most positions per sequence in a speculative verify step (the device's
+/// `kMaxPositions`).
+const MAX_SPECULATIVE: i64 = mkc::contract::MAX_POSITIONS as i64;
 
 /// `--acceptance`: a probability.
 fn acceptance(s: &str) -> Result<f64, String> {
@@ -158,6 +159,12 @@ enum Command {
         /// Batch the plan is made for.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_BATCH))]
         batch: u32,
+        /// A speculative verify step: POSITIONS consecutive positions of each
+        /// of the --batch sequences (its last accepted token and POSITIONS - 1
+        /// drafts), batch x POSITIONS rows a step (mkc_model_verify). Models
+        /// whose only per-sequence state is MLA's cache (the K2 family).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_SPECULATIVE))]
+        positions: u32,
         /// Context length the attention work is sized for.
         #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=MAX_CONTEXT))]
         context: u64,
@@ -330,7 +337,7 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             let (v, source) = load(&graph, config.as_deref(), None)?;
             let target = Target::load(&target).map_err(|e| plain(&e))?;
             let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
-            let opts = plan::Options { batch, context, expert_parallel };
+            let opts = plan::Options { batch, context, expert_parallel, ..Default::default() };
             let main = plan::plan(&v, &target, opts).map_err(|e| render(&e))?;
             let measured = match &trace {
                 Some(t) => {
@@ -386,8 +393,12 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                     let p = if b == batch {
                         main.clone()
                     } else {
-                        plan::plan(&v, &target, plan::Options { batch: b, context, expert_parallel })
-                            .map_err(|e| render(&e))?
+                        plan::plan(
+                            &v,
+                            &target,
+                            plan::Options { batch: b, context, expert_parallel, ..Default::default() },
+                        )
+                        .map_err(|e| render(&e))?
                     };
                     let plain = plan::estimate::estimate(&p);
                     write!(out, "{}", plan::estimate::render(&plain, target.read_bandwidth()))?;
@@ -397,9 +408,13 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                         let verify = if positions > MAX_BATCH as u32 {
                             Err(format!("past the planner's {MAX_BATCH} tokens per step"))
                         } else {
-                            plan::plan(&v, &target, plan::Options { batch: positions, context, expert_parallel })
-                                .map(|p| plan::estimate::estimate(&p))
-                                .map_err(|e| format!("beyond the device library: {}", e.reason))
+                            plan::plan(
+                                &v,
+                                &target,
+                                plan::Options { batch: positions, context, expert_parallel, ..Default::default() },
+                            )
+                            .map(|p| plan::estimate::estimate(&p))
+                            .map_err(|e| format!("beyond the device library: {}", e.reason))
                         };
                         write!(
                             out,
@@ -427,12 +442,33 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Codegen { graph, config, target, batch, context, out: folder, tables_only, ignore_capacity } => {
+        Command::Codegen {
+            graph,
+            config,
+            target,
+            batch,
+            positions,
+            context,
+            out: folder,
+            tables_only,
+            ignore_capacity,
+        } => {
             let (v, source) = load(&graph, config.as_deref(), None)?;
             let t = Target::load(&target).map_err(|e| plain(&e))?;
             let render = |e: &Error| diag::render(e, &graph.display().to_string(), &source);
-            let p =
-                plan::plan(&v, &t, plan::Options { batch, context, ..Default::default() }).map_err(|e| render(&e))?;
+            if i64::from(batch) * i64::from(positions) > MAX_BATCH {
+                let e = Error::new(
+                    ErrorKind::Limit,
+                    format!(
+                        "--batch {batch} x --positions {positions} is {} rows a step, more than {MAX_BATCH}",
+                        batch * positions
+                    ),
+                );
+                return Err(plain(&e).into());
+            }
+            let batch = batch * positions;
+            let opts = plan::Options { batch, context, positions, ..Default::default() };
+            let p = plan::plan(&v, &t, opts).map_err(|e| render(&e))?;
             let resident = Resident::of_plan(graph_sizes(&v, batch.into(), context, 1), &p, t.sms);
             if !ignore_capacity && !resident.fits(t.hbm_bytes) {
                 // The program is written (the full K3 is the product; generated/ holds it and CI compiles

@@ -247,3 +247,55 @@ fn a_trace_needs_the_page_or_the_estimate() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("no_such_trace.json"), "{}", stderr(&o));
 }
+
+/// `codegen --positions T`: a verify step of T positions a sequence, batch x T rows; the program says so
+/// (kPositions, the MLA shape's positions). A model whose state is not MLA's cache alone (K3's KDA
+/// layers) is refused at the operation that keeps it; more rows than a step carries, by the flags' names.
+#[test]
+fn codegen_positions_makes_a_verify_step_or_says_why_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("k2v");
+    let graph = root("model_graphs/kimi_k2/graph.mkc").display().to_string();
+    let config = root("model_graphs/kimi_k2/tiny.json").display().to_string();
+    let args = ["codegen", &graph, "--config", &config, "--target", "h200", "--batch", "2", "--positions", "4", "-o"];
+    let o = run(&[&args[..], &[out.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let program = std::fs::read_to_string(out.join("program.cuh")).unwrap();
+    assert!(program.contains("inline constexpr int kBatch = 8;"), "batch x positions rows");
+    assert!(program.contains("inline constexpr uint32_t kPositions = 4;"));
+    assert!(program.contains(".positions = 4}"), "the MLA split takes a sequence's positions");
+
+    let k3_config = root("model_graphs/kimi_k3/tiny.json").display().to_string();
+    let o = run(&[
+        "codegen",
+        &k3(),
+        "--config",
+        &k3_config,
+        "--target",
+        "h200",
+        "--positions",
+        "2",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("keeps per-sequence state") && err.contains("conv_update"), "{err}");
+
+    let o = run(&[
+        "codegen",
+        &graph,
+        "--config",
+        &config,
+        "--target",
+        "h200",
+        "--batch",
+        "16",
+        "--positions",
+        "8",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains("--batch 16 x --positions 8 is 128 rows"), "{err}");
+}

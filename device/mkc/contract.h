@@ -52,6 +52,11 @@ constexpr uint32_t kMlaMaxLatent = 512;
 // each 32 are its k-slots of two MMA steps).
 constexpr uint32_t kMlaMmaColumns = 32;
 
+// Speculative decoding: a verify step carries up to kMaxPositions consecutive
+// positions of each sequence (the last accepted token and the drafts after
+// it) as that many rows of the batch.
+constexpr uint32_t kMaxPositions = 8;
+
 // KDA decode: head sizes up to kMaxKdaDim.
 constexpr uint32_t kMaxKdaDim = 256;
 

@@ -715,8 +715,9 @@ __global__ void mla_combine_kernel() {
 
 struct MlaDims {
   uint32_t heads, hpt, groups, splits, ctx, c, nope, rope, v;
-  int32_t pos[kMB];
+  int32_t pos[kMB];  // each row's position (with positions 2: one sequence's two consecutive positions)
   float scale;
+  uint32_t positions = 1;  // rows a sequence holds (a verify step's positions)
 };
 
 // mma: the folds on the tensor cores (mla_fold_mma), else on the CUDA cores.
@@ -733,11 +734,13 @@ static void test_mla(std::mt19937& rng, const MlaDims& d, bool mma = false) {
                         .nope = nope,
                         .rope = rope,
                         .v_dim = v,
-                        .scale = scale};
+                        .scale = scale,
+                        .positions = d.positions};
+  const uint32_t P = d.positions, seqs = kMB / P;
   std::normal_distribution<float> nd(0.f, 1.f);
   const std::vector<int32_t> pos(d.pos, d.pos + kMB);
   std::vector<float> q(kMB * heads * (nope + rope)), ckv(kMB * c), kpe(kMB * rope);
-  std::vector<__nv_bfloat16> norm(c), wkvb(heads * (nope + v) * c), cache(kMB * ctx * (c + rope));
+  std::vector<__nv_bfloat16> norm(c), wkvb(heads * (nope + v) * c), cache(seqs * ctx * (c + rope));
   for (auto& x : q) x = nd(rng);
   for (auto& x : ckv) x = nd(rng);
   for (auto& x : kpe) x = nd(rng);
@@ -785,24 +788,29 @@ static void test_mla(std::mt19937& rng, const MlaDims& d, bool mma = false) {
     launch_with_loader(mla_combine_kernel);
   }
   const auto out = download(d_out, kMB * heads * v);
-  const auto new_cache = download(d_cache, kMB * ctx * (c + rope));
-  // Reference: the new row appended (RMSNorm of the latent, then bf16 as the cache stores it),
-  // keys and values expanded per head, softmax attention in double.
-  double worst = 0, norm_ref = 0, cache_err = 0;
+  const auto new_cache = download(d_cache, seqs * ctx * (c + rope));
+  // Reference: each row's new cache row appended (RMSNorm of the latent, then bf16 as the cache
+  // stores it), keys and values expanded per head, softmax attention in double; a row sees its
+  // sequence's cache before the step, then the step's rows up to its own position.
+  std::vector<std::vector<double>> rows(kMB, std::vector<double>(c + rope));
   for (int b = 0; b < kMB; ++b) {
-    std::vector<double> row(c + rope);
     double ss = 0;
     for (uint32_t j = 0; j < c; ++j) ss += double(ckv[b * c + j]) * ckv[b * c + j];
     const double r = 1 / std::sqrt(ss / c + 1e-6);
-    for (uint32_t j = 0; j < c; ++j) row[j] = bf16_round(float(ckv[b * c + j] * r * __bfloat162float(norm[j])));
-    for (uint32_t j = 0; j < rope; ++j) row[c + j] = bf16_round(kpe[b * rope + j]);
+    for (uint32_t j = 0; j < c; ++j) rows[b][j] = bf16_round(float(ckv[b * c + j] * r * __bfloat162float(norm[j])));
+    for (uint32_t j = 0; j < rope; ++j) rows[b][c + j] = bf16_round(kpe[b * rope + j]);
+  }
+  double worst = 0, norm_ref = 0, cache_err = 0;
+  for (int b = 0; b < kMB; ++b) {
+    const uint32_t seq = b / P, first = pos[b] - b % P;
     for (uint32_t j = 0; j < c + rope; ++j) {
       // Relative: the kernel's float rsqrt may round the stored bf16 value one ulp (2^-8) away.
-      const double got = __bfloat162float(new_cache[(b * ctx + pos[b]) * (c + rope) + j]);
-      cache_err = std::max(cache_err, std::abs(row[j] - got) / std::max(1.0, std::abs(row[j])));
+      const double got = __bfloat162float(new_cache[(seq * ctx + pos[b]) * (c + rope) + j]);
+      cache_err = std::max(cache_err, std::abs(rows[b][j] - got) / std::max(1.0, std::abs(rows[b][j])));
     }
     auto kv = [&](uint32_t p, uint32_t j) {
-      return p == uint32_t(pos[b]) ? row[j] : double(__bfloat162float(cache[(b * ctx + p) * (c + rope) + j]));
+      return p >= first ? rows[seq * P + p - first][j]
+                        : double(__bfloat162float(cache[(seq * ctx + p) * (c + rope) + j]));
     };
     for (uint32_t h = 0; h < heads; ++h) {
       const float* qh = &q[(b * heads + h) * (nope + rope)];
@@ -834,9 +842,10 @@ static void test_mla(std::mt19937& rng, const MlaDims& d, bool mma = false) {
   }
   char detail[192];
   std::snprintf(detail, sizeof detail,
-                "%s%u heads (%u per task), c %u, %u splits of %u, pos %d %d: max abs error %.2e (outputs up to %.2f), "
-                "appended row rel error %.2e",
-                mma ? "tensor cores: " : "", heads, hpt, c, splits, ctx, pos[0], pos[1], worst, norm_ref, cache_err);
+                "%s%u heads (%u per task), c %u, %u splits of %u, pos %d %d%s: max abs error %.2e (outputs up to "
+                "%.2f), appended row rel error %.2e",
+                mma ? "tensor cores: " : "", heads, hpt, c, splits, ctx, pos[0], pos[1],
+                P > 1 ? " (one sequence's)" : "", worst, norm_ref, cache_err);
   report("MLA split + combine (absorbed vs expanded)", worst < 1e-3 * std::max(1.0, norm_ref) && cache_err < 1.6e-2,
          detail);
   for (void* p : {(void*)d_q, (void*)d_ckv, (void*)d_kpe, (void*)d_norm, (void*)d_w, (void*)d_cache, (void*)d_pos,
@@ -1249,6 +1258,11 @@ int main(int argc, char** argv) {
   if (want("mla")) test_mla(rng, MlaDims{8, 8, 1, 4, 256, 512, 128, 64, 128, {0, 255}, 0.0722f}, true);
   // K2's layout as the planner shapes it: eight heads a split task (M's eight rows), two head groups.
   if (want("mla")) test_mla(rng, MlaDims{16, 8, 2, 4, 256, 512, 128, 64, 128, {100, 255}, 0.0722f}, true);
+  // A verify step's two positions of one sequence: across a split boundary (row 1 sees row 0's new
+  // row, made in the split before), both in one split, and at the start of the context (no cache rows).
+  if (want("mla")) test_mla(rng, MlaDims{6, 2, 3, 4, 64, 32, 16, 8, 16, {15, 16}, 0.2f, 2});
+  if (want("mla")) test_mla(rng, MlaDims{16, 8, 2, 4, 256, 512, 128, 64, 128, {130, 131}, 0.0722f, 2}, true);
+  if (want("mla")) test_mla(rng, MlaDims{16, 8, 2, 4, 256, 512, 128, 64, 128, {0, 1}, 0.0722f, 2}, true);
   if (want("conv")) test_conv_l2(rng);
   if (want("kda")) test_kda(rng, 4, 16, false);   // Kimi Linear tiny: softplus gate
   if (want("kda")) test_kda(rng, 4, 128, true);   // K3's head size and safe gate

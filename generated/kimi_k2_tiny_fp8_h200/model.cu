@@ -22,6 +22,7 @@ struct Program {
   static constexpr const char* kTarget = g::kTarget;
   static constexpr uint32_t kRoles = g::kRoles;
   static constexpr int kBatch = g::kBatch;
+  static constexpr uint32_t kPositions = g::kPositions;
   static constexpr uint64_t kContext = g::kContext;
   static constexpr uint64_t kArenaBytes = g::kArenaBytes;
   static constexpr uint64_t kRouteLog = g::kRouteLog;
@@ -99,11 +100,17 @@ void mkc_model_get_info(const mkc_model* m, mkc_model_info* info) {
   info->state_bytes = m->engine.state_size();
   info->routers = g::kRouters;
   info->router_top_k = g::kRouterTopK;
+  info->positions = Program::kPositions;
 }
 
 int mkc_model_step(mkc_model* m, const int32_t* tokens, int32_t* next, float* logits, int debug, char* err,
                    size_t err_len) {
   return guarded(err, err_len, [&] { m->engine.step(tokens, next, logits, debug != 0); });
+}
+
+int mkc_model_verify(mkc_model* m, const int32_t* tokens, int32_t* accepted, int32_t* next, int32_t* argmax,
+                     float* logits, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { m->engine.verify(tokens, accepted, next, argmax, logits); });
 }
 
 int mkc_model_generate(mkc_model* m, const int32_t* tokens, uint32_t n, int32_t stop, int32_t* out, int32_t* length,

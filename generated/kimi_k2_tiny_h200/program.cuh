@@ -17,6 +17,8 @@ namespace mkc::generated::kimi_k2_tiny_h200 {
 inline constexpr const char* kModel = "kimi_k2_tiny_h200";
 inline constexpr const char* kTarget = "h200";
 inline constexpr int kBatch = 1;
+// Rows a sequence holds: a speculative verify step's positions (1: plain decoding).
+inline constexpr uint32_t kPositions = 1;
 inline constexpr uint64_t kContext = 4096;
 inline constexpr uint64_t kArenaBytes = 19712;
 // The routing log: each router's expert ids of the last step, [router][batch][top_k]
@@ -200,7 +202,8 @@ __device__ constexpr MlaShape mla0_shape = MlaShape{.heads = 4,
                                                     .nope = 16,
                                                     .rope = 8,
                                                     .v_dim = 16,
-                                                    .scale = 2.0412415e-1f};
+                                                    .scale = 2.0412415e-1f,
+                                                    .positions = 1};
 
 // mla_absorb: every token's queries of some heads absorbed into the latent space (W_UK through the page ring)
 __device__ inline void mla0_mla_absorb_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {

@@ -17,6 +17,8 @@ namespace mkc::generated::kimi_linear_h200 {
 inline constexpr const char* kModel = "kimi_linear_h200";
 inline constexpr const char* kTarget = "h200";
 inline constexpr int kBatch = 1;
+// Rows a sequence holds: a speculative verify step's positions (1: plain decoding).
+inline constexpr uint32_t kPositions = 1;
 inline constexpr uint64_t kContext = 4096;
 inline constexpr uint64_t kArenaBytes = 1286656;
 // The routing log: each router's expert ids of the last step, [router][batch][top_k]
@@ -765,7 +767,8 @@ __device__ constexpr MlaShape mla0_shape = MlaShape{.heads = 32,
                                                     .nope = 128,
                                                     .rope = 64,
                                                     .v_dim = 128,
-                                                    .scale = 7.216878e-2f};
+                                                    .scale = 7.216878e-2f,
+                                                    .positions = 1};
 
 // mla_absorb: every token's queries of some heads absorbed into the latent space (W_UK through the page ring)
 __device__ inline void mla0_mla_absorb_load(const TaskArgs& t, const Memory& m, const mla0_params& p, uint32_t& it) {

@@ -179,7 +179,7 @@ pub fn emit(
         &env,
         "program.cuh",
         minijinja::context! {
-            batch => plan.options.batch, context => plan.options.context,
+            batch => plan.options.batch, positions => plan.options.positions, context => plan.options.context,
             arena_bytes => p.arena_bytes, route_log => p.route_log, routers => p.routers.len(),
             router_top_k => p.router_top_k, route_log_ints => p.route_log_ints,
             staging_floats => p.staging_floats, pages => p.pages,

@@ -19,11 +19,11 @@
 //! or epilogue a projection has) is refused by the emitter, which walks them.
 
 use crate::contract::{
-    ACTIVATION_BYTES, CONSUMER_WARPS, FP8_ALIGN, MAX_BANK_ROWS, MAX_KDA_DIM, MAX_MLA_HEADS, MLA_MAX_LATENT,
-    MLA_MAX_ROW, MOE_MAX_CHOICES, MX_BLOCK, MX_TILE_ROWS, ROUTER_MAX_GROUPS, SCRATCH_BYTES,
+    ACTIVATION_BYTES, CONSUMER_WARPS, FP8_ALIGN, MAX_BANK_ROWS, MAX_KDA_DIM, MAX_MLA_HEADS, MAX_POSITIONS,
+    MLA_MAX_LATENT, MLA_MAX_ROW, MOE_MAX_CHOICES, MX_BLOCK, MX_TILE_ROWS, ROUTER_MAX_GROUPS, SCRATCH_BYTES,
 };
 use crate::diag::{Error, ErrorKind, Result};
-use crate::ir::{DType, Graph, NodeId};
+use crate::ir::{DType, Graph, NodeId, NodeKind};
 use crate::ops::Attrs;
 
 use super::fuse::{FusedKind, FusedOp, Fusion};
@@ -34,6 +34,7 @@ use super::{Options, Plan};
 /// `tiling`, against the device library; the first that does not fit is
 /// refused at its anchor.
 pub fn check(g: &Graph, fusion: &Fusion, tiling: &Tiling, opts: Options) -> Result<()> {
+    positions(g, fusion, opts)?;
     each(g, fusion, tiling, opts, |c, op, anchor, attrs| match op.kind {
         FusedKind::MlaDecode => c.mla(anchor, attrs),
         FusedKind::KdaDecode => c.kda(attrs),
@@ -43,6 +44,49 @@ pub fn check(g: &Graph, fusion: &Fusion, tiling: &Tiling, opts: Options) -> Resu
         FusedKind::Projection | FusedKind::LmHead => c.projection(anchor),
         _ => Ok(()),
     })
+}
+
+/// A verify step (`opts.positions` > 1 rows a sequence): the batch is whole
+/// sequences of at most [`MAX_POSITIONS`] positions, and the only
+/// per-sequence state is MLA's cache, which takes a sequence's positions
+/// causally (ops/mla.cuh). A recurrent state (KDA's, its conv windows) would
+/// have to step through the positions one by one: refused at the first
+/// operation that keeps one.
+fn positions(g: &Graph, fusion: &Fusion, opts: Options) -> Result<()> {
+    let p = opts.positions;
+    if p == 1 {
+        return Ok(());
+    }
+    if p == 0 || u64::from(p) > MAX_POSITIONS || !opts.batch.is_multiple_of(p) {
+        return Err(Error::new(
+            ErrorKind::Limit,
+            format!(
+                "a verify step of {p} positions a sequence at batch {} (1 to {MAX_POSITIONS} positions, the batch \
+                 whole sequences of them)",
+                opts.batch
+            ),
+        ));
+    }
+    for op in fusion.ops.iter().filter(|op| op.kind != FusedKind::MlaDecode) {
+        let stateful = op
+            .nodes
+            .iter()
+            .find(|n| g.operands(NodeId::at(**n)).iter().any(|v| matches!(g.node(v.node).kind, NodeKind::State(_))));
+        if let Some(n) = stateful {
+            return Err(Error::new(
+                ErrorKind::Invalid,
+                format!(
+                    "fused operation {} ({}) keeps per-sequence state, which a verify step of {p} positions would \
+                     have to step through position by position; the device library takes positions in MLA's cache \
+                     only",
+                    op.id, op.name
+                ),
+            )
+            .at(g.node(NodeId::at(*n)).span)
+            .label(format!("fused operation {}", op.id)));
+        }
+    }
+    Ok(())
 }
 
 /// Checks that the device library computes the arithmetic of every fused

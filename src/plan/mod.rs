@@ -59,6 +59,11 @@ pub struct Options {
     /// layer's experts and every other weight. 1: all experts here.
     #[serde(skip_serializing_if = "is_one")]
     pub expert_parallel: u32,
+    /// Rows of the batch each sequence holds: a speculative verify step's
+    /// consecutive positions of one sequence (the last accepted token and the
+    /// drafts after it), `batch / positions` sequences. 1: plain decoding.
+    #[serde(skip_serializing_if = "is_one")]
+    pub positions: u32,
 }
 
 fn is_one(n: &u32) -> bool {
@@ -67,7 +72,7 @@ fn is_one(n: &u32) -> bool {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { batch: 1, context: 4096, expert_parallel: 1 }
+        Options { batch: 1, context: 4096, expert_parallel: 1, positions: 1 }
     }
 }
 

@@ -62,7 +62,7 @@ pub struct MultiEstimate {
 /// Plans one GPU of `gpus` at `batch` and adds the exchanges.
 pub fn estimate_on(v: &Validated, target: &Target, batch: u32, context: u64, gpus: u32) -> Result<MultiEstimate> {
     in_one_domain(target, gpus)?;
-    let p = plan(v, target, Options { batch, context, expert_parallel: gpus })?;
+    let p = plan(v, target, Options { batch, context, expert_parallel: gpus, ..Default::default() })?;
     estimate_of(&p, target, gpus)
 }
 

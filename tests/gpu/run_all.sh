@@ -25,6 +25,8 @@
 #                                   library built (K2, K3, Kimi Linear, FP8; 24 steps) and of K2's
 #                                   per-layer dims if built: a device change's first check, before the
 #                                   longer runs
+#   tests/gpu/run_all.sh verify     speculative verify steps against plain greedy decoding (tests/gpu/verify.py):
+#                                   every ..._tN_h200 library beside its config's plain one, seeds 0 1 2
 #   tests/gpu/run_all.sh soak       10,000 steps of K3 tiny at batch 4 with the e8m0-255 and truncated
 #                                   checkpoints, 2,000 of K2 per-layer dims (tests/gpu/soak.py)
 # Logs under $OUT; a short table last.
@@ -45,6 +47,7 @@ case "${1:-}" in
     for dir in target/models/*_tiny_*/ target/models/kimi_k2_dims_2l16e_h200/; do
       name=$(basename "$dir")
       [ -f "$dir/lib$name.so" ] || continue
+      case "$name" in *_t[0-9]_*) continue ;; esac  # verify steps: `run_all.sh verify`
       case "$name" in
         kimi_k3_*) args=(tests/gpu/k3_decode.py --config model_graphs/kimi_k3/tiny.json) ;;
         kimi_linear_*) args=(tests/gpu/deepseek_v3_decode.py --config model_graphs/kimi_linear/tiny.json --arch kimi_linear) ;;
@@ -61,6 +64,23 @@ case "${1:-}" in
     for f in "$out"/quick/*.log; do grep -v '^$' "$f" | grep -vE 'Loading|Writing' | tail -n 2; done
     cat "$out/quick/rc.txt"
     ! grep -qv "rc=0" "$out/quick/rc.txt"
+    ;;
+  verify)
+    # Each verify-step library (name ..._tN_h200) against the plain library of its config and batch.
+    mkdir -p "$out/verify"
+    : > "$out/verify/rc.txt"
+    for pair in kimi_k2_tiny_b2_t4_h200:kimi_k2_tiny_b2_h200:tiny.json \
+      kimi_k2_dims_2l16e_t4_h200:kimi_k2_dims_2l16e_h200:test_2l16e.json; do
+      IFS=: read -r name plain config <<< "$pair"
+      [ -f "target/models/$name/lib$name.so" ] && [ -f "target/models/$plain/lib$plain.so" ] || continue
+      timeout "${MKC_LIB_TIMEOUT:-300}" python3 tests/gpu/verify.py --verify "target/models/$name/lib$name.so" \
+        --plain "target/models/$plain/lib$plain.so" --config "model_graphs/kimi_k2/$config" \
+        --json "$out/verify/$name.json" > "$out/verify/$name.log" 2>&1
+      echo "$name rc=$?" >> "$out/verify/rc.txt"
+    done
+    for f in "$out"/verify/*.log; do grep -v '^$' "$f" | grep -vE 'Loading|Writing' | tail -n 5; done
+    cat "$out/verify/rc.txt"
+    ! grep -qv "rc=0" "$out/verify/rc.txt"
     ;;
   soak)
     rc=0
@@ -199,5 +219,5 @@ case "${1:-}" in
     tail -n 12 "$out"/bisect_*.txt 2>/dev/null
     printf '%s\n' "${summary[@]}"
     ;;
-  *) echo "usage: tests/gpu/run_all.sh check|quick|fp8|generate|sanitize|k3|bisect|soak" >&2; exit 2 ;;
+  *) echo "usage: tests/gpu/run_all.sh check|quick|fp8|generate|verify|sanitize|k3|bisect|soak" >&2; exit 2 ;;
 esac

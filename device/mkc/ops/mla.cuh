@@ -30,6 +30,10 @@ struct MlaShape {
   uint32_t rope;    // their RoPE width
   uint32_t v_dim;   // a head's value width
   float scale;      // the scores' scale
+  // Rows of the batch a sequence holds (1 to kMaxPositions): a verify step's consecutive positions of
+  // one sequence, row b its position b % positions; 1 in plain decoding. The cache holds a sequence
+  // each [B / positions][ctx], and pos[b] is row b's own position.
+  uint32_t positions;
 };
 
 __device__ inline void split_range(const MlaShape& s, uint32_t split, uint32_t& p0, uint32_t& p1) {
@@ -38,15 +42,17 @@ __device__ inline void split_range(const MlaShape& s, uint32_t split, uint32_t& 
   p1 = p0 + base + (split < rem ? 1 : 0);
 }
 
-// The cache rows a split task streams through the page ring for token b:
-// the split's positions before the current one (the current row is written
-// by the step itself and taken from shared memory instead).
-__device__ inline Rows mla_cache_rows(const MlaShape& s, uint32_t split, const __nv_bfloat16* cache, int b,
-                                      uint32_t p_now) {
+// The cache rows a split task streams through the page ring for row b: the
+// split's positions before the step's first position of b's sequence (the
+// rows the step itself writes, b's and its earlier positions', are made in
+// shared memory instead).
+__device__ inline Rows mla_cache_rows(const MlaShape& s, uint32_t split, const __nv_bfloat16* cache, uint32_t b,
+                                      const int32_t* pos) {
   uint32_t p0, p1;
   split_range(s, split, p0, p1);
-  const uint32_t end = max(p0, min(p1, p_now));
-  return Rows{cache + size_t(b) * s.ctx * (s.c + s.rope), nullptr, p0, end, s.c + s.rope};
+  const uint32_t first = uint32_t(pos[b]) - b % s.positions;
+  const uint32_t end = max(p0, min(p1, first));
+  return Rows{cache + size_t(b / s.positions) * s.ctx * (s.c + s.rope), nullptr, p0, end, s.c + s.rope};
 }
 
 // Contiguous rows (cache rows, a head's W_UK block) travel packed: a page
@@ -108,18 +114,19 @@ struct MlaSplitLoad {
 template <int B>
 __device__ void mla_split_load(MlaSplitLoad a, uint32_t& it) {
   const MlaShape& s = a.shape;
-  for (int b = 0; b < B; ++b) {
-    const Rows r = mla_cache_rows(s, a.split, a.cache, b, uint32_t(a.pos[b]));
+  for (uint32_t b = 0; b < uint32_t(B); ++b) {
+    const Rows r = mla_cache_rows(s, a.split, a.cache, b, a.pos);
     packed_load(r.w0 + size_t(r.r0) * r.k, r.r1 - r.r0, r.k, cache_stride(r.k), it);
   }
 }
 
 // The fold: pages of cache rows taken kMlaFoldPages at a time (plus, in the
-// last fold, the current row), two consumer barriers per fold. A lane holds
+// last fold, the rows the step writes: the current one and, in a verify
+// step, the sequence's earlier positions), two consumer barriers per fold. A lane holds
 // kMlaLanePairs column pairs of a row (rows of at most 576 elements) and the
 // absorbed query of up to kMlaQuad heads at those columns in registers.
 constexpr uint32_t kMlaFoldPages = 4;
-constexpr uint32_t kMlaFoldRows = kMlaFoldPages * kMaxPackedRows + 1;
+constexpr uint32_t kMlaFoldRows = kMlaFoldPages * kMaxPackedRows + kMaxPositions;
 // kMlaLanePairs: contract.h.
 static_assert(kMlaMaxRow == 64 * kMlaLanePairs && kMlaMaxLatent <= kMlaMaxRow, "a lane holds a row's column pairs");
 constexpr uint32_t kMlaQuad = 4;
@@ -137,20 +144,24 @@ struct MlaRunning {
   float rescale[2][kMaxMlaHeads];
   float max[kMaxMlaHeads], sum[kMaxMlaHeads];
 };
-static_assert(sizeof(MlaRunning) <= size_t(kActivationBytes) / 2,
-              "the MLA softmax state fits half the staging area (the other half: the queries' no-PE parts)");
+// The new rows a split task makes, after the softmax state in the staging
+// area: up to kMaxPositions rows, cache_stride(kMlaMaxRow) elements apart.
+constexpr size_t kMlaNewRowsAt = (sizeof(MlaRunning) + 15) / 16 * 16;
+static_assert(kMlaNewRowsAt + size_t(kMaxPositions) * (kMlaMaxRow + 8) * 2 <= size_t(kActivationBytes),
+              "the MLA softmax state and the step's new rows fit the staging area");
 
 // The rows of one fold: up to kMlaFoldPages ring pages of `per` packed rows
 // `stride` elements apart (cache_n rows in all), then, in a split's last
-// fold, the current row.
+// fold, the rows the step writes (ncur of them at cur, `stride` apart).
 struct FoldRows {
   uint32_t first;            // ring position of the fold's first page
-  const __nv_bfloat16* cur;  // nullptr: no current row in this fold
+  const __nv_bfloat16* cur;  // the step's new rows in this fold (ncur = 0: none)
+  uint32_t ncur;
   uint32_t per, cache_n, stride;
-  __device__ uint32_t n() const { return cache_n + (cur != nullptr ? 1 : 0); }
+  __device__ uint32_t n() const { return cache_n + ncur; }
   __device__ const __nv_bfloat16* page(uint32_t k) const { return ring_ptr()->page[(first + k) % kPages]; }
   __device__ const __nv_bfloat16* at(uint32_t j) const {
-    return j == cache_n ? cur : page(j / per) + (j % per) * stride;
+    return j >= cache_n ? cur + (j - cache_n) * stride : page(j / per) + (j % per) * stride;
   }
 };
 
@@ -245,7 +256,7 @@ __device__ void mla_fold(const MlaShape& s, uint32_t nh, const FoldRows& f, cons
       acc[h][1] *= run.rescale[parity][h];
     }
     for (uint32_t j = 0, k = 0, jj = 0; j < n; ++j) {
-      const __nv_bfloat16* r = j == f.cache_n ? f.cur : f.page(k) + jj * f.stride;
+      const __nv_bfloat16* r = j >= f.cache_n ? f.cur + (j - f.cache_n) * f.stride : f.page(k) + jj * f.stride;
       if (++jj == f.per) jj = 0, ++k;
       const float2 kv = load_pair(r + 2 * pair);
       const float4 pa = *reinterpret_cast<const float4*>(&prob[j][0]);
@@ -499,37 +510,44 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
   split_range(s, split, p0, p1);
   float* qlat = reinterpret_cast<float*>(scratch_ptr());  // [hpt, c]
   float* qpe = qlat + s.hpt * s.c;                         // [hpt, rope]
-  __nv_bfloat16* cur = reinterpret_cast<__nv_bfloat16*>(qpe + s.hpt * s.rope);  // [c + rope], 16-byte aligned
   MlaRunning& run = *reinterpret_cast<MlaRunning*>(activation_ptr());
+  const uint32_t stride = cache_stride(row);
+  // The step's new rows in this split, made here for the folds ([positions][stride]).
+  __nv_bfloat16* fresh = reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<char*>(activation_ptr()) + kMlaNewRowsAt);
   const uint32_t pair = threadIdx.x;  // a thread per pair of latent columns (the weighted sums)
   int parity = 0;
-  for (int b = 0; b < B; ++b) {
-    // Token b's absorbed queries of the task's heads into scratch: the folds read them at every
-    // k-step (from the arena each read would wait out an L2 round trip). The previous token's
+  for (uint32_t b = 0; b < uint32_t(B); ++b) {
+    // Row b's absorbed queries of the task's heads into scratch: the folds read them at every
+    // k-step (from the arena each read would wait out an L2 round trip). The previous row's
     // folds are done (the barrier closing its loop).
     const float* src = a.absorbed + (size_t(b) * s.heads + h0) * s.c;
     for (uint32_t i = threadIdx.x; i < nh * s.c; i += kConsumerThreads) qlat[i] = src[i];
-    const uint32_t p_now = uint32_t(pos[b]);
-    const bool has_now = p0 <= p_now && p_now < p1;
-    if (has_now) {
+    // Row b attends to its sequence's positions up to its own: the cache's rows before the step's
+    // first position (streamed), then the step's rows up to b's (made here from the step's latents:
+    // in a verify step, the earlier positions' rows are this step's too). The split holding a row's
+    // position appends it to the cache (head group 0 writes it; the others only read their copy).
+    const uint32_t p_now = uint32_t(pos[b]), first = p_now - b % s.positions;
+    const uint32_t n0 = max(p0, first), n1 = min(p1, p_now + 1), ncur = n1 > n0 ? n1 - n0 : 0;
+    for (uint32_t i = 0; i < ncur; ++i) {
+      const uint32_t rb = b - (p_now - (n0 + i));  // the batch row of position n0 + i
       float ss = 0.f;
       for (uint32_t j = threadIdx.x; j < s.c; j += kConsumerThreads) {
-        const float v = to_float(ckv_raw[size_t(b) * s.c + j]);
+        const float v = to_float(ckv_raw[size_t(rb) * s.c + j]);
         ss = fmaf(v, v, ss);
       }
       const float r = norm != nullptr ? rsqrtf(block_sum(ss) / float(s.c) + eps) : 1.f;
-      __nv_bfloat16* dst = cache + (size_t(b) * s.ctx + p_now) * row;
+      __nv_bfloat16* dst = rb == b && hg == 0 ? cache + (size_t(b / s.positions) * s.ctx + p_now) * row : nullptr;
       for (uint32_t j = threadIdx.x; j < row; j += kConsumerThreads) {
         float v;
         if (j < s.c) {
-          v = to_float(ckv_raw[size_t(b) * s.c + j]);
+          v = to_float(ckv_raw[size_t(rb) * s.c + j]);
           if (norm != nullptr) v = v * r * bf(norm[j]);
         } else {
-          v = to_float(kpe[size_t(b) * s.rope + j - s.c]);
+          v = to_float(kpe[size_t(rb) * s.rope + j - s.c]);
         }
         const __nv_bfloat16 stored = __float2bfloat16(v);
-        cur[j] = stored;
-        if (hg == 0) dst[j] = stored;
+        fresh[i * stride + j] = stored;
+        if (dst != nullptr) dst[j] = stored;
       }
     }
     for (uint32_t i = threadIdx.x; i < nh * s.rope; i += kConsumerThreads) {
@@ -538,20 +556,20 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
     }
     if (threadIdx.x < kMaxMlaHeads) run.max[threadIdx.x] = -INFINITY, run.sum[threadIdx.x] = 0.f;
     consumer_sync();
-    // The cache rows, kMlaFoldPages pages per fold; the current row joins the last fold.
+    // The cache rows, kMlaFoldPages pages per fold; the new rows join the last fold.
     // The weighted sums' accumulators: a pair of latent columns of every head
     // (mla_fold), or the tensor-core fold's tiles (mla_fold_mma).
     using Acc = std::conditional_t<kMma, float[kMlaMmaTiles][4], float[kMaxMlaHeads][2]>;
     Acc acc = {};
-    const Rows cr = mla_cache_rows(s, split, cache, b, p_now);
-    const uint32_t per = packed_rows(cache_stride(row)), rows = cr.r1 - cr.r0;
+    const Rows cr = mla_cache_rows(s, split, cache, b, pos);
+    const uint32_t per = packed_rows(stride), rows = cr.r1 - cr.r0;
     const uint32_t pages = (rows + per - 1) / per;
-    // With no cache rows before it in this split, one fold of the current row alone.
-    for (uint32_t pg = 0, alone = has_now; alone || pg < pages; alone = 0) {
+    // With no cache rows before them in this split, one fold of the new rows alone.
+    for (uint32_t pg = 0, alone = ncur > 0; alone || pg < pages; alone = 0) {
       const uint32_t np = min(kMlaFoldPages, pages - pg);
-      FoldRows f{it, nullptr, per, min(np * per, rows - pg * per), cache_stride(row)};
+      FoldRows f{it, nullptr, 0, per, min(np * per, rows - pg * per), stride};
       for (uint32_t k = 0; k < np; ++k) Barrier::wait(&ring_ptr()->full[(it + k) % kPages], ((it + k) / kPages) & 1);
-      if (pg + np == pages && has_now) f.cur = cur;
+      if (pg + np == pages) f.cur = fresh, f.ncur = ncur;
       if constexpr (kMma) {
         mla_fold_mma(s, nh, f, qlat, qpe, run, parity, acc);
       } else {

@@ -22,6 +22,7 @@
 #include "mkc/fp8_layout.h"
 #include "mkc/megakernel.cuh"
 #include "mkc/plan_file.h"
+#include "mkc/speculative.h"
 
 namespace mkc {
 
@@ -62,11 +63,20 @@ inline float half_bits_to_float(uint16_t h, bool bf16) {
 }
 
 // P: the generated program's constants (see model.cu.j2): kModel, kTarget,
-// kBatch, kContext, kArenaBytes, ...; what grows with the model (schedule,
-// tasks, stage parameters, weight table, states) is in its plan file.
+// kBatch, kPositions, kContext, kArenaBytes, ...; what grows with the model
+// (schedule, tasks, stage parameters, weight table, states) is in its plan
+// file.
 template <class P>
 class Engine {
  public:
+  // A step's kBatch rows are kSequences sequences of kPositions rows each: a
+  // speculative verify step's consecutive positions of one sequence (its last
+  // accepted token, then drafts); one row a sequence in plain decoding. The
+  // state (positions, KV caches) is the sequences'.
+  static constexpr int kPositions = int(P::kPositions);
+  static constexpr int kSequences = P::kBatch / kPositions;
+  static_assert(kPositions >= 1 && P::kBatch % kPositions == 0, "whole sequences of positions");
+
   // The plan file is read and checked first, then the checkpoint against
   // its weight table, before any CUDA call: a wrong plan or checkpoint is
   // reported by name on any machine.
@@ -117,42 +127,65 @@ class Engine {
   // KDA conv windows and recurrent states start each sequence from zero; the
   // KV caches are zeroed too, though rows past a position are never read).
   void reset() {
-    for (size_t s = 0; s < states_.size(); ++s) MKC_CUDA(cudaMemset(states_[s], 0, plan_.states[s] * P::kBatch));
+    for (size_t s = 0; s < states_.size(); ++s) MKC_CUDA(cudaMemset(states_[s], 0, plan_.states[s] * kSequences));
     std::fill(pos_.begin(), pos_.end(), 0);
   }
 
   // One decode step for all kBatch sequences: tokens in, next tokens (and
   // logits, if asked) out.
   void step(const int32_t* tokens, int32_t* next, float* logits, bool debug) {
+    if (kPositions > 1) {
+      throw Failure{"this program is a verify step of " + std::to_string(kPositions) +
+                    " positions a sequence: run it with mkc_model_verify"};
+    }
     check_tokens(tokens);
-    for (int b = 0; b < P::kBatch; ++b) {
+    for (int b = 0; b < kSequences; ++b) {
       if (uint64_t(pos_[b]) >= P::kContext) {
         throw Failure{"sequence " + std::to_string(b) + " is full: the plan's context is " +
                       std::to_string(P::kContext) + " tokens"};
       }
     }
-    MKC_CUDA(cudaMemcpy(d_tokens_, tokens, sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
-    MKC_CUDA(cudaMemcpy(d_pos_, pos_.data(), sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
-    ++step_;
-    void* args[] = {&schedule_, &memory_, &step_};
-    const void* fn = debug ? kernel<true>() : kernel<false>();
-    MKC_CUDA(cudaLaunchCooperativeKernel(fn, dim3(plan_.sms), dim3(kThreads), args, kSmemBytes, 0));
-    const cudaError_t e = cudaDeviceSynchronize();
-    if (e != cudaSuccess) {
-      std::string msg = std::string("the megakernel failed: ") + cudaGetErrorString(e);
-      if (report_->valid) {
-        msg += "; hang report: SM " + std::to_string(report_->sm) + ", instruction " +
-               std::to_string(report_->instruction) + ", counter " + std::to_string(report_->counter) +
-               ", expected " + std::to_string(report_->expected) + ", seen " + std::to_string(report_->seen);
-      }
-      throw Failure{msg};
-    }
+    launch(tokens, debug);
     MKC_CUDA(cudaMemcpy(next, outputs_[P::kNextTokenOutput], sizeof(int32_t) * P::kBatch, cudaMemcpyDeviceToHost));
     if (logits != nullptr) {
       MKC_CUDA(cudaMemcpy(logits, outputs_[P::kLogitsOutput], sizeof(float) * P::kBatch * P::kVocab,
                           cudaMemcpyDeviceToHost));
     }
     for (auto& p : pos_) ++p;
+  }
+
+  // A speculative verify step (kPositions > 1): tokens[sequence][position],
+  // each sequence's last accepted token then kPositions - 1 drafts, at the
+  // sequence's next positions. The greedy choice after each position decides
+  // (accepted_drafts, mkc/speculative.h): accepted[sequence] drafts stand and
+  // next[sequence] is the choice after the last of them; the sequence
+  // advances by accepted + 1 positions, and the cache rows past them are
+  // overwritten by later steps, never read. argmax[batch] (each row's greedy
+  // choice) and logits[batch, vocab] if not NULL.
+  void verify(const int32_t* tokens, int32_t* accepted, int32_t* next, int32_t* argmax, float* logits) {
+    check_tokens(tokens);
+    for (int s = 0; s < kSequences; ++s) {
+      if (uint64_t(pos_[s]) + kPositions > P::kContext) {
+        throw Failure{"verify: sequence " + std::to_string(s) + " holds " + std::to_string(pos_[s]) + " tokens; " +
+                      std::to_string(kPositions) + " positions more exceed the plan's context of " +
+                      std::to_string(P::kContext)};
+      }
+    }
+    launch(tokens, false);
+    std::vector<int32_t> choice(P::kBatch);
+    MKC_CUDA(cudaMemcpy(choice.data(), outputs_[P::kNextTokenOutput], sizeof(int32_t) * P::kBatch,
+                        cudaMemcpyDeviceToHost));
+    if (logits != nullptr) {
+      MKC_CUDA(cudaMemcpy(logits, outputs_[P::kLogitsOutput], sizeof(float) * P::kBatch * P::kVocab,
+                          cudaMemcpyDeviceToHost));
+    }
+    for (int s = 0; s < kSequences; ++s) {
+      const uint32_t a = accepted_drafts(tokens + s * kPositions, choice.data() + s * kPositions, kPositions);
+      accepted[s] = int32_t(a);
+      next[s] = choice[s * kPositions + a];
+      pos_[s] += int32_t(a) + 1;
+    }
+    if (argmax != nullptr) std::memcpy(argmax, choice.data(), sizeof(int32_t) * P::kBatch);
   }
 
   int32_t position(int b) const { return pos_[b]; }
@@ -210,6 +243,11 @@ class Engine {
   // Writes out[steps][batch] and length[batch] (the step, from 1, at which
   // the sequence produced `stop`, or 0) and returns the steps run.
   uint32_t generate(const int32_t* tokens, uint32_t n, int32_t stop, int32_t* out, int32_t* length) {
+    if (kPositions > 1) {
+      throw Failure{"generate: this program is a verify step of " + std::to_string(kPositions) +
+                    " positions a sequence; generation with speculation in one launch is not written yet "
+                    "(mkc_model_verify a step at a time)"};
+    }
     if (n == 0) throw Failure{"generate: n must be at least 1"};
     if (stop < -1 || (stop >= 0 && uint64_t(stop) >= P::kVocab)) {
       throw Failure{"generate: the stop token " + std::to_string(stop) + " is outside the vocabulary (" +
@@ -261,7 +299,7 @@ class Engine {
   // events after `warmup` untimed steps. Returns milliseconds per step.
   float time_steps(const int32_t* tokens, int warmup, int n) {
     MKC_CUDA(cudaMemcpy(d_tokens_, tokens, sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
-    MKC_CUDA(cudaMemcpy(d_pos_, pos_.data(), sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
+    upload_positions();
     cudaEvent_t start, stop;
     MKC_CUDA(cudaEventCreate(&start));
     MKC_CUDA(cudaEventCreate(&stop));
@@ -293,8 +331,8 @@ class Engine {
   // The per-sequence state (KV caches and recurrent state) with the
   // positions, as bytes: what a restart needs.
   size_t state_size() const {
-    size_t need = sizeof(int32_t) * P::kBatch;
-    for (uint64_t bytes : plan_.states) need += bytes * P::kBatch;
+    size_t need = sizeof(int32_t) * kSequences;
+    for (uint64_t bytes : plan_.states) need += bytes * kSequences;
     return need;
   }
 
@@ -303,10 +341,10 @@ class Engine {
       throw Failure{"the state buffer has " + std::to_string(len) + " bytes; this model's state has " +
                     std::to_string(state_size())};
     }
-    std::memcpy(out, pos_.data(), sizeof(int32_t) * P::kBatch);
-    size_t at = sizeof(int32_t) * P::kBatch;
+    std::memcpy(out, pos_.data(), sizeof(int32_t) * kSequences);
+    size_t at = sizeof(int32_t) * kSequences;
     for (size_t s = 0; s < states_.size(); ++s) {
-      const size_t n = plan_.states[s] * P::kBatch;
+      const size_t n = plan_.states[s] * kSequences;
       MKC_CUDA(cudaMemcpy(out + at, states_[s], n, cudaMemcpyDeviceToHost));
       at += n;
     }
@@ -317,16 +355,44 @@ class Engine {
     if (len != need) {
       throw Failure{"saved state has " + std::to_string(len) + " bytes; this model's state has " + std::to_string(need)};
     }
-    std::memcpy(pos_.data(), data, sizeof(int32_t) * P::kBatch);
-    size_t at = sizeof(int32_t) * P::kBatch;
+    std::memcpy(pos_.data(), data, sizeof(int32_t) * kSequences);
+    size_t at = sizeof(int32_t) * kSequences;
     for (size_t s = 0; s < states_.size(); ++s) {
-      const size_t n = plan_.states[s] * P::kBatch;
+      const size_t n = plan_.states[s] * kSequences;
       MKC_CUDA(cudaMemcpy(states_[s], data + at, n, cudaMemcpyHostToDevice));
       at += n;
     }
   }
 
  private:
+  // Each row's position into the step's positions: its sequence's next position, plus the row's place in
+  // the sequence's verify positions.
+  void upload_positions() {
+    std::vector<int32_t> rows(P::kBatch);
+    for (int b = 0; b < P::kBatch; ++b) rows[b] = pos_[b / kPositions] + b % kPositions;
+    MKC_CUDA(cudaMemcpy(d_pos_, rows.data(), sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
+  }
+
+  // One launch of the step kernel over the current positions (not advanced here).
+  void launch(const int32_t* tokens, bool debug) {
+    MKC_CUDA(cudaMemcpy(d_tokens_, tokens, sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
+    upload_positions();
+    ++step_;
+    void* args[] = {&schedule_, &memory_, &step_};
+    const void* fn = debug ? kernel<true>() : kernel<false>();
+    MKC_CUDA(cudaLaunchCooperativeKernel(fn, dim3(plan_.sms), dim3(kThreads), args, kSmemBytes, 0));
+    const cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+      std::string msg = std::string("the megakernel failed: ") + cudaGetErrorString(e);
+      if (report_->valid) {
+        msg += "; hang report: SM " + std::to_string(report_->sm) + ", instruction " +
+               std::to_string(report_->instruction) + ", counter " + std::to_string(report_->counter) +
+               ", expected " + std::to_string(report_->expected) + ", seen " + std::to_string(report_->seen);
+      }
+      throw Failure{msg};
+    }
+  }
+
   void release() {
     for (void* p : owned_) cudaFree(p);
     owned_.clear();
@@ -463,9 +529,9 @@ class Engine {
     MKC_CUDA(cudaMemcpy(w, weights_.data(), sizeof(void*) * weights_.size(), cudaMemcpyHostToDevice));
     char* arena = device_alloc<char>(P::kArenaBytes);
     MKC_CUDA(cudaMemset(arena, 0, P::kArenaBytes));
-    for (uint64_t bytes : plan_.states) {
-      states_.push_back(device_alloc<char>(bytes * P::kBatch));
-      MKC_CUDA(cudaMemset(states_.back(), 0, bytes * P::kBatch));
+    for (uint64_t bytes : plan_.states) {  // a state a sequence
+      states_.push_back(device_alloc<char>(bytes * kSequences));
+      MKC_CUDA(cudaMemset(states_.back(), 0, bytes * kSequences));
     }
     void** st = device_alloc<void*>(sizeof(void*) * (states_.size() + 1));
     if (!states_.empty()) {
@@ -496,7 +562,7 @@ class Engine {
     MKC_CUDA(cudaHostAlloc(&report_, sizeof(HangReport), cudaHostAllocMapped));
     std::memset(report_, 0, sizeof(HangReport));
     MKC_CUDA(cudaHostGetDevicePointer(&schedule_.report, report_, 0));
-    pos_.assign(P::kBatch, 0);
+    pos_.assign(kSequences, 0);
     MKC_CUDA(cudaFuncSetAttribute(kernel<false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
     MKC_CUDA(cudaFuncSetAttribute(kernel<true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
     MKC_CUDA(cudaFuncSetAttribute(generate_fn(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));

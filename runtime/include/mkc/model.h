@@ -26,6 +26,8 @@ typedef struct mkc_model_info {
   uint64_t state_bytes;  /* what mkc_model_save_state writes */
   uint32_t routers;      /* MoE routers, in graph order (mkc_model_routing) */
   uint32_t router_top_k; /* experts each router picks per sequence (0: they differ) */
+  uint32_t positions;    /* rows a sequence holds in a step: a verify step's positions (1: plain
+                          * decoding); batch / positions sequences */
 } mkc_model_info;
 
 /* Reads the plan file (plan.mkcplan, written by `mkc codegen`) beside this
@@ -45,6 +47,19 @@ void mkc_model_get_info(const mkc_model* m, mkc_model_info* info);
  * are bounded and report (SM, instruction, counter, expected, seen). */
 int mkc_model_step(mkc_model* m, const int32_t* tokens, int32_t* next, float* logits, int debug, char* err,
                    size_t err_len);
+
+/* A speculative verify step (a program of positions > 1, `mkc codegen
+ * --positions`): tokens[sequence][position] are each sequence's last accepted
+ * token and then positions - 1 drafts. Drafts stand while each equals the
+ * greedy choice after the tokens before it (mkc/speculative.h); writes
+ * accepted[sequence] (the standing drafts, 0 to positions - 1) and
+ * next[sequence] (the greedy choice after the last of them), and if not NULL
+ * argmax[batch] (every row's greedy choice) and logits[batch, vocab]. Each
+ * sequence advances by accepted + 1 positions: the same tokens and state as
+ * that many mkc_model_step calls. Refuses a step that would pass the
+ * context. */
+int mkc_model_verify(mkc_model* m, const int32_t* tokens, int32_t* accepted, int32_t* next, int32_t* argmax,
+                     float* logits, char* err, size_t err_len);
 
 /* Greedy generation in one persistent launch: tokens[batch] are the first
  * step's tokens; each step's next tokens are fed back as the following

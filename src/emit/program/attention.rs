@@ -51,6 +51,7 @@ impl Gen<'_> {
             rope = rope,
             v_dim = v_dim,
             scale = float(attrs.float("scale")),
+            positions = self.plan.options.positions,
         );
         let _ = writeln!(self.code, "\n__device__ constexpr MlaShape @K@_shape = {shape};");
         self.header(

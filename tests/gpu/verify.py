@@ -1,0 +1,208 @@
+"""Speculative verify steps (mkc_model_verify) against plain greedy decoding (mkc_model_step), on the GPU.
+
+Two libraries of one config and batch: PLAIN (positions 1) and VERIFY (`mkc codegen --positions T`), the same
+random checkpoint. For each seed:
+  1. PLAIN decodes a random prompt per sequence, then --steps greedy tokens a step at a time: the reference
+     tokens, each step's top-2 logit margin, and its state (positions, KV caches) after each step.
+  2. VERIFY starts from PLAIN's state after the prompt (the two programs' states are laid out alike) and
+     decodes until every sequence has --steps tokens, each step a sequence's last token and T - 1 drafts
+     from one source:
+       right   the reference's next tokens (every draft stands)
+       wrong   the reference's tokens plus one (none stands)
+       mixed   the reference's tokens, each replaced by a random one with probability 1/2
+       ngram   prompt lookup over the sequence's history (device/mkc/speculative.h's ngram_draft)
+     Its tokens must equal the reference's, or part from them only at a near-tie of the reference's logits
+     (compare.NEAR_TIE); the drafts that stood are counted.
+  3. After the `wrong` run (every step rejects T - 1 rows), VERIFY's state against PLAIN's after as many
+     tokens: positions equal, and every cache row before them equal to bf16 rounding (rows past them hold
+     rejected drafts, which no later step reads).
+  4. mkc_model_step on VERIFY, and a verify step that would pass the context, refused by name.
+
+    python3 tests/gpu/verify.py --plain LIB --verify LIB --config CONFIG --arch deepseek_v3
+        [--seeds 0 1 2] [--steps 64] [--json OUT]
+Exits 1 if any check fails; prints a table last.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+from checkpoints import make_checkpoint, scratch_dir  # noqa: E402
+from compare import NEAR_TIE, margin  # noqa: E402
+from mkc_runtime import MkcError, Model  # noqa: E402
+
+SOURCES = ("right", "wrong", "mixed", "ngram")
+
+
+def ngram_draft(history, min_n, max_n, max_draft):
+    """device/mkc/speculative.h's ngram_draft: the longest recurring n-gram ending the history, its earliest
+    earlier occurrence with tokens after it, up to max_draft of those."""
+    length = len(history)
+    for n in range(max_n, max(min_n, 1) - 1, -1):
+        if n >= length:
+            continue
+        tail = history[length - n:]
+        for i in range(length - n):
+            if history[i:i + n] == tail:
+                return history[i + n:i + n + max_draft]
+    return []
+
+
+def drafts(source, ref, done, history, count, vocab, rng):
+    """count drafts for a sequence that has produced `done` tokens (ref[done] is the next one's reference)."""
+    want = [int(x) for x in ref[done + 1:done + 1 + count]]
+    want += [int(x) for x in rng.integers(0, vocab, count - len(want))]
+    if source == "right":
+        return want
+    if source == "wrong":
+        return [(t + 1) % vocab for t in want]
+    if source == "mixed":
+        return [t if rng.random() < 0.5 else int(rng.integers(0, vocab)) for t in want]
+    got = ngram_draft(history, 1, 3, count)
+    return got + [int(x) for x in rng.integers(0, vocab, count - len(got))]
+
+
+def run_verify(model, start, source, ref, margins, prompt, rng):
+    """Decodes with VERIFY from `start` until every sequence has len(ref) tokens. Returns (tokens per
+    sequence, drafts accepted, verify steps, the first unexplained difference or None)."""
+    model.load_state(start)
+    b, t, n = model.sequences, model.positions, ref.shape[0]
+    out = [[] for _ in range(b)]
+    last = [int(x) for x in prompt[-1]]
+    accepted_total, steps = 0, 0
+    while min(len(o) for o in out) < n:
+        tokens = np.zeros((b, t), dtype=np.int32)
+        for s in range(b):
+            history = [int(x) for x in prompt[:, s]] + out[s]
+            tokens[s] = [last[s]] + drafts(source, ref[:, s], len(out[s]) - 1, history, t - 1, model.vocab, rng)
+        accepted, nxt, _, _ = model.verify(tokens)
+        steps += 1
+        for s in range(b):
+            got = [int(x) for x in tokens[s, 1:1 + accepted[s]]] + [int(nxt[s])]
+            out[s] += got
+            last[s] = int(nxt[s])
+            accepted_total += int(accepted[s])
+    for s in range(b):
+        for i in range(n):
+            if out[s][i] != ref[i, s]:
+                tie = margins[i, s] < NEAR_TIE
+                return out, accepted_total, steps, {"sequence": s, "token": i, "margin": float(margins[i, s]),
+                                                    "near_tie": bool(tie)}
+    return out, accepted_total, steps, None
+
+
+def cache_rows_equal(model, a, b, layers, ctx):
+    """Positions equal, and every state byte row before them equal to bf16 rounding: the state is positions
+    [sequences] int32, then per layer [sequences][ctx][row] bf16 (K2: the MLA caches)."""
+    seqs = model.sequences
+    pa, pb = a[: 4 * seqs].view(np.int32), b[: 4 * seqs].view(np.int32)
+    if not (pa == pb).all():
+        return False, f"positions {pa.tolist()} against {pb.tolist()}"
+    rest = (a.size - 4 * seqs) // 2
+    row = rest // (layers * seqs * ctx)
+    ca = a[4 * seqs:].view(np.uint16).reshape(layers, seqs, ctx, row)
+    cb = b[4 * seqs:].view(np.uint16).reshape(layers, seqs, ctx, row)
+    worst = 0.0
+    for s in range(seqs):
+        fa = (ca[:, s, : pa[s]].astype(np.uint32) << 16).view(np.float32)
+        fb = (cb[:, s, : pa[s]].astype(np.uint32) << 16).view(np.float32)
+        worst = max(worst, float(np.abs(fa - fb).max() / max(np.abs(fb).max(), 1e-6)))
+    return worst < 2e-2, f"cache rows before the positions: max difference {worst:.2e} of the largest value"
+
+
+def run_seed(args, seed, work):
+    ckpt = os.path.join(work, f"seed{seed}")
+    make_checkpoint(args.arch, args.config, seed, ckpt)
+    plain, verify = Model(args.plain, ckpt), Model(args.verify, ckpt)
+    row = {"seed": seed, "positions": verify.positions, "checks": {}, "sources": {}}
+    checks = row["checks"]
+    b = plain.batch
+    if verify.sequences != b or verify.state_bytes != plain.state_bytes:
+        raise SystemExit(f"{args.verify}: {verify.sequences} sequences of state {verify.state_bytes} bytes; "
+                         f"{args.plain} has {b} of {plain.state_bytes}: not the same config and batch")
+    rng = np.random.default_rng(3000 + seed)
+    # A repetitive half (prompt lookup finds its n-grams) and a random half.
+    motif = rng.integers(0, plain.vocab, 5)
+    prompt = np.stack([np.tile(motif, 4) if s % 2 == 0 else rng.integers(0, plain.vocab, 20) for s in range(b)],
+                      axis=1).astype(np.int32)
+    for tok in prompt[:-1]:
+        plain.step(tok)
+    start = plain.save_state()
+    ref, margins, states = [], [], []
+    tok = prompt[-1]
+    for _ in range(args.steps):
+        tok, logits = plain.step(tok)
+        ref.append(tok.copy())
+        margins.append([margin(logits[s]) for s in range(b)])
+        states.append(plain.save_state())
+    ref, margins = np.stack(ref), np.array(margins)
+    for source in SOURCES:
+        out, accepted, steps, diff = run_verify(verify, start, source, ref, margins, prompt, rng)
+        ok = diff is None or diff["near_tie"]
+        checks[f"{source}: tokens equal"] = ok
+        row["sources"][source] = {"verify_steps": steps, "drafts_accepted": accepted, "difference": diff,
+                                  "tokens_per_step": sum(min(len(o), args.steps) for o in out) / (steps * b)}
+        if source == "wrong" and diff is None:
+            # Every sequence advanced one token a step: the state after `steps` tokens.
+            ok, msg = cache_rows_equal(verify, verify.save_state(), states[steps - 1], args.layers,
+                                       verify.context)
+            checks["state after rejections"] = ok
+            row["state"] = msg
+    ok = False
+    try:
+        verify.step(prompt[-1])
+    except MkcError as e:
+        ok, row["step message"] = "verify step" in str(e), str(e)
+    checks["mkc_model_step refused"] = ok
+    full = start.copy()
+    full[: 4 * b].view(np.int32)[:] = verify.context - verify.positions + 1
+    verify.load_state(full)
+    ok = False
+    try:
+        verify.verify(np.zeros((b, verify.positions), dtype=np.int32))
+    except MkcError as e:
+        ok, row["context message"] = "context" in str(e), str(e)
+    checks["past the context refused"] = ok
+    plain.close()
+    verify.close()
+    shutil.rmtree(ckpt, ignore_errors=True)
+    row["pass"] = all(checks.values())
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plain", required=True, help="the library of positions 1")
+    ap.add_argument("--verify", required=True, help="the library of the same config and batch, positions T")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--arch", choices=["deepseek_v3"], default="deepseek_v3")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    with open(args.config) as f:
+        args.layers = json.load(f)["num_hidden_layers"]
+    work = scratch_dir("mkc_verify_")
+    rows = [run_seed(args, seed, work) for seed in args.seeds]
+    shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"plain": args.plain, "verify": args.verify, "config": args.config, "seeds": rows}, f, indent=1)
+    print(f"{'seed':>4} {'T':>2} " + " ".join(f"{s + ' tok/step':>16}" for s in SOURCES) + "  checks")
+    for r in rows:
+        per = " ".join(f"{r['sources'][s]['tokens_per_step']:>16.2f}" for s in SOURCES)
+        bad = [k for k, v in r["checks"].items() if not v]
+        print(f"{r['seed']:>4} {r['positions']:>2} {per}  {'all pass' if not bad else 'FAIL: ' + '; '.join(bad)}")
+    ok = all(r["pass"] for r in rows)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
