@@ -157,10 +157,11 @@ impl Check<'_> {
         let Some((_, hpt, _)) = self.stages.first().and_then(|s| self.tiling.stages[*s].mla_split) else {
             return Err("an MLA split the tiling did not shape".into());
         };
-        // The split's scratch: its heads' absorbed queries and RoPE parts (fp32),
-        // the new row (bf16); the combine's activation area: the latent output
-        // and W_UV's result.
-        let scratch = 4 * hpt * (c + rope) + 2 * (c + rope);
+        // The split's scratch: its heads' absorbed queries and RoPE parts (fp32;
+        // the step's new rows go in the staging area after the softmax state, up
+        // to kMaxPositions of them: ops/mla.cuh's static check); the combine's
+        // activation area: the latent output and W_UV's result.
+        let scratch = 4 * hpt * (c + rope);
         let combine = 4 * self.batch * (c + v_dim);
         if scratch > SCRATCH_BYTES {
             return Err(format!("MLA scratch of {scratch} bytes for {hpt} heads a task (at most {SCRATCH_BYTES})"));
