@@ -52,6 +52,11 @@ class Model:
         if hasattr(lib, "mkc_model_verify"):  # libraries built before it lack it (bench/compare.sh's baselines)
             lib.mkc_model_verify.argtypes = [ctypes.c_void_p] + [ctypes.c_void_p] * 5 + [ctypes.c_char_p,
                                                                                         ctypes.c_size_t]
+        if hasattr(lib, "mkc_model_generate_speculative"):
+            lib.mkc_model_generate_speculative.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32,
+                                                           ctypes.c_uint32, ctypes.c_void_p,
+                                                           ctypes.POINTER(ctypes.c_uint32), ctypes.c_char_p,
+                                                           ctypes.c_size_t]
         if hasattr(lib, "mkc_model_generate"):  # libraries built before it lack it (bench/compare.sh's baselines)
             lib.mkc_model_generate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int32,
                                                ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
@@ -110,6 +115,20 @@ class Model:
             raise MkcError(self._err.value.decode())
         shape = (self.sequences, self.positions)
         return accepted, nxt, argmax.reshape(shape), logits.reshape(shape + (self.vocab,))
+
+    def generate_speculative(self, history, n):
+        """Greedy generation with prompt-lookup speculation (a library of positions > 1): history
+        [sequences, len] each sequence's tokens so far, the last not yet decoded. Returns (tokens
+        [sequences, n] int32, the same as n single steps; verify steps taken)."""
+        if not hasattr(self._lib, "mkc_model_generate_speculative"):
+            raise MkcError(f"{self.name}: this library was built before mkc_model_generate_speculative")
+        h = np.ascontiguousarray(np.asarray(history, dtype=np.int32).reshape(self.sequences, -1))
+        out = np.zeros((self.sequences, n), dtype=np.int32)
+        steps = ctypes.c_uint32()
+        if self._lib.mkc_model_generate_speculative(self._m, h.ctypes.data, h.shape[1], n, out.ctypes.data,
+                                                    ctypes.byref(steps), self._err, len(self._err)) != 0:
+            raise MkcError(self._err.value.decode())
+        return out, steps.value
 
     def generate(self, tokens, n, stop=-1):
         """Greedy generation in one launch: up to n steps from tokens [batch], each step's next tokens fed

@@ -113,6 +113,11 @@ int mkc_model_verify(mkc_model* m, const int32_t* tokens, int32_t* accepted, int
   return guarded(err, err_len, [&] { m->engine.verify(tokens, accepted, next, argmax, logits); });
 }
 
+int mkc_model_generate_speculative(mkc_model* m, const int32_t* history, uint32_t len, uint32_t n, int32_t* out,
+                                   uint32_t* steps, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { *steps = m->engine.generate_speculative(history, len, n, out); });
+}
+
 int mkc_model_generate(mkc_model* m, const int32_t* tokens, uint32_t n, int32_t stop, int32_t* out, int32_t* length,
                        uint32_t* steps, char* err, size_t err_len) {
   return guarded(err, err_len, [&] { *steps = m->engine.generate(tokens, n, stop, out, length); });

@@ -16,7 +16,10 @@ random checkpoint. For each seed:
   3. After the `wrong` run (every step rejects T - 1 rows), VERIFY's state against PLAIN's after as many
      tokens: positions equal, and every cache row before them equal to bf16 rounding (rows past them hold
      rejected drafts, which no later step reads).
-  4. mkc_model_step on VERIFY, and a verify step that would pass the context, refused by name.
+  4. mkc_model_generate_speculative (prompt lookup, a verify step at a time) from the same start: the
+     reference's tokens and, after them, PLAIN's state; on the first seed, tokens/s per user over --bench
+     tokens against PLAIN's single steps, from a repetitive prompt and from a random one.
+  5. mkc_model_step on VERIFY, and a verify step that would pass the context, refused by name.
 
     python3 tests/gpu/verify.py --plain LIB --verify LIB --config CONFIG --arch deepseek_v3
         [--seeds 0 1 2] [--steps 64] [--json OUT]
@@ -28,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import time
 
 import numpy as np
 
@@ -88,13 +92,44 @@ def run_verify(model, start, source, ref, margins, prompt, rng):
             out[s] += got
             last[s] = int(nxt[s])
             accepted_total += int(accepted[s])
-    for s in range(b):
-        for i in range(n):
-            if out[s][i] != ref[i, s]:
-                tie = margins[i, s] < NEAR_TIE
-                return out, accepted_total, steps, {"sequence": s, "token": i, "margin": float(margins[i, s]),
-                                                    "near_tie": bool(tie)}
-    return out, accepted_total, steps, None
+    got = np.array([o[:n] for o in out], dtype=np.int32).T
+    return out, accepted_total, steps, first_difference(got, ref, margins)
+
+
+def first_difference(got, ref, margins):
+    """The first token (in sequence order) where got [n, sequences] parts from ref, with the reference's
+    top-2 margin there (a near-tie below compare.NEAR_TIE), or None."""
+    for s in range(ref.shape[1]):
+        for i in range(ref.shape[0]):
+            if got[i, s] != ref[i, s]:
+                return {"sequence": s, "token": i, "margin": float(margins[i, s]),
+                        "near_tie": bool(margins[i, s] < NEAR_TIE)}
+    return None
+
+
+def bench(plain, verify, start, prompt, n, rng):
+    """Tokens/s per user (wall clock) over n tokens: single steps of PLAIN against generation with prompt
+    lookup on VERIFY, from a prompt that repeats a motif in every sequence and from a random one."""
+    out = {}
+    b = plain.batch
+    for kind in ("repetitive", "random"):
+        motif = rng.integers(0, plain.vocab, 5)
+        hist = np.stack([np.tile(motif, 4) if kind == "repetitive" else rng.integers(0, plain.vocab, 20)
+                         for _ in range(b)]).astype(np.int32)
+        plain.load_state(start)
+        t0 = time.perf_counter()
+        tok = hist[:, -1]
+        for _ in range(n):
+            tok, _ = plain.step(tok)
+        single = time.perf_counter() - t0
+        verify.load_state(start)
+        t0 = time.perf_counter()
+        _, steps = verify.generate_speculative(hist, n)
+        spec = time.perf_counter() - t0
+        out[kind] = {"tokens": n, "single_steps_tokens_per_s_per_user": n / single,
+                     "speculative_tokens_per_s_per_user": n / spec, "verify_steps": steps,
+                     "tokens_per_verify_step": n / steps}
+    return out
 
 
 def cache_rows_equal(model, a, b, layers, ctx):
@@ -154,6 +189,18 @@ def run_seed(args, seed, work):
                                        verify.context)
             checks["state after rejections"] = ok
             row["state"] = msg
+    # Generation with prompt-lookup drafts (mkc_model_generate_speculative) from the same start.
+    verify.load_state(start)
+    got, steps = verify.generate_speculative(prompt.T, args.steps)
+    diff = first_difference(got.T, ref, margins)
+    checks["generate_speculative: tokens equal"] = diff is None or diff["near_tie"]
+    row["generate_speculative"] = {"verify_steps": steps, "tokens_per_step": args.steps / steps, "difference": diff}
+    if diff is None:
+        ok, msg = cache_rows_equal(verify, verify.save_state(), states[-1], args.layers, verify.context)
+        checks["generate_speculative: state"] = ok
+        row["generate_speculative"]["state"] = msg
+    if seed == args.seeds[0] and args.bench:
+        row["bench"] = bench(plain, verify, start, prompt, args.bench, rng)
     ok = False
     try:
         verify.step(np.zeros(verify.batch, dtype=np.int32))
@@ -184,6 +231,7 @@ def main():
     ap.add_argument("--arch", choices=["deepseek_v3"], default="deepseek_v3")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--bench", type=int, default=256, help="tokens timed each way on the first seed (0: none)")
     ap.add_argument("--json")
     args = ap.parse_args()
     with open(args.config) as f:
@@ -194,11 +242,18 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"plain": args.plain, "verify": args.verify, "config": args.config, "seeds": rows}, f, indent=1)
-    print(f"{'seed':>4} {'T':>2} " + " ".join(f"{s + ' tok/step':>16}" for s in SOURCES) + "  checks")
+    print(f"{'seed':>4} {'T':>2} " + " ".join(f"{s + ' tok/step':>16}" for s in SOURCES + ("generate",)) +
+          "  checks")
     for r in rows:
         per = " ".join(f"{r['sources'][s]['tokens_per_step']:>16.2f}" for s in SOURCES)
+        per += f" {r['generate_speculative']['tokens_per_step']:>16.2f}"
         bad = [k for k, v in r["checks"].items() if not v]
         print(f"{r['seed']:>4} {r['positions']:>2} {per}  {'all pass' if not bad else 'FAIL: ' + '; '.join(bad)}")
+    for r in rows:
+        for kind, m in r.get("bench", {}).items():
+            print(f"seed {r['seed']} {kind} prompt: {m['tokens']} tokens, single steps "
+                  f"{m['single_steps_tokens_per_s_per_user']:.1f} tok/s/user, prompt lookup "
+                  f"{m['speculative_tokens_per_s_per_user']:.1f} ({m['tokens_per_verify_step']:.2f} a verify step)")
     ok = all(r["pass"] for r in rows)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1

@@ -234,6 +234,63 @@ class Engine {
     if (!ok) throw Failure{std::string("cannot write the trace ") + path};
   }
 
+  // Greedy generation with speculation (a verify program), a verify step at
+  // a time from the host: history[sequence][len] is each sequence's tokens
+  // so far, the last not yet decoded (its state holds the ones before it);
+  // drafts come from prompt lookup over the sequence's history and what it
+  // has generated (ngram_draft: n-grams of 1 to 3 tokens, up to kPositions -
+  // 1 drafts, the token 0 where none recurs). Writes out[sequence][n], the
+  // same tokens as n mkc_model_step calls, and returns the verify steps
+  // taken. A sequence that has its n tokens keeps stepping with the others
+  // without advancing, so every sequence ends n positions on, as n single
+  // steps leave it.
+  uint32_t generate_speculative(const int32_t* history, uint32_t len, uint32_t n, int32_t* out) {
+    if (kPositions == 1) {
+      throw Failure{"generate_speculative: this program takes one position a sequence (mkc codegen --positions "
+                    "for a verify step)"};
+    }
+    if (n == 0 || len == 0) throw Failure{"generate_speculative: n and the history's length must be at least 1"};
+    for (int s = 0; s < kSequences; ++s) {
+      check_tokens_of(history + size_t(s) * len, len, "generate_speculative: history");
+      if (uint64_t(pos_[s]) + n + kPositions > P::kContext) {
+        throw Failure{"generate_speculative: sequence " + std::to_string(s) + " holds " + std::to_string(pos_[s]) +
+                      " tokens; " + std::to_string(n) + " more (and " + std::to_string(kPositions) +
+                      " positions of a verify step) exceed the plan's context of " + std::to_string(P::kContext)};
+      }
+    }
+    std::vector<std::vector<int32_t>> seen(kSequences);
+    for (int s = 0; s < kSequences; ++s) seen[s].assign(history + size_t(s) * len, history + size_t(s + 1) * len);
+    std::vector<uint32_t> done(kSequences, 0);
+    std::vector<int32_t> tokens(P::kBatch), choice(P::kBatch);
+    uint32_t steps = 0;
+    while (*std::min_element(done.begin(), done.end()) < n) {
+      for (int s = 0; s < kSequences; ++s) {
+        int32_t* row = tokens.data() + s * kPositions;
+        row[0] = seen[s].back();
+        const uint32_t got = ngram_draft(seen[s].data(), uint32_t(seen[s].size()), 1, 3, kPositions - 1, row + 1);
+        std::fill(row + 1 + got, row + kPositions, 0);
+      }
+      launch(tokens.data(), false);
+      ++steps;
+      MKC_CUDA(cudaMemcpy(choice.data(), outputs_[P::kNextTokenOutput], sizeof(int32_t) * P::kBatch,
+                          cudaMemcpyDeviceToHost));
+      for (int s = 0; s < kSequences; ++s) {
+        if (done[s] == n) continue;  // stepped along, not advanced
+        const int32_t* row = tokens.data() + s * kPositions;
+        const uint32_t a = accepted_drafts(row, choice.data() + s * kPositions, kPositions);
+        const uint32_t take = std::min(a + 1, n - done[s]);  // the drafts that stand, then the choice after them
+        for (uint32_t i = 0; i < take; ++i) {
+          const int32_t t = i < a ? row[i + 1] : choice[s * kPositions + a];
+          out[size_t(s) * n + done[s] + i] = t;
+          seen[s].push_back(t);
+        }
+        done[s] += take;
+        pos_[s] += int32_t(take);
+      }
+    }
+    return steps;
+  }
+
   // Greedy generation in one launch (device/mkc/megakernel.cuh,
   // generate_kernel): tokens[batch] are the first step's tokens; each step's
   // next tokens are the following step's, positions advance on the device.
@@ -410,6 +467,15 @@ class Engine {
     for (int b = 0; b < P::kBatch; ++b) {
       if (tokens[b] < 0 || uint64_t(tokens[b]) >= P::kVocab) {
         throw Failure{"token " + std::to_string(tokens[b]) + " of sequence " + std::to_string(b) +
+                      " is outside the vocabulary (" + std::to_string(P::kVocab) + ")"};
+      }
+    }
+  }
+
+  static void check_tokens_of(const int32_t* tokens, size_t n, const std::string& what) {
+    for (size_t i = 0; i < n; ++i) {
+      if (tokens[i] < 0 || uint64_t(tokens[i]) >= P::kVocab) {
+        throw Failure{what + ": token " + std::to_string(tokens[i]) + " at " + std::to_string(i) +
                       " is outside the vocabulary (" + std::to_string(P::kVocab) + ")"};
       }
     }
