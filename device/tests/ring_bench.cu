@@ -24,7 +24,6 @@
 // block scales (one per 128 x 128; GB/s counts codes and scales):
 //   fp8, fp8-bN: fp8_rows_load + the tensor-core consumer (fp8_rows_pages_mma, kFp8Group blocks at a
 //                time), batch 1 and N, the input in shared memory or (batch 8) in global memory
-//   fp8-fma:     a block at a time through the CUDA-core consumer (fp8_rows_pages), batch 1
 // A measurement, not a test: nothing is asserted; the numbers go in docs/PERFORMANCE.md.
 //
 //   target/device/ring_bench_sm90a        (on an H200)
@@ -247,13 +246,12 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) mx_stream(const uint8_t* cod
 }
 
 // FP8 rows [n, kK] (e4m3 codes, fp32 scales [ceil(n / 128)][kK / 128]) at batch B: this SM's share
-// through the loader in the order the consumer takes (kFp8Group blocks, or one at a time for the
-// CUDA-core consumer, batch 1 only), the input (ones) in shared memory where [B, kK] fits, else in
-// global memory, the output tiles (1024 rows) in global memory (`staging`, per SM).
-template <int B, bool kMma>
+// through the loader in the order the consumer takes (kFp8Group blocks), the input (ones) in shared
+// memory where [B, kK] fits, else in global memory, the output tiles (1024 rows) in global memory
+// (`staging`, per SM).
+template <int B>
 __global__ void __launch_bounds__(mkc::kThreads, 1) fp8_stream(const uint8_t* codes, const float* scales, uint32_t rows,
                                                               float* out, const float* ones, float* staging) {
-  static_assert(kMma || B == 1, "the CUDA-core consumer is batch 1's");
   if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
   __syncthreads();
   const uint32_t per_sm = rows / gridDim.x, r0 = blockIdx.x * per_sm;
@@ -261,7 +259,7 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) fp8_stream(const uint8_t* co
   const int warp = threadIdx.x / 32;
   uint32_t it = 0;
   if (warp == mkc::kConsumerWarps) {
-    mkc::fp8_rows_load_grouped(r, kMma ? mkc::kFp8Group<B> : 1, it);
+    mkc::fp8_rows_load<B>(r, it);
   } else if (warp < mkc::kConsumerWarps) {
     constexpr bool kFits = size_t(B) * kK * sizeof(float) <= size_t(mkc::kActivationBytes);
     const float* xs = ones;
@@ -274,11 +272,7 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) fp8_stream(const uint8_t* co
     float* st = staging + size_t(blockIdx.x) * 1024 * B;
     for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 1024) {
       const mkc::Fp8Rows part{codes, scales, nullptr, nullptr, j0, min(j0 + 1024, r.r1), kK};
-      if constexpr (kMma) {
-        mkc::fp8_rows_pages_mma<B>(part, xs, it, warp, st);
-      } else {
-        mkc::fp8_rows_pages<B>(part, xs, it, warp, st);
-      }
+      mkc::fp8_rows_pages_mma<B>(part, xs, it, warp, st);
       mkc::consumer_sync();
       if (threadIdx.x == 0) out[blockIdx.x] += st[0];
     }
@@ -399,10 +393,9 @@ int main() {
   // FP8: the same 2 GiB as e4m3 codes (0x3C: 1.5), the scales apart.
   const uint32_t fp8_rows = uint32_t(size_t(rows) * kK * 2 / kK) / (1024 * sms) * (1024 * sms);
   const double fp8_bytes = double(fp8_rows) * kK + double(fp8_rows / 128) * (kK / 128) * sizeof(float);
-  timed("fp8", fp8_stream<1, true>, fp8_bytes, sms, codes, fp8_scales, fp8_rows, out, ones, staging);
-  timed("fp8-fma", fp8_stream<1, false>, fp8_bytes, sms, codes, fp8_scales, fp8_rows, out, ones, staging);
-  timed("fp8-b4", fp8_stream<4, true>, fp8_bytes, sms, codes, fp8_scales, fp8_rows, out, ones, staging);
-  timed("fp8-b8", fp8_stream<8, true>, fp8_bytes, sms, codes, fp8_scales, fp8_rows, out, ones, staging);
+  timed("fp8", fp8_stream<1>, fp8_bytes, sms, codes, fp8_scales, fp8_rows, out, ones, staging);
+  timed("fp8-b4", fp8_stream<4>, fp8_bytes, sms, codes, fp8_scales, fp8_rows, out, ones, staging);
+  timed("fp8-b8", fp8_stream<8>, fp8_bytes, sms, codes, fp8_scales, fp8_rows, out, ones, staging);
   }
   CHECK(cudaFree(w));
   CHECK(cudaFree(out));

@@ -76,11 +76,11 @@ __device__ inline void fp8_rows_load_grouped(const Fp8Rows& r, uint32_t group, u
 }
 
 // FP8 rows run on the tensor cores at every batch (fp8_rows_pages_mma; at
-// batch 1 too: with the CUDA-core consumer, fp8_rows_pages, which turns each
-// code into an fp32 value, the routed experts at K2's widths ran no faster
-// than their bf16 rows, half the bytes; on the tensor cores the codes go to
-// fp16 pairs and straight into the MMA; ring_bench's fp8 against fp8-fma
-// measures the two). Its row
+// batch 1 too: a CUDA-core consumer, which turned each code into an fp32
+// value, streamed 2.37 TB/s in ring_bench against 2.81 on the tensor cores,
+// where the codes go to fp16 pairs and straight into the MMA, on the H100 at
+// abc7bfc; the routed experts at K2's widths ran no faster than their bf16
+// rows with it, half the bytes). Its row
 // blocks come kFp8Group<B> at a time, a chunk's activation fragments made once
 // for the group's pages (at batch 1 as at 2 to 6: the partial sums of a group
 // of kBlockGroup blocks fit scratch).
@@ -106,77 +106,6 @@ __device__ __forceinline__ void e4m3x8_half2(uint2 c, uint32_t (&h)[4]) {
           __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(words[i] >> (16 * j) & 0xffffu), __NV_E4M3);
       h[2 * i + j] = uint32_t(raw.x) | (uint32_t(raw.y) << 16);
     }
-  }
-}
-
-// Eight e4m3 codes (8 bytes, the first in the low byte) as fp32: e4m3 is
-// exact in fp16, converted two at a time (cvt.rn.f16x2.e4m3x2 on sm_89 and
-// later).
-__device__ __forceinline__ void e4m3x8(uint2 c, float (&w)[8]) {
-  uint32_t h[4];
-  e4m3x8_half2(c, h);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[i]));
-    w[2 * i] = f.x;
-    w[2 * i + 1] = f.y;
-  }
-}
-
-// Consumers: rows of y = x W^T into st [B, cols] (x fp32 [B, k], in shared
-// memory or global), on the CUDA cores, a row block at a time (its loader:
-// fp8_rows_load_grouped with group 1): the batch-1 consumer before
-// fp8_rows_pages_mma took batch 1 too, kept as ring_bench's baseline for it
-// (fp8-fma against fp8). Warp w takes columns
-// [256 w, 256 w + 256) of each page, eight a lane (one 8-byte load a row), so
-// a lane's columns lie in one 128-column block: their eight products are
-// summed before the row's block scale multiplies them once. After a row
-// block's last page the sums are reduced over the warp and the warps, in a
-// fixed order (reduce_row_block).
-template <int B>
-__device__ void fp8_rows_pages(const Fp8Rows& r, const float* x, uint32_t& it, int warp, float* st) {
-  const int lane = threadIdx.x % 32;
-  __shared__ float part[2][kConsumerWarps][kPageRows * B];
-  const uint32_t cols = r.cols();
-  const uint32_t e = uint32_t(warp) * 256 + uint32_t(lane) * 8;  // this lane's columns within a page
-  for (uint32_t j0 = 0, block = 0; j0 < cols; j0 += kPageRows, ++block) {
-    const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
-    float acc[kPageRows][B] = {};
-    for (uint32_t k0 = 0; k0 < r.k; k0 += kFp8PageK, ++it) {
-      const uint32_t nk = min(kFp8PageK, r.k - k0);
-      const int slot = it % kPages;
-      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
-      if (e < nk) {
-        float xv[B][8];
-#pragma unroll
-        for (int b = 0; b < B; ++b) {
-          const float4 a = load_four(x + size_t(b) * r.k + k0 + e), c = load_four(x + size_t(b) * r.k + k0 + e + 4);
-          xv[b][0] = a.x, xv[b][1] = a.y, xv[b][2] = a.z, xv[b][3] = a.w;
-          xv[b][4] = c.x, xv[b][5] = c.y, xv[b][6] = c.z, xv[b][7] = c.w;
-        }
-        const auto* page = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]);
-        const uint32_t kb = (k0 + e) / kFp8Block;
-#pragma unroll
-        for (int j = 0; j < kPageRows; ++j) {
-          if (uint32_t(j) >= nr) break;
-          const float s = __ldg(r.scales(j0 + j) + kb);
-          float wv[8];
-          e4m3x8(*reinterpret_cast<const uint2*>(page + j * kFp8PageK + e), wv);
-#pragma unroll
-          for (int b = 0; b < B; ++b) {
-            float p0 = 0.f, p1 = 0.f;  // two chains of four
-#pragma unroll
-            for (int u = 0; u < 8; u += 2) {
-              p0 = fmaf(wv[u], xv[b][u], p0);
-              p1 = fmaf(wv[u + 1], xv[b][u + 1], p1);
-            }
-            acc[j][b] = fmaf(s, p0 + p1, acc[j][b]);
-          }
-        }
-      }
-      release_page(&ring_ptr()->empty[slot]);
-    }
-    reduce_row_block<B>(acc, part[block & 1], nr, cols, j0, warp, st);
   }
 }
 
