@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 from checkpoints import make_checkpoint, scratch_dir  # noqa: E402
 from compare import NEAR_TIE, margin  # noqa: E402
-from mkc_runtime import MkcError, Model  # noqa: E402
+from generate import refused  # noqa: E402
+from mkc_runtime import Model  # noqa: E402
 
 SOURCES = ("right", "wrong", "mixed", "ngram")
 
@@ -201,21 +202,13 @@ def run_seed(args, seed, work):
         row["generate_speculative"]["state"] = msg
     if seed == args.seeds[0] and args.bench:
         row["bench"] = bench(plain, verify, start, prompt, args.bench, rng)
-    ok = False
-    try:
-        verify.step(np.zeros(verify.batch, dtype=np.int32))
-    except MkcError as e:
-        ok, row["step message"] = "verify step" in str(e), str(e)
-    checks["mkc_model_step refused"] = ok
+    checks["mkc_model_step refused"], row["step message"] = refused(
+        lambda: verify.step(np.zeros(verify.batch, dtype=np.int32)), "verify step")
     full = start.copy()
     full[: 4 * b].view(np.int32)[:] = verify.context - verify.positions + 1
     verify.load_state(full)
-    ok = False
-    try:
-        verify.verify(np.zeros((b, verify.positions), dtype=np.int32))
-    except MkcError as e:
-        ok, row["context message"] = "context" in str(e), str(e)
-    checks["past the context refused"] = ok
+    checks["past the context refused"], row["context message"] = refused(
+        lambda: verify.verify(np.zeros((b, verify.positions), dtype=np.int32)), "context")
     plain.close()
     verify.close()
     shutil.rmtree(ckpt, ignore_errors=True)

@@ -251,7 +251,7 @@ class Engine {
     }
     if (n == 0 || len == 0) throw Failure{"generate_speculative: n and the history's length must be at least 1"};
     for (int s = 0; s < kSequences; ++s) {
-      check_tokens_of(history + size_t(s) * len, len, "generate_speculative: history");
+      check_tokens(history + size_t(s) * len, len, "generate_speculative's history entry");
       if (uint64_t(pos_[s]) + n + kPositions > P::kContext) {
         throw Failure{"generate_speculative: sequence " + std::to_string(s) + " holds " + std::to_string(pos_[s]) +
                       " tokens; " + std::to_string(n) + " more (and " + std::to_string(kPositions) +
@@ -425,9 +425,9 @@ class Engine {
   // Each row's position into the step's positions: its sequence's next position, plus the row's place in
   // the sequence's verify positions.
   void upload_positions() {
-    std::vector<int32_t> rows(P::kBatch);
+    int32_t rows[P::kBatch];
     for (int b = 0; b < P::kBatch; ++b) rows[b] = pos_[b / kPositions] + b % kPositions;
-    MKC_CUDA(cudaMemcpy(d_pos_, rows.data(), sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
+    MKC_CUDA(cudaMemcpy(d_pos_, rows, sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
   }
 
   // One launch of the step kernel over the current positions (not advanced here).
@@ -463,19 +463,12 @@ class Engine {
   }
 
   // Every sequence's token inside the vocabulary (step and generate).
-  static void check_tokens(const int32_t* tokens) {
-    for (int b = 0; b < P::kBatch; ++b) {
-      if (tokens[b] < 0 || uint64_t(tokens[b]) >= P::kVocab) {
-        throw Failure{"token " + std::to_string(tokens[b]) + " of sequence " + std::to_string(b) +
-                      " is outside the vocabulary (" + std::to_string(P::kVocab) + ")"};
-      }
-    }
-  }
-
-  static void check_tokens_of(const int32_t* tokens, size_t n, const std::string& what) {
+  // Every token of tokens[0..n) inside the vocabulary; a failure names the
+  // token and its place (`place` i: a step's sequence, a history's entry).
+  static void check_tokens(const int32_t* tokens, size_t n = P::kBatch, const char* place = "sequence") {
     for (size_t i = 0; i < n; ++i) {
       if (tokens[i] < 0 || uint64_t(tokens[i]) >= P::kVocab) {
-        throw Failure{what + ": token " + std::to_string(tokens[i]) + " at " + std::to_string(i) +
+        throw Failure{"token " + std::to_string(tokens[i]) + " of " + place + " " + std::to_string(i) +
                       " is outside the vocabulary (" + std::to_string(P::kVocab) + ")"};
       }
     }
