@@ -403,7 +403,8 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                     let plain = plan::estimate::estimate(&p);
                     write!(out, "{}", plan::estimate::render(&plain, target.read_bandwidth()))?;
                     if let Some(s) = spec {
-                        // The verify step: b sequences of s.tokens positions each, planned as b x s.tokens tokens.
+                        // The verify step: b sequences of s.tokens positions each, planned as the program
+                        // `codegen --batch b --positions s.tokens` makes (b x s.tokens rows).
                         let positions = b * s.tokens;
                         let verify = if positions > MAX_BATCH as u32 {
                             Err(format!("past the planner's {MAX_BATCH} tokens per step"))
@@ -411,7 +412,7 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                             plan::plan(
                                 &v,
                                 &target,
-                                plan::Options { batch: positions, context, expert_parallel, ..Default::default() },
+                                plan::Options { batch: positions, context, expert_parallel, positions: s.tokens },
                             )
                             .map(|p| plan::estimate::estimate(&p))
                             .map_err(|e| format!("beyond the device library: {}", e.reason))

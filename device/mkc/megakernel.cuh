@@ -29,6 +29,7 @@
 #include "instruction.cuh"
 #include "ops.cuh"
 #include "projection.cuh"
+#include "speculative.h"
 
 namespace mkc {
 
@@ -145,6 +146,31 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Schedule p, typename T
   __syncthreads();
   uint32_t it = 0;
   run_step<Tasks, kDebug>(p, params, step, p.sm_begin[blockIdx.x], p.sm_begin[blockIdx.x + 1], threadIdx.x / 32, it);
+}
+
+// ---------------------------------------------------------------------------
+// After a verify step (a program of kPositions > 1 rows a sequence): the
+// state the step read but left as it was (KDA's recurrent state, the conv
+// windows) stepped through the positions each sequence keeps, from the
+// step's logs (`Tasks::commit(task, params, keep)`, every instruction's
+// task, each on the SM that ran it). Each CTA first takes what each sequence
+// keeps from the step's own choices (accepted_drafts, speculative.h: the
+// accepted drafts and the token before them); CTA 0 writes the accepted
+// drafts to `accepted` [sequences]. Launched after the step, with
+// kConsumerThreads threads.
+template <class Tasks, int kPositions, int kSequences>
+__global__ void __launch_bounds__(kConsumerThreads, 1)
+    commit_kernel(Schedule p, typename Tasks::Params params, const int32_t* choice, int32_t* accepted) {
+  __shared__ uint32_t keep[kSequences];
+  for (int sq = threadIdx.x; sq < kSequences; sq += blockDim.x) {
+    const uint32_t a = accepted_drafts(params.tokens + sq * kPositions, choice + sq * kPositions, kPositions);
+    keep[sq] = a + 1;
+    if (blockIdx.x == 0) accepted[sq] = int32_t(a);
+  }
+  __syncthreads();
+  for (uint32_t i = p.sm_begin[blockIdx.x]; i < p.sm_begin[blockIdx.x + 1]; ++i) {
+    Tasks::commit(p.instructions[i].task, params, keep);
+  }
 }
 
 // ---------------------------------------------------------------------------

@@ -1046,6 +1046,187 @@ static void test_kda(std::mt19937& rng, uint32_t heads, uint32_t d, bool safe) {
 }
 
 // ---------------------------------------------------------------------------
+// A verify step's KDA and short conv (kSeqs sequences of kPos positions):
+// the positions taken in order with the state left as it was, then the
+// commit to the positions each sequence keeps, against the plain functions
+// (checked above) stepping each sequence one position at a time. The same
+// arithmetic in the same order: equal up to float rounding.
+constexpr int kSeqs = kKB, kPos = 4, kRowsV = kSeqs * kPos;
+struct VerifyCase {
+  mkc::KdaDecode<float> kda;                   // rows [kRowsV], log set
+  mkc::EpConvUpdate<__nv_bfloat16> conv;       // log set
+  float* st;                                   // [rows, n] tile
+  uint32_t n;
+  mkc::Span span;
+  uint32_t keep[kSeqs];
+};
+__device__ VerifyCase g_verify;
+__global__ void kda_positions_kernel() { mkc::kda_decode<kRowsV, kPos>(g_verify.kda); }
+__global__ void kda_commit_kernel() { mkc::kda_commit<kRowsV, kPos>(g_verify.kda, g_verify.keep); }
+__global__ void conv_positions_kernel() {
+  const VerifyCase& c = g_verify;
+  mkc::ep_conv_update<kRowsV, kPos>(c.st, c.n, c.span, c.conv);
+}
+__global__ void conv_commit_kernel() { mkc::conv_commit<kRowsV, kPos>(g_verify.span, g_verify.conv, g_verify.keep); }
+__global__ void conv_plain_kernel() {
+  const VerifyCase& c = g_verify;
+  mkc::ep_conv_update<kSeqs>(c.st, c.n, c.span, c.conv);
+}
+
+static double max_rel(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0, mag = 1e-30;
+  for (size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, std::abs(double(a[i]) - b[i]));
+    mag = std::max(mag, std::abs(double(b[i])));
+  }
+  return worst / mag;
+}
+
+static void test_kda_positions(std::mt19937& rng, uint32_t heads, uint32_t d) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const uint32_t p = heads * d;
+  std::vector<float> q(kRowsV * p), k(kRowsV * p), v(kRowsV * p), f(kRowsV * p), bl(kRowsV * heads), a_log(heads),
+      dt(p), state(size_t(kSeqs) * heads * d * d);
+  for (auto* x : {&v, &f, &bl, &state}) for (auto& e : *x) e = 0.5f * nd(rng);
+  for (auto* x : {&a_log, &dt}) for (auto& e : *x) e = 0.5f * nd(rng);
+  for (auto* x : {&q, &k}) {  // L2-normalised per head
+    for (auto& e : *x) e = nd(rng);
+    for (uint32_t g = 0; g < kRowsV * heads; ++g) {
+      double ss = 0;
+      for (uint32_t i = 0; i < d; ++i) ss += double((*x)[g * d + i]) * (*x)[g * d + i];
+      for (uint32_t i = 0; i < d; ++i) (*x)[g * d + i] = float((*x)[g * d + i] / std::sqrt(ss + 1e-6));
+    }
+  }
+  // Plain decoding, a position at a time: row t of each sequence as a batch of kSeqs (kda_kernel, batch kKB).
+  KdaCase c{};
+  c.shape = mkc::KdaShape{.heads = heads, .d = d, .safe_gate = true, .lower_bound = -5.f};
+  c.h0 = 0, c.h1 = heads;
+  c.a_log = upload(a_log), c.dt_bias = upload(dt);
+  c.state = upload(state);
+  std::vector<float> want_out(kRowsV * p);
+  std::vector<std::vector<float>> want_state;  // after position t
+  for (int t = 0; t < kPos; ++t) {
+    auto rows = [&](const std::vector<float>& x, uint32_t w) {
+      std::vector<float> r(kSeqs * w);
+      for (int sq = 0; sq < kSeqs; ++sq)
+        std::copy_n(x.begin() + size_t(sq * kPos + t) * w, w, r.begin() + size_t(sq) * w);
+      return r;
+    };
+    c.q = upload(rows(q, p)), c.k = upload(rows(k, p)), c.v = upload(rows(v, p)), c.f = upload(rows(f, p));
+    c.b = upload(rows(bl, heads));
+    c.out = upload(std::vector<float>(kSeqs * p, NAN));
+    CHECK(cudaMemcpyToSymbol(g_kda, &c, sizeof c));
+    launch(kda_kernel, "kda_decode (plain)");
+    const auto o = download(c.out, kSeqs * p);
+    for (int sq = 0; sq < kSeqs; ++sq) std::copy_n(o.begin() + sq * p, p, want_out.begin() + size_t(sq * kPos + t) * p);
+    want_state.push_back(download(c.state, state.size()));
+    for (void* ptr : {(void*)c.q, (void*)c.k, (void*)c.v, (void*)c.f, (void*)c.b, (void*)c.out}) CHECK(cudaFree(ptr));
+  }
+  CHECK(cudaFree(c.state));
+  // The verify step, then its commit, for two choices of what each sequence keeps.
+  double worst_out = 0, worst_state = 0;
+  bool untouched = true;
+  const uint32_t keeps[2][kSeqs] = {{3, 1}, {kPos, 2}};
+  for (const auto& keep : keeps) {
+    VerifyCase vc{};
+    vc.kda = mkc::KdaDecode<float>{.shape = c.shape, .h0 = 0, .h1 = heads, .q = upload(q), .k = upload(k),
+                                   .v = upload(v), .f = upload(f), .b_logit = upload(bl), .a_log = c.a_log,
+                                   .dt_bias = c.dt_bias, .state = upload(state),
+                                   .out = upload(std::vector<float>(kRowsV * p, NAN)),
+                                   .log = mkc::KdaLog{.alpha = upload(std::vector<float>(kRowsV * p, NAN)),
+                                                      .k = upload(std::vector<float>(kRowsV * p, NAN)),
+                                                      .v = upload(std::vector<float>(kRowsV * p, NAN)),
+                                                      .beta = upload(std::vector<float>(kRowsV * heads, NAN))}};
+    std::copy_n(keep, kSeqs, vc.keep);
+    CHECK(cudaMemcpyToSymbol(g_verify, &vc, sizeof vc));
+    launch(kda_positions_kernel, "kda_decode (positions)");
+    worst_out = std::max(worst_out, max_rel(download(vc.kda.out, kRowsV * p), want_out));
+    untouched &= download(vc.kda.state, state.size()) == state;
+    launch(kda_commit_kernel, "kda_commit");
+    const auto got = download(vc.kda.state, state.size());
+    const size_t per = size_t(heads) * d * d;
+    for (int sq = 0; sq < kSeqs; ++sq) {
+      const auto& want = want_state[keep[sq] - 1];
+      worst_state = std::max(worst_state, max_rel(std::vector<float>(got.begin() + sq * per, got.begin() + (sq + 1) * per),
+                                                  std::vector<float>(want.begin() + sq * per, want.begin() + (sq + 1) * per)));
+    }
+    for (const void* ptr : {(const void*)vc.kda.q, (const void*)vc.kda.k, (const void*)vc.kda.v, (const void*)vc.kda.f,
+                            (const void*)vc.kda.b_logit, (const void*)vc.kda.state, (const void*)vc.kda.out,
+                            (const void*)vc.kda.log.alpha, (const void*)vc.kda.log.k, (const void*)vc.kda.log.v,
+                            (const void*)vc.kda.log.beta})
+      CHECK(cudaFree(const_cast<void*>(ptr)));
+  }
+  CHECK(cudaFree(const_cast<float*>(c.a_log)));
+  CHECK(cudaFree(const_cast<float*>(c.dt_bias)));
+  char detail[192];
+  std::snprintf(detail, sizeof detail,
+                "%u heads of %u, %d sequences of %d positions, keeping 3,1 and 4,2: outputs %.1e, committed state "
+                "%.1e of plain steps'; state %s during the step", heads, d, kSeqs, kPos, worst_out, worst_state,
+                untouched ? "untouched" : "WRITTEN");
+  report("KDA verify step + commit", worst_out < 1e-5 && worst_state < 1e-5 && untouched, detail);
+}
+
+static void test_conv_positions(std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const uint32_t channels = 96, n = 80, c0 = 8, e0 = 32, len = 64;
+  std::vector<float> st(kRowsV * n), w(channels * 4);
+  std::vector<__nv_bfloat16> state(kSeqs * 3 * channels);
+  for (auto& x : st) x = nd(rng);
+  for (auto& x : w) x = 0.5f * nd(rng);
+  for (auto& x : state) x = __float2bfloat16(nd(rng));
+  const mkc::Span span{c0, e0, len};
+  auto conv = [&](__nv_bfloat16* s, __nv_bfloat16* log, const float* wd) {
+    return mkc::EpConvUpdate<__nv_bfloat16>{.w = wd, .width = 4, .state = s, .state_stride = size_t(3) * channels,
+                                            .channels = channels, .silu = 1, .log = log};
+  };
+  const float* wd = upload(w);
+  // Plain decoding, a position at a time.
+  VerifyCase vc{};
+  vc.n = n, vc.span = span;
+  vc.conv = conv(upload(state), nullptr, wd);
+  std::vector<float> want_tile(kRowsV * n);
+  std::vector<std::vector<__nv_bfloat16>> want_state;
+  for (int t = 0; t < kPos; ++t) {
+    std::vector<float> tile(kSeqs * n);
+    for (int sq = 0; sq < kSeqs; ++sq) std::copy_n(st.begin() + (sq * kPos + t) * n, n, tile.begin() + sq * n);
+    vc.st = upload(tile);
+    CHECK(cudaMemcpyToSymbol(g_verify, &vc, sizeof vc));
+    launch(conv_plain_kernel, "ep_conv_update (plain)");
+    const auto got = download(vc.st, kSeqs * n);
+    for (int sq = 0; sq < kSeqs; ++sq) std::copy_n(got.begin() + sq * n, n, want_tile.begin() + (sq * kPos + t) * n);
+    want_state.push_back(download(vc.conv.state, state.size()));
+    CHECK(cudaFree(vc.st));
+  }
+  CHECK(cudaFree(vc.conv.state));
+  double worst = 0;
+  bool state_ok = true, untouched = true;
+  const uint32_t keeps[2][kSeqs] = {{3, 1}, {kPos, 2}};
+  for (const auto& keep : keeps) {
+    vc.conv = conv(upload(state), upload(std::vector<__nv_bfloat16>(kRowsV * channels)), wd);
+    vc.st = upload(st);
+    std::copy_n(keep, kSeqs, vc.keep);
+    CHECK(cudaMemcpyToSymbol(g_verify, &vc, sizeof vc));
+    launch(conv_positions_kernel, "ep_conv_update (positions)");
+    worst = std::max(worst, max_rel(download(vc.st, kRowsV * n), want_tile));
+    const auto during = download(vc.conv.state, state.size());
+    for (size_t i = 0; i < state.size(); ++i) untouched &= __bfloat162float(during[i]) == __bfloat162float(state[i]);
+    launch(conv_commit_kernel, "conv_commit");
+    const auto got = download(vc.conv.state, state.size());
+    for (int sq = 0; sq < kSeqs; ++sq)
+      for (size_t i = sq * 3 * channels; i < (sq + 1) * 3 * channels; ++i)
+        state_ok &= __bfloat162float(got[i]) == __bfloat162float(want_state[keep[sq] - 1][i]);
+    for (void* ptr : {(void*)vc.st, (void*)vc.conv.state, (void*)vc.conv.log}) CHECK(cudaFree(ptr));
+  }
+  CHECK(cudaFree(const_cast<float*>(wd)));
+  char detail[192];
+  std::snprintf(detail, sizeof detail,
+                "span of 64 of 96 channels, %d sequences of %d positions, keeping 3,1 and 4,2: tile %.1e of plain "
+                "steps'; committed windows %s; state %s during the step", kSeqs, kPos, worst,
+                state_ok ? "equal" : "WRONG", untouched ? "untouched" : "WRITTEN");
+  report("short conv verify step + commit", worst < 1e-6 && state_ok && untouched, detail);
+}
+
+// ---------------------------------------------------------------------------
 // K3: SiTU-GLU epilogue and the attention-residual mix.
 struct K3Case {
   float* st;
@@ -1266,6 +1447,8 @@ int main(int argc, char** argv) {
   if (want("conv")) test_conv_l2(rng);
   if (want("kda")) test_kda(rng, 4, 16, false);   // Kimi Linear tiny: softplus gate
   if (want("kda")) test_kda(rng, 4, 128, true);   // K3's head size and safe gate
+  if (want("kda")) test_kda_positions(rng, 4, 128);
+  if (want("conv")) test_conv_positions(rng);
   if (want("situ")) test_situ(rng);
   if (want("mx")) test_mx<1>(rng, 40, 8, 40, 3584, true, false);  // K3's latent width: one full chunk
   if (want("mx")) test_mx<4>(rng, 16, 0, 16, 64, false, true);    // tiny widths

@@ -146,6 +146,7 @@ pub fn emit(
     };
     let mut cases = vec![];
     let mut load_cases = vec![];
+    let mut commit_cases = vec![];
     let mut prefetch = vec![];
     let mut role = 0u32;
     for k in &p.kinds {
@@ -160,6 +161,9 @@ pub fn emit(
             cases.push(CaseView { role, kind: k.name.clone(), call: spell(&r.run) });
             if let Some(l) = &r.load {
                 load_cases.push(CaseView { role, kind: k.name.clone(), call: spell(l) });
+            }
+            if let Some(c) = &r.commit {
+                commit_cases.push(CaseView { role, kind: k.name.clone(), call: spell(c) });
             }
             role += 1;
         }
@@ -184,7 +188,7 @@ pub fn emit(
             router_top_k => p.router_top_k, route_log_ints => p.route_log_ints,
             staging_floats => p.staging_floats, pages => p.pages,
             outputs => p.outputs, next_token_output => p.next_token_output, logits_output => p.logits_output,
-            vocab => p.vocab, kinds, cases, load_cases, prefetch, format => plan_file::FORMAT,
+            vocab => p.vocab, kinds, cases, load_cases, commit_cases, prefetch, format => plan_file::FORMAT,
             stages => plan.tiling.stages.len(), tasks => plan.tiling.tasks.len(), ..provenance.clone()
         },
     )?;

@@ -125,6 +125,10 @@ pub struct Role {
     pub run: String,
     /// The loader's call, if it streams weights.
     pub load: Option<String>,
+    /// A verify step's commit of the state the stage read (`keep` the
+    /// positions each sequence keeps; device/mkc/megakernel.cuh
+    /// commit_kernel), if it keeps state that way.
+    pub commit: Option<String>,
 }
 
 /// A stage as the plan file lists it.
@@ -555,7 +559,12 @@ impl<'a> Gen<'a> {
 
     /// Records a stage's dispatch: the consumers' call and the loader's.
     fn role(&mut self, stage: usize, run: String, load: Option<String>) {
-        self.roles.push((stage, Role { run, load }));
+        self.role_commit(stage, run, load, None);
+    }
+
+    /// A stage's dispatch with a verify step's commit.
+    fn role_commit(&mut self, stage: usize, run: String, load: Option<String>, commit: Option<String>) {
+        self.roles.push((stage, Role { run, load, commit }));
     }
 
     /// Closes the operation: its code becomes a new kind, or the existing
@@ -571,7 +580,7 @@ impl<'a> Gen<'a> {
             let _ = write!(key, "\n{f}:{w}");
         }
         for (_, r) in &roles {
-            let _ = write!(key, "\n{}|{:?}", r.run, r.load);
+            let _ = write!(key, "\n{}|{:?}|{:?}", r.run, r.load, r.commit);
         }
         let kind = match self.kind_of.get(&key) {
             Some(k) => {

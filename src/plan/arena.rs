@@ -36,7 +36,7 @@
 //! ([`verify::arena`](super::verify::arena)) checks the layout and that every
 //! such read is ordered after its writer.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use serde::Serialize;
 
@@ -124,6 +124,13 @@ pub struct Arena {
     pub routers: Vec<RouteRows>,
     /// The log's size in bytes.
     pub route_log_bytes: u64,
+    /// A verify step's logs (`positions` > 1), after the routing log: per
+    /// stateful node (graph index) the arena offsets of what it records of
+    /// each row for the commit after the step (device/mkc/megakernel.cuh
+    /// commit_kernel): a short conv its inputs `[z]` ([batch, channels] of
+    /// the state's type), KDA `[alpha, k, v, beta]` ([batch, heads d] fp32
+    /// each, beta [batch, heads]). Empty in plain decoding.
+    pub logs: BTreeMap<usize, Vec<u64>>,
     /// The arena's size in bytes.
     pub bytes: u64,
     /// fp32 staging per SM, in floats.
@@ -455,6 +462,33 @@ impl Layout<'_> {
     }
 }
 
+/// The parts of each verify-step log ([`Arena::logs`]) in bytes, per
+/// stateful node of `fusion` in graph order.
+fn step_logs(g: &Graph, fusion: &Fusion, batch: u64) -> Result<Vec<(usize, Vec<u64>)>> {
+    let mut logs = vec![];
+    let what = || "a verify step's log".to_string();
+    for op in &fusion.ops {
+        for &n in &op.nodes {
+            let id = NodeId::at(n);
+            match g.op(id) {
+                Some((OpKind::ConvUpdate, _)) => {
+                    let state = g.value_type(g.operands(id)[2]);
+                    let channels = g.value_type(ValueRef { node: id, output: 0 }).elements();
+                    logs.push((n, vec![bounded(&what, &[batch, channels, state.dtype.bytes(1, 1)])?]));
+                }
+                Some((OpKind::KdaDecode, _)) => {
+                    let p = g.value_type(ValueRef { node: id, output: 0 }).elements();
+                    let heads = g.value_type(g.operands(id)[4]).elements();
+                    let part = bounded(&what, &[batch, p, 4])?;
+                    logs.push((n, vec![part, part, part, bounded(&what, &[batch, heads, 4])?]));
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(logs)
+}
+
 /// Lays out the arena of `tiling` at the planned batch.
 pub fn layout(g: &Graph, fusion: &Fusion, tiling: &Tiling, options: Options) -> Result<Arena> {
     let mut region_of = vec![None; tiling.stages.len()];
@@ -495,6 +529,17 @@ pub fn layout(g: &Graph, fusion: &Fusion, tiling: &Tiling, options: Options) -> 
     let route_log = at;
     let routers = l.routers.into_iter().map(|r| RouteRows { offset: route_log + r.offset, ..r }).collect();
     at = bounded(&arena, &[align(at + l.route_log_bytes, 256)])?;
+    let mut logs = BTreeMap::new();
+    if options.positions > 1 {
+        for (node, parts) in step_logs(g, fusion, u64::from(options.batch))? {
+            let mut offsets = vec![];
+            for bytes in parts {
+                offsets.push(at);
+                at = bounded(&arena, &[align(at + bytes, 256)])?;
+            }
+            logs.insert(node, offsets);
+        }
+    }
     let slots: Vec<ArenaSlot> =
         l.slots.into_iter().map(|s| ArenaSlot { offset: buffers[s.buffer].0 + s.offset, ..s }).collect();
     let index = slots.iter().enumerate().map(|(i, s)| ((s.writer, s.what), i)).collect();
@@ -504,6 +549,7 @@ pub fn layout(g: &Graph, fusion: &Fusion, tiling: &Tiling, options: Options) -> 
         route_log,
         routers,
         route_log_bytes: l.route_log_bytes,
+        logs,
         bytes: at.max(256),
         staging_floats: align(l.staging.max(1), 32),
         spills: l.spills,

@@ -222,10 +222,12 @@ pub fn render_speculative(plain: &Estimate, verify: std::result::Result<&Estimat
 }
 
 /// What the speculative estimate assumes, printed once.
-pub const SPECULATION_ASSUMPTIONS: &str = "assumptions (speculative): a verify step is costed as a decode step of \
-batch x positions tokens: the weights read once, every position's state traffic counted (an upper bound: a sequence's \
-KV cache and recurrent state serve its positions in one pass); drafts accepted independently at the stated rate until \
-the first rejection; drafting (prompt lookup on the host) and the acceptance test not costed";
+pub const SPECULATION_ASSUMPTIONS: &str = "assumptions (speculative): a verify step is costed as the plan of \
+`codegen --positions` (batch x positions rows): the weights read once, every position's state traffic counted (an \
+upper bound: a sequence's KV cache and recurrent state serve its positions in one pass, and the commit after the step \
+reads and writes KDA's recurrent state and the conv windows once more); drafts accepted independently at the stated \
+rate until the first rejection; drafting (prompt lookup on the host), the acceptance test and the commit's launch not \
+costed";
 
 /// Predicted against measured, stage by stage: each stage's span (its first
 /// task's start to its last task's end, in microseconds from the step's

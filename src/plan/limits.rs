@@ -25,6 +25,7 @@ use crate::contract::{
 use crate::diag::{Error, ErrorKind, Result};
 use crate::ir::{DType, Graph, NodeId, NodeKind};
 use crate::ops::Attrs;
+use crate::ops::OpKind;
 
 use super::fuse::{FusedKind, FusedOp, Fusion};
 use super::tile::{TaskArgs, Tiling};
@@ -47,11 +48,12 @@ pub fn check(g: &Graph, fusion: &Fusion, tiling: &Tiling, opts: Options) -> Resu
 }
 
 /// A verify step (`opts.positions` > 1 rows a sequence): the batch is whole
-/// sequences of at most [`MAX_POSITIONS`] positions, and the only
-/// per-sequence state is MLA's cache, which takes a sequence's positions
-/// causally (ops/mla.cuh). A recurrent state (KDA's, its conv windows) would
-/// have to step through the positions one by one: refused at the first
-/// operation that keeps one.
+/// sequences of at most [`MAX_POSITIONS`] positions. The device library takes
+/// a sequence's positions in the per-sequence state it has: MLA's cache
+/// causally (ops/mla.cuh), KDA's recurrent state and the short convs' windows
+/// step by step, logged and committed to the positions each sequence keeps
+/// (ops/kda.cuh, ops/epilogue.cuh). Any other operation that keeps state is
+/// refused at its line.
 fn positions(g: &Graph, fusion: &Fusion, opts: Options) -> Result<()> {
     let p = opts.positions;
     if p == 1 {
@@ -67,18 +69,19 @@ fn positions(g: &Graph, fusion: &Fusion, opts: Options) -> Result<()> {
             ),
         ));
     }
-    for op in fusion.ops.iter().filter(|op| op.kind != FusedKind::MlaDecode) {
-        let stateful = op
-            .nodes
-            .iter()
-            .find(|n| g.operands(NodeId::at(**n)).iter().any(|v| matches!(g.node(v.node).kind, NodeKind::State(_))));
+    for op in fusion.ops.iter().filter(|op| !matches!(op.kind, FusedKind::MlaDecode | FusedKind::KdaDecode)) {
+        let stateful = op.nodes.iter().find(|n| {
+            let id = NodeId::at(**n);
+            !matches!(g.op(id), Some((OpKind::ConvUpdate, _)))
+                && g.operands(id).iter().any(|v| matches!(g.node(v.node).kind, NodeKind::State(_)))
+        });
         if let Some(n) = stateful {
             return Err(Error::new(
                 ErrorKind::Invalid,
                 format!(
                     "fused operation {} ({}) keeps per-sequence state, which a verify step of {p} positions would \
-                     have to step through position by position; the device library takes positions in MLA's cache \
-                     only",
+                     have to step through position by position; the device library does so for MLA's cache, KDA's \
+                     recurrent state and the short convolutions' windows only",
                     op.id, op.name
                 ),
             )

@@ -69,12 +69,14 @@ case "${1:-}" in
     # Each verify-step library (name ..._tN_h200) against the plain library of its config and batch.
     mkdir -p "$out/verify"
     : > "$out/verify/rc.txt"
-    for pair in kimi_k2_tiny_b2_t4_h200:kimi_k2_tiny_b2_h200:tiny.json \
-      kimi_k2_dims_2l16e_t4_h200:kimi_k2_dims_2l16e_h200:test_2l16e.json; do
-      IFS=: read -r name plain config <<< "$pair"
+    for pair in kimi_k2_tiny_b2_t4_h200:kimi_k2_tiny_b2_h200:kimi_k2/tiny.json:deepseek_v3 \
+      kimi_k2_dims_2l16e_t4_h200:kimi_k2_dims_2l16e_h200:kimi_k2/test_2l16e.json:deepseek_v3 \
+      kimi_k3_tiny_b2_t4_h200:kimi_k3_tiny_b2_h200:kimi_k3/tiny.json:k3 \
+      kimi_k3_dims_8l48e_t4_h200:kimi_k3_dims_8l48e_h200:kimi_k3/test_8l48e.json:k3; do
+      IFS=: read -r name plain config arch <<< "$pair"
       [ -f "target/models/$name/lib$name.so" ] && [ -f "target/models/$plain/lib$plain.so" ] || continue
       timeout "${MKC_LIB_TIMEOUT:-300}" python3 tests/gpu/verify.py --verify "target/models/$name/lib$name.so" \
-        --plain "target/models/$plain/lib$plain.so" --config "model_graphs/kimi_k2/$config" \
+        --plain "target/models/$plain/lib$plain.so" --config "model_graphs/$config" --arch "$arch" \
         --json "$out/verify/$name.json" > "$out/verify/$name.log" 2>&1
       echo "$name rc=$?" >> "$out/verify/rc.txt"
     done

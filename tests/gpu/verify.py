@@ -14,14 +14,16 @@ random checkpoint. For each seed:
      Its tokens must equal the reference's, or part from them only at a near-tie of the reference's logits
      (compare.NEAR_TIE); the drafts that stood are counted.
   3. After the `wrong` run (every step rejects T - 1 rows), VERIFY's state against PLAIN's after as many
-     tokens: positions equal, and every cache row before them equal to bf16 rounding (rows past them hold
-     rejected drafts, which no later step reads).
+     tokens, through save_state: PLAIN's next step from each gives the same logits (within compare's bound
+     of 2e-2 relative; KDA's recurrent state and the conv windows included) and, for K2 (--arch
+     deepseek_v3, whose state is the positions and the MLA caches), the positions equal and every cache row
+     before them equal to bf16 rounding (rows past them hold rejected drafts, which no later step reads).
   4. mkc_model_generate_speculative (prompt lookup, a verify step at a time) from the same start: the
      reference's tokens and, after them, PLAIN's state; on the first seed, tokens/s per user over --bench
      tokens against PLAIN's single steps, from a repetitive prompt and from a random one.
   5. mkc_model_step on VERIFY, and a verify step that would pass the context, refused by name.
 
-    python3 tests/gpu/verify.py --plain LIB --verify LIB --config CONFIG --arch deepseek_v3
+    python3 tests/gpu/verify.py --plain LIB --verify LIB --config CONFIG [--arch deepseek_v3|k3]
         [--seeds 0 1 2] [--steps 64] [--json OUT]
 Exits 1 if any check fails; prints a table last.
 """
@@ -152,6 +154,17 @@ def cache_rows_equal(model, a, b, layers, ctx):
     return worst < 2e-2, f"cache rows before the positions: max difference {worst:.2e} of the largest value"
 
 
+def same_next_step(plain, state, want, token):
+    """PLAIN's next step (token) from `state` (another program's, through save_state) against its step from
+    its own state `want`: logits within 2e-2 of the largest."""
+    plain.load_state(state)
+    _, got = plain.step(token)
+    plain.load_state(want)
+    _, ref = plain.step(token)
+    worst = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
+    return worst < 2e-2, f"the next step's logits from it: max difference {worst:.2e} of the largest"
+
+
 def run_seed(args, seed, work):
     ckpt = os.path.join(work, f"seed{seed}")
     make_checkpoint(args.arch, args.config, seed, ckpt)
@@ -186,10 +199,14 @@ def run_seed(args, seed, work):
                                   "tokens_per_step": sum(min(len(o), args.steps) for o in out) / (steps * b)}
         if source == "wrong" and diff is None:
             # Every sequence advanced one token a step: the state after `steps` tokens.
-            ok, msg = cache_rows_equal(verify, verify.save_state(), states[steps - 1], args.layers,
-                                       verify.context)
-            checks["state after rejections"] = ok
+            after = verify.save_state()
+            ok, msg = same_next_step(plain, after, states[steps - 1], ref[steps - 1])
+            checks["state after rejections: next step"] = ok
             row["state"] = msg
+            if args.arch == "deepseek_v3":
+                ok, msg = cache_rows_equal(verify, after, states[steps - 1], args.layers, verify.context)
+                checks["state after rejections: cache rows"] = ok
+                row["state"] += "; " + msg
     # Generation with prompt-lookup drafts (mkc_model_generate_speculative) from the same start.
     verify.load_state(start)
     got, steps = verify.generate_speculative(prompt.T, args.steps)
@@ -197,9 +214,14 @@ def run_seed(args, seed, work):
     checks["generate_speculative: tokens equal"] = diff is None or diff["near_tie"]
     row["generate_speculative"] = {"verify_steps": steps, "tokens_per_step": args.steps / steps, "difference": diff}
     if diff is None:
-        ok, msg = cache_rows_equal(verify, verify.save_state(), states[-1], args.layers, verify.context)
+        after = verify.save_state()
+        ok, msg = same_next_step(plain, after, states[-1], ref[-1])
         checks["generate_speculative: state"] = ok
         row["generate_speculative"]["state"] = msg
+        if args.arch == "deepseek_v3":
+            ok, msg = cache_rows_equal(verify, after, states[-1], args.layers, verify.context)
+            checks["generate_speculative: cache rows"] = ok
+            row["generate_speculative"]["state"] += "; " + msg
     if seed == args.seeds[0] and args.bench:
         row["bench"] = bench(plain, verify, start, prompt, args.bench, rng)
     checks["mkc_model_step refused"], row["step message"] = refused(
@@ -221,14 +243,15 @@ def main():
     ap.add_argument("--plain", required=True, help="the library of positions 1")
     ap.add_argument("--verify", required=True, help="the library of the same config and batch, positions T")
     ap.add_argument("--config", required=True)
-    ap.add_argument("--arch", choices=["deepseek_v3"], default="deepseek_v3")
+    ap.add_argument("--arch", choices=["deepseek_v3", "k3"], default="deepseek_v3")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--bench", type=int, default=256, help="tokens timed each way on the first seed (0: none)")
     ap.add_argument("--json")
     args = ap.parse_args()
     with open(args.config) as f:
-        args.layers = json.load(f)["num_hidden_layers"]
+        config = json.load(f)
+        args.layers = config.get("text_config", config)["num_hidden_layers"]
     work = scratch_dir("mkc_verify_")
     rows = [run_seed(args, seed, work) for seed in args.seeds]
     shutil.rmtree(work, ignore_errors=True)

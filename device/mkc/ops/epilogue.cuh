@@ -140,26 +140,71 @@ __device__ void ep_rms_norm(float* st, uint32_t n, Span s, EpRmsNorm a) {
 // fp32 weights [channels, 1, W]; then the state shifts by one row, the new z
 // (rounded to the state's type) last. State per sequence [W-1, channels],
 // sequences `state_stride` elements apart. act: SiLU (1) or none (0).
+// A verify step (P > 1 rows a sequence, b = sequence P + position) takes a
+// sequence's positions in order, each position's window the state's rows
+// and then the positions before it; it leaves the state as it was and logs
+// each position's z (rounded as the state keeps it) for conv_commit.
 template <class S>
 struct EpConvUpdate {
   const float* w;       // [channels, 1, width] fp32
   uint32_t width;       // the convolution's width W
-  S* state;             // [B][W - 1][channels]
+  S* state;             // [sequences][W - 1][channels]
   size_t state_stride;  // elements from one sequence's state to the next
   uint32_t channels;
   int silu;             // SiLU (1) or none (0)
+  S* log;               // a verify step's: [B][channels], each row's z; unused otherwise
 };
-template <int B, class S>
+
+// Entry i of a sequence's history in a verify step: the state's W - 1 rows,
+// then the step's positions (logged).
+template <int P, class S>
+__device__ __forceinline__ float conv_history(const EpConvUpdate<S>& a, uint32_t sq, uint32_t i, uint32_t c) {
+  return i + 1 < a.width ? to_float(a.state[size_t(sq) * a.state_stride + size_t(i) * a.channels + c])
+                         : to_float(a.log[(size_t(sq) * P + i - (a.width - 1)) * a.channels + c]);
+}
+
+template <int B, int P = 1, class S>
 __device__ void ep_conv_update(float* st, uint32_t n, Span s, EpConvUpdate<S> a) {
-  for (uint32_t i = threadIdx.x; i < B * s.len; i += kConsumerThreads) {
-    const uint32_t b = i / s.len, j = i % s.len, c = s.e0 + j;
-    S* sb = a.state + size_t(b) * a.state_stride;
-    const float z = st[b * n + s.c0 + j];
-    float y = a.w[size_t(c) * a.width + a.width - 1] * z;
-    for (uint32_t t = 0; t + 1 < a.width; ++t) y = fmaf(a.w[size_t(c) * a.width + t], to_float(sb[size_t(t) * a.channels + c]), y);
-    for (uint32_t t = 0; t + 2 < a.width; ++t) sb[size_t(t) * a.channels + c] = sb[size_t(t + 1) * a.channels + c];
-    if (a.width > 1) sb[size_t(a.width - 2) * a.channels + c] = from_float<S>(z);
-    st[b * n + s.c0 + j] = a.silu ? y / (1.f + expf(-y)) : y;
+  static_assert(P >= 1 && B % P == 0, "whole sequences of positions");
+  if constexpr (P == 1) {
+    for (uint32_t i = threadIdx.x; i < B * s.len; i += kConsumerThreads) {
+      const uint32_t b = i / s.len, j = i % s.len, c = s.e0 + j;
+      S* sb = a.state + size_t(b) * a.state_stride;
+      const float z = st[b * n + s.c0 + j];
+      float y = a.w[size_t(c) * a.width + a.width - 1] * z;
+      for (uint32_t t = 0; t + 1 < a.width; ++t) y = fmaf(a.w[size_t(c) * a.width + t], to_float(sb[size_t(t) * a.channels + c]), y);
+      for (uint32_t t = 0; t + 2 < a.width; ++t) sb[size_t(t) * a.channels + c] = sb[size_t(t + 1) * a.channels + c];
+      if (a.width > 1) sb[size_t(a.width - 2) * a.channels + c] = from_float<S>(z);
+      st[b * n + s.c0 + j] = a.silu ? y / (1.f + expf(-y)) : y;
+    }
+  } else {
+    // A thread a (sequence, channel), through the sequence's positions in order.
+    for (uint32_t i = threadIdx.x; i < (B / P) * s.len; i += kConsumerThreads) {
+      const uint32_t sq = i / s.len, j = i % s.len, c = s.e0 + j;
+      for (uint32_t t = 0; t < P; ++t) {
+        const uint32_t b = sq * P + t;
+        const float z = st[b * n + s.c0 + j];
+        a.log[size_t(b) * a.channels + c] = from_float<S>(z);
+        float y = a.w[size_t(c) * a.width + a.width - 1] * z;
+        for (uint32_t u = 0; u + 1 < a.width; ++u) y = fmaf(a.w[size_t(c) * a.width + u], conv_history<P>(a, sq, t + u, c), y);
+        st[b * n + s.c0 + j] = a.silu ? y / (1.f + expf(-y)) : y;
+      }
+    }
+  }
+}
+
+// After a verify step: each sequence's window moved on by the positions it
+// keeps (keep[sequence], 1 to P), from the step's log: the last W - 1 entries
+// of its history up to them, as plain decoding would have left it. The
+// tile's span s, as ep_conv_update's.
+template <int B, int P, class S>
+__device__ void conv_commit(Span s, const EpConvUpdate<S>& a, const uint32_t* keep) {
+  for (uint32_t i = threadIdx.x; i < (B / P) * s.len; i += kConsumerThreads) {
+    const uint32_t sq = i / s.len, c = s.e0 + i % s.len;
+    // Row u takes history entry keep + u > u: rows below u are written, the entries read are not yet.
+    for (uint32_t u = 0; u + 1 < a.width; ++u) {
+      a.state[size_t(sq) * a.state_stride + size_t(u) * a.channels + c] = from_float<S>(conv_history<P>(a, sq, keep[sq] + u, c));
+    }
   }
 }
 

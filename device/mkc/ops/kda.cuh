@@ -28,6 +28,17 @@ struct KdaShape {
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
+// A verify step's record of KDA's per-position inputs (kda_decode with
+// positions), what kda_commit needs to step the state through the positions
+// a sequence keeps: per row b (a sequence's position) and head h, the decay
+// alpha = exp(g) and the key and value, [B][heads d] fp32, and beta [B][heads].
+struct KdaLog {
+  float* alpha;
+  float* k;
+  float* v;
+  float* beta;
+};
+
 // One task's work: heads [h0, h1) of the layer's shape, its inputs [B,
 // heads d] (q, k, v, the gate's f, beta's logits [B, heads]) and its state.
 template <class T>
@@ -41,75 +52,209 @@ struct KdaDecode {
   const T* b_logit;       // [B, heads] beta before its sigmoid
   const float* a_log;     // [heads]
   const float* dt_bias;   // [heads d]
-  float* state;           // [B][heads][d][d] fp32
+  float* state;           // [sequences][heads][d][d] fp32
   T* out;                 // [B, heads d]
+  KdaLog log;             // a verify step's (positions > 1); unused otherwise
 };
 
-template <int B, class T>
-__device__ void kda_decode(KdaDecode<T> a) {
+constexpr uint32_t kKdaPer = kMaxKdaDim / 128;  // float4 groups of a state row per lane
+using KdaLane = float[kKdaPer][4];              // a lane's channels of a row: 4 per group
+
+// The decay exp(g) of one channel from the gate's input x = f + dt_bias.
+__device__ __forceinline__ float kda_alpha(const KdaShape& s, float scale, float x) {
+  const float g = s.safe_gate ? s.lower_bound / (1.f + expf(-scale * x)) : -scale * softplus(x);
+  return expf(g);
+}
+
+// One token's step of one state row, the lane's channels of it in sv:
+// S_r <- S_r diag(alpha); u = beta (v_r - S_r k); S_r <- S_r + u k.
+// Channels past d hold zeros in alpha and k (and so stay zero in sv).
+__device__ __forceinline__ void kda_row_step(KdaLane& sv, const KdaLane& alpha, const KdaLane& kk, float beta,
+                                             float v_r) {
+  float mem = 0.f;
+#pragma unroll
+  for (uint32_t j = 0; j < kKdaPer; ++j) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      sv[j][u] *= alpha[j][u];
+      mem = fmaf(sv[j][u], kk[j][u], mem);
+    }
+  }
+  mem = warp_sum(mem);
+  const float ur = beta * (v_r - mem);
+#pragma unroll
+  for (uint32_t j = 0; j < kKdaPer; ++j) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) sv[j][u] = fmaf(ur, kk[j][u], sv[j][u]);
+  }
+}
+
+// The row's output sum over the lane's channels of S_r q, reduced over the warp.
+__device__ __forceinline__ float kda_row_out(const KdaLane& sv, const KdaLane& qq) {
+  float o = 0.f;
+#pragma unroll
+  for (uint32_t j = 0; j < kKdaPer; ++j) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) o = fmaf(sv[j][u], qq[j][u], o);
+  }
+  return warp_sum(o);
+}
+
+// A state row's lane channels from memory (zeros past d), and back.
+__device__ __forceinline__ void kda_row_load(KdaLane& sv, const float* row, uint32_t d) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (uint32_t j = 0; j < kKdaPer; ++j) {
+    const uint32_t i = 128 * j + 4 * lane;
+    const float4 x = i < d ? *reinterpret_cast<const float4*>(row + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    sv[j][0] = x.x, sv[j][1] = x.y, sv[j][2] = x.z, sv[j][3] = x.w;
+  }
+}
+__device__ __forceinline__ void kda_row_store(const KdaLane& sv, float* row, uint32_t d) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (uint32_t j = 0; j < kKdaPer; ++j) {
+    const uint32_t i = 128 * j + 4 * lane;
+    if (i < d) *reinterpret_cast<float4*>(row + i) = make_float4(sv[j][0], sv[j][1], sv[j][2], sv[j][3]);
+  }
+}
+
+// One token's decay, key and query over the lane's channels (zeros past d),
+// token row b, head h; the query scaled by 1/sqrt(d).
+template <class T>
+__device__ __forceinline__ void kda_lane_inputs(const KdaDecode<T>& a, uint32_t b, uint32_t h, KdaLane& alpha,
+                                                KdaLane& kk, KdaLane& qq) {
   const KdaShape& s = a.shape;
-  const T *q = a.q, *k = a.k, *v = a.v, *f = a.f, *b_logit = a.b_logit;
-  const float *a_log = a.a_log, *dt_bias = a.dt_bias;
-  float* state = a.state;
-  T* out = a.out;
-  const uint32_t h0 = a.h0, h1 = a.h1;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32;
   const uint32_t d = s.d, p = s.heads * d;
-  constexpr uint32_t kPer = kMaxKdaDim / 128;  // float4 groups per lane
+  const float scale = expf(a.a_log[h]), qscale = rsqrtf(float(d));
+#pragma unroll
+  for (uint32_t j = 0; j < kKdaPer; ++j) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const uint32_t i = 128 * j + 4 * lane + u;
+      alpha[j][u] = kk[j][u] = qq[j][u] = 0.f;
+      if (i >= d) continue;
+      const size_t at = size_t(b) * p + size_t(h) * d + i;
+      alpha[j][u] = kda_alpha(s, scale, to_float(a.f[at]) + a.dt_bias[size_t(h) * d + i]);
+      kk[j][u] = to_float(a.k[at]);
+      qq[j][u] = to_float(a.q[at]) * qscale;
+    }
+  }
+}
+
+// The same channels of the query alone.
+template <class T>
+__device__ __forceinline__ void kda_lane_query(const KdaDecode<T>& a, uint32_t b, uint32_t h, KdaLane& qq) {
+  const int lane = threadIdx.x % 32;
+  const uint32_t d = a.shape.d, p = a.shape.heads * d;
   const float qscale = rsqrtf(float(d));
-  for (int b = 0; b < B; ++b) {
-    for (uint32_t h = h0; h < h1; ++h) {
-      const float scale = expf(a_log[h]);
-      const float beta = sigmoid(to_float(b_logit[size_t(b) * s.heads + h]));
-      float alpha[kPer][4], kk[kPer][4], qq[kPer][4];
 #pragma unroll
-      for (uint32_t j = 0; j < kPer; ++j) {
+  for (uint32_t j = 0; j < kKdaPer; ++j) {
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const uint32_t i = 128 * j + 4 * lane + u;
-          alpha[j][u] = kk[j][u] = qq[j][u] = 0.f;
-          if (i >= d) continue;
+    for (int u = 0; u < 4; ++u) {
+      const uint32_t i = 128 * j + 4 * lane + u;
+      qq[j][u] = i < d ? to_float(a.q[size_t(b) * p + size_t(h) * d + i]) * qscale : 0.f;
+    }
+  }
+}
+
+// The same channels of a logged decay and key (kda_decode with positions).
+__device__ __forceinline__ void kda_lane_logged(const KdaLog& log, size_t at, uint32_t d, KdaLane& alpha,
+                                                KdaLane& kk) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (uint32_t j = 0; j < kKdaPer; ++j) {
+    const uint32_t i = 128 * j + 4 * lane;
+    const float4 x = i < d ? *reinterpret_cast<const float4*>(log.alpha + at + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 y = i < d ? *reinterpret_cast<const float4*>(log.k + at + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    alpha[j][0] = x.x, alpha[j][1] = x.y, alpha[j][2] = x.z, alpha[j][3] = x.w;
+    kk[j][0] = y.x, kk[j][1] = y.y, kk[j][2] = y.z, kk[j][3] = y.w;
+  }
+}
+
+// Plain decoding (P = 1): one token a sequence, the state stepped in place.
+// A verify step (P > 1, rows b = sequence P + position): each sequence's
+// positions in order, each row of S carried in registers through them, each
+// position's output from the state after it; the state itself is left as it
+// was and the positions' inputs are logged (a.log), for kda_commit to step it
+// through the positions the sequence keeps once the step's choices are known.
+template <int B, int P = 1, class T>
+__device__ void kda_decode(KdaDecode<T> a) {
+  static_assert(P >= 1 && B % P == 0, "whole sequences of positions");
+  const KdaShape& s = a.shape;
+  const int warp = threadIdx.x / 32;
+  const uint32_t d = s.d, p = s.heads * d;
+  for (int sq = 0; sq < B / P; ++sq) {
+    for (uint32_t h = a.h0; h < a.h1; ++h) {
+      float* sh = a.state + (size_t(sq) * s.heads + h) * d * d;
+      if constexpr (P == 1) {
+        const float beta = sigmoid(to_float(a.b_logit[size_t(sq) * s.heads + h]));
+        KdaLane alpha, kk, qq;
+        kda_lane_inputs(a, sq, h, alpha, kk, qq);
+        for (uint32_t r = warp; r < d; r += kConsumerWarps) {
+          float* row = sh + size_t(r) * d;
+          KdaLane sv;
+          kda_row_load(sv, row, d);
+          kda_row_step(sv, alpha, kk, beta, to_float(a.v[size_t(sq) * p + size_t(h) * d + r]));
+          kda_row_store(sv, row, d);
+          const float o = kda_row_out(sv, qq);
+          if (threadIdx.x % 32 == 0) a.out[size_t(sq) * p + size_t(h) * d + r] = from_float<T>(o);
+        }
+      } else {
+        // The log first: each position's decay, key, value and beta.
+        for (uint32_t e = threadIdx.x; e < P * d; e += kConsumerThreads) {
+          const uint32_t b = sq * P + e / d, i = e % d;
           const size_t at = size_t(b) * p + size_t(h) * d + i;
-          const float x = to_float(f[at]) + dt_bias[size_t(h) * d + i];
-          const float g = s.safe_gate ? s.lower_bound / (1.f + expf(-scale * x)) : -scale * softplus(x);
-          alpha[j][u] = expf(g);
-          kk[j][u] = to_float(k[at]);
-          qq[j][u] = to_float(q[at]) * qscale;
+          a.log.alpha[at] = kda_alpha(s, expf(a.a_log[h]), to_float(a.f[at]) + a.dt_bias[size_t(h) * d + i]);
+          a.log.k[at] = to_float(a.k[at]);
+          a.log.v[at] = to_float(a.v[at]);
+          if (i == 0) a.log.beta[size_t(b) * s.heads + h] = sigmoid(to_float(a.b_logit[size_t(b) * s.heads + h]));
+        }
+        __threadfence_block();
+        consumer_sync();
+        for (uint32_t r = warp; r < d; r += kConsumerWarps) {
+          KdaLane sv;
+          kda_row_load(sv, sh + size_t(r) * d, d);
+          for (int t = 0; t < P; ++t) {
+            const uint32_t b = sq * P + t;
+            const size_t at = size_t(b) * p + size_t(h) * d;
+            KdaLane alpha, kk, qq;
+            kda_lane_logged(a.log, at, d, alpha, kk);
+            kda_lane_query(a, b, h, qq);
+            kda_row_step(sv, alpha, kk, a.log.beta[size_t(b) * s.heads + h], a.log.v[at + r]);
+            const float o = kda_row_out(sv, qq);
+            if (threadIdx.x % 32 == 0) a.out[at + r] = from_float<T>(o);
+          }
         }
       }
-      float* sh = state + (size_t(b) * s.heads + h) * d * d;
+    }
+  }
+}
+
+// After a verify step: each sequence's state stepped through the positions it
+// keeps (keep[sequence], 1 to P: its accepted drafts and the token before
+// them), from the step's log, as plain decoding would have stepped it one
+// token at a time. The task's heads [h0, h1), as kda_decode's.
+template <int B, int P, class T>
+__device__ void kda_commit(const KdaDecode<T>& a, const uint32_t* keep) {
+  const KdaShape& s = a.shape;
+  const int warp = threadIdx.x / 32;
+  const uint32_t d = s.d, p = s.heads * d;
+  for (int sq = 0; sq < B / P; ++sq) {
+    for (uint32_t h = a.h0; h < a.h1; ++h) {
+      float* sh = a.state + (size_t(sq) * s.heads + h) * d * d;
       for (uint32_t r = warp; r < d; r += kConsumerWarps) {
-        float* row = sh + size_t(r) * d;
-        float sv[kPer][4];
-        float mem = 0.f;
-#pragma unroll
-        for (uint32_t j = 0; j < kPer; ++j) {
-          const uint32_t i = 128 * j + 4 * lane;
-          if (i < d) {
-            const float4 x = *reinterpret_cast<const float4*>(row + i);
-            sv[j][0] = x.x * alpha[j][0], sv[j][1] = x.y * alpha[j][1];
-            sv[j][2] = x.z * alpha[j][2], sv[j][3] = x.w * alpha[j][3];
-          } else {
-            sv[j][0] = sv[j][1] = sv[j][2] = sv[j][3] = 0.f;
-          }
-#pragma unroll
-          for (int u = 0; u < 4; ++u) mem = fmaf(sv[j][u], kk[j][u], mem);
+        KdaLane sv;
+        kda_row_load(sv, sh + size_t(r) * d, d);
+        for (uint32_t t = 0; t < keep[sq]; ++t) {
+          const uint32_t b = sq * P + t;
+          const size_t at = size_t(b) * p + size_t(h) * d;
+          KdaLane alpha, kk;
+          kda_lane_logged(a.log, at, d, alpha, kk);
+          kda_row_step(sv, alpha, kk, a.log.beta[size_t(b) * s.heads + h], a.log.v[at + r]);
         }
-        mem = warp_sum(mem);
-        const float ur = beta * (to_float(v[size_t(b) * p + size_t(h) * d + r]) - mem);
-        float o = 0.f;
-#pragma unroll
-        for (uint32_t j = 0; j < kPer; ++j) {
-          const uint32_t i = 128 * j + 4 * lane;
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            sv[j][u] = fmaf(ur, kk[j][u], sv[j][u]);
-            o = fmaf(sv[j][u], qq[j][u], o);
-          }
-          if (i < d) *reinterpret_cast<float4*>(row + i) = make_float4(sv[j][0], sv[j][1], sv[j][2], sv[j][3]);
-        }
-        o = warp_sum(o);
-        if (lane == 0) out[size_t(b) * p + size_t(h) * d + r] = from_float<T>(o);
+        kda_row_store(sv, sh + size_t(r) * d, d);
       }
     }
   }

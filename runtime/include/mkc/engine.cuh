@@ -172,6 +172,8 @@ class Engine {
       }
     }
     launch(tokens, false);
+    std::vector<int32_t> kept(kSequences, 0);  // one position a sequence: no drafts
+    if constexpr (kPositions > 1) commit(kept.data());
     std::vector<int32_t> choice(P::kBatch);
     MKC_CUDA(cudaMemcpy(choice.data(), outputs_[P::kNextTokenOutput], sizeof(int32_t) * P::kBatch,
                         cudaMemcpyDeviceToHost));
@@ -181,6 +183,10 @@ class Engine {
     }
     for (int s = 0; s < kSequences; ++s) {
       const uint32_t a = accepted_drafts(tokens + s * kPositions, choice.data() + s * kPositions, kPositions);
+      if (int32_t(a) != kept[s]) {
+        throw Failure{"verify: sequence " + std::to_string(s) + ": the device kept " + std::to_string(kept[s]) +
+                      " drafts of the step, the step's choices accept " + std::to_string(a)};
+      }
       accepted[s] = int32_t(a);
       next[s] = choice[s * kPositions + a];
       pos_[s] += int32_t(a) + 1;
@@ -450,6 +456,20 @@ class Engine {
     }
   }
 
+  // After a verify step: the state it read and left as it was (KDA's
+  // recurrent state, the conv windows) stepped through the positions each
+  // sequence keeps (commit_kernel, megakernel.cuh); the drafts it accepted,
+  // by the device's reckoning, into accepted[sequences].
+  void commit(int32_t* accepted) requires(kPositions > 1) {
+    const auto* choice = static_cast<const int32_t*>(outputs_[P::kNextTokenOutput]);
+    commit_kernel<typename P::Step, kPositions, kSequences>
+        <<<plan_.sms, kConsumerThreads>>>(schedule_, memory_, choice, d_accepted_);
+    MKC_CUDA(cudaGetLastError());
+    const cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) throw Failure{std::string("the verify step's commit failed: ") + cudaGetErrorString(e)};
+    MKC_CUDA(cudaMemcpy(accepted, d_accepted_, sizeof(int32_t) * kSequences, cudaMemcpyDeviceToHost));
+  }
+
   void release() {
     for (void* p : owned_) cudaFree(p);
     owned_.clear();
@@ -603,6 +623,7 @@ class Engine {
     d_tokens_ = device_alloc<int32_t>(sizeof(int32_t) * 2 * P::kBatch);
     d_pos_ = device_alloc<int32_t>(sizeof(int32_t) * 2 * P::kBatch);
     gen_length_ = device_alloc<int32_t>(sizeof(int32_t) * P::kBatch);
+    d_accepted_ = device_alloc<int32_t>(sizeof(int32_t) * kSequences);
     gen_ctl_ = device_alloc<GenerateControl>(sizeof(GenerateControl));
     float* staging = device_alloc<float>(sizeof(float) * P::kStagingFloats * plan_.sms);
     const TaskArgs* tasks = device_copy(plan_.tasks.data(), plan_.tasks.size());
@@ -645,6 +666,7 @@ class Engine {
   uint32_t gen_out_capacity_ = 0;
   int32_t* gen_length_ = nullptr;
   GenerateControl* gen_ctl_ = nullptr;
+  int32_t* d_accepted_ = nullptr;  // [sequences]: a verify step's accepted drafts (commit)
   Memory memory_{};
   Schedule schedule_{};
   HangReport* report_ = nullptr;

@@ -184,12 +184,38 @@ impl Gen<'_> {
             state = state,
             out = out,
         );
+        if self.plan.options.positions == 1 {
+            let _ = writeln!(
+                self.code,
+                "__device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
+                 kda_decode<kBatch>({args});\n}}"
+            );
+            self.role(stage, format!("{f}(t, m, p);"), None);
+            return Ok(());
+        }
+        // A verify step: the positions through the state, logged; the commit
+        // steps the state through those each sequence keeps.
+        let Some([alpha, k, v, beta]) = self.plan.arena.logs.get(&n.index()).map(Vec::as_slice) else {
+            return Err(internal(op, "KDA without its verify-step log"));
+        };
+        let mut log = vec![];
+        for (name, at) in [("alpha_log", alpha), ("k_log", k), ("v_log", v), ("beta_log", beta)] {
+            log.push(format!("reinterpret_cast<float*>({})", self.arena(name, Loc::Arena(*at))));
+        }
+        let log = init!("KdaLog"; alpha = log[0], k = log[1], v = log[2], beta = log[3]);
+        let args = format!("{}, .log = {log}}}", args.strip_suffix('}').expect("an initializer"));
         let _ = writeln!(
             self.code,
-            "__device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
-             kda_decode<kBatch>({args});\n}}"
+            "__device__ inline auto {f}_args(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
+             return {args};\n}}\n\
+             __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
+             kda_decode<kBatch, kPositions>({f}_args(t, m, p));\n}}\n\
+             // After a verify step: the state stepped through the positions each sequence keeps.\n\
+             __device__ inline void {f}_commit(const TaskArgs& t, const Memory& m, const @K@_params& p, \
+             const uint32_t* keep) {{\n  \
+             kda_commit<kBatch, kPositions>({f}_args(t, m, p), keep);\n}}"
         );
-        self.role(stage, format!("{f}(t, m, p);"), None);
+        self.role_commit(stage, format!("{f}(t, m, p);"), None, Some(format!("{f}_commit(t, m, p, keep);")));
         Ok(())
     }
 

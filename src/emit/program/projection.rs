@@ -141,13 +141,19 @@ impl Gen<'_> {
                 }
             }
         }
-        let mut spans = 0;
+        // Each span's definition (`const Span s1 = ...;`), by name: a verify
+        // step's commit computes those its convs need again.
+        let mut span_defs: Vec<(String, String)> = vec![];
         let mut new_span = |body: &mut String, expr: String| {
-            spans += 1;
-            let name = format!("s{spans}");
-            let _ = writeln!(body, "  const Span {name} = {expr};");
+            let name = format!("s{}", span_defs.len() + 1);
+            let def = format!("  const Span {name} = {expr};");
+            let _ = writeln!(body, "{def}");
+            span_defs.push((name.clone(), def));
             name
         };
+        // A verify step (positions > 1): the convs' commits.
+        let positions = self.plan.options.positions;
+        let mut commits: Vec<(String, String)> = vec![];
         let mut lm_tiles = None;
         let mut ropes = 0;
         for &ni in &op.nodes {
@@ -299,15 +305,43 @@ impl Gen<'_> {
                     };
                     let w = self.weight(ops[1].node, 0)?;
                     let state = self.state(ops[2].node, c_type);
-                    let args = init!("EpConvUpdate";
-                        w = w,
-                        width = width,
-                        state = state,
-                        state_stride = st_type.elements(),
-                        channels = channels,
-                        silu = silu,
-                    );
-                    let _ = writeln!(body, "  ep_conv_update<kBatch>(st, n, {src}, {args});\n  consumer_sync();");
+                    if positions == 1 {
+                        let args = init!("EpConvUpdate";
+                            w = w,
+                            width = width,
+                            state = state,
+                            state_stride = st_type.elements(),
+                            channels = channels,
+                            silu = silu,
+                        );
+                        let _ = writeln!(body, "  ep_conv_update<kBatch>(st, n, {src}, {args});\n  consumer_sync();");
+                    } else {
+                        // The verify step's conv and its commit read the same arguments.
+                        let Some([at]) = self.plan.arena.logs.get(&n.index()).map(Vec::as_slice) else {
+                            return Err(internal(op, "a short conv without its verify-step log"));
+                        };
+                        let log = format!("reinterpret_cast<{c_type}*>({})", self.arena("conv_log", Loc::Arena(*at)));
+                        let args = init!("EpConvUpdate";
+                            w = w,
+                            width = width,
+                            state = state,
+                            state_stride = st_type.elements(),
+                            channels = channels,
+                            silu = silu,
+                            log = log,
+                        );
+                        let conv = format!("@K@_conv{}", commits.len() + 1);
+                        let _ = writeln!(
+                            self.code,
+                            "__device__ inline EpConvUpdate<{c_type}> {conv}(const Memory& m, const @K@_params& p) {{\n  \
+                             return {args};\n}}"
+                        );
+                        let _ = writeln!(
+                            body,
+                            "  ep_conv_update<kBatch, kPositions>(st, n, {src}, {conv}(m, p));\n  consumer_sync();"
+                        );
+                        commits.push((src.clone(), conv));
+                    }
                     span.insert(out, src);
                 }
                 OpKind::L2Norm => {
@@ -387,7 +421,36 @@ impl Gen<'_> {
              const {rows_t} r = {f}_rows(t, m, p);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
              {compute}\n  consumer_sync();\n{body}}}"
         );
-        self.role(
+        let commit = if commits.is_empty() {
+            None
+        } else {
+            // The spans the convs read, in definition order (a sub-span after its parent).
+            let mut need: Vec<&str> = commits.iter().map(|(s, _)| s.as_str()).collect();
+            let mut code = String::new();
+            for (name, def) in span_defs.iter().rev() {
+                if need.contains(&name.as_str()) {
+                    need.extend(
+                        span_defs.iter().filter(|(n, _)| def.contains(&format!("({n},"))).map(|(n, _)| n.as_str()),
+                    );
+                }
+            }
+            for (name, def) in &span_defs {
+                if need.contains(&name.as_str()) {
+                    let _ = writeln!(code, "{def}");
+                }
+            }
+            for (src, conv) in &commits {
+                let _ = writeln!(code, "  conv_commit<kBatch, kPositions>({src}, {conv}(m, p), keep);");
+            }
+            let _ = writeln!(
+                self.code,
+                "// After a verify step: the conv windows moved on by the positions each sequence keeps.\n\
+                 __device__ inline void {f}_commit(const TaskArgs& t, const Memory& m, const @K@_params& p, \
+                 const uint32_t* keep) {{\n{code}}}"
+            );
+            Some(format!("{f}_commit(t, m, p, keep);"))
+        };
+        self.role_commit(
             rows_stage,
             format!("{f}(t, m, p, it, warp);"),
             Some(if fp8 {
@@ -395,6 +458,7 @@ impl Gen<'_> {
             } else {
                 format!("rows_load<kBatch>({f}_rows(t, m, p), it);")
             }),
+            commit,
         );
         if let Some((ptr, tiles, out)) = lm_tiles {
             let stage = stages[1];
