@@ -155,16 +155,18 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(Schedule p, typename T
 // step's logs (`Tasks::commit(task, params, keep)`, every instruction's
 // task, each on the SM that ran it). Each CTA first takes what each sequence
 // keeps from the step's own choices (accepted_drafts, speculative.h: the
-// accepted drafts and the token before them); CTA 0 writes the accepted
-// drafts to `accepted` [sequences]. Launched after the step, with
-// kConsumerThreads threads.
+// accepted drafts and the token before them), at most limit[sequence] if
+// `limit` is given (a generation's last tokens; 0: none kept); CTA 0 writes
+// the accepted drafts to `accepted` [sequences]. Launched after the step,
+// with kConsumerThreads threads.
 template <class Tasks, int kPositions, int kSequences>
-__global__ void __launch_bounds__(kConsumerThreads, 1)
-    commit_kernel(Schedule p, typename Tasks::Params params, const int32_t* choice, int32_t* accepted) {
+__global__ void __launch_bounds__(kConsumerThreads, 1) commit_kernel(Schedule p, typename Tasks::Params params,
+                                                                      const int32_t* choice, const uint32_t* limit,
+                                                                      int32_t* accepted) {
   __shared__ uint32_t keep[kSequences];
   for (int sq = threadIdx.x; sq < kSequences; sq += blockDim.x) {
     const uint32_t a = accepted_drafts(params.tokens + sq * kPositions, choice + sq * kPositions, kPositions);
-    keep[sq] = a + 1;
+    keep[sq] = limit != nullptr && limit[sq] < a + 1 ? limit[sq] : a + 1;
     if (blockIdx.x == 0) accepted[sq] = int32_t(a);
   }
   __syncthreads();

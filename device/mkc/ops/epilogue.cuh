@@ -194,13 +194,14 @@ __device__ void ep_conv_update(float* st, uint32_t n, Span s, EpConvUpdate<S> a)
 }
 
 // After a verify step: each sequence's window moved on by the positions it
-// keeps (keep[sequence], 1 to P), from the step's log: the last W - 1 entries
+// keeps (keep[sequence], 0 to P), from the step's log: the last W - 1 entries
 // of its history up to them, as plain decoding would have left it. The
 // tile's span s, as ep_conv_update's.
 template <int B, int P, class S>
 __device__ void conv_commit(Span s, const EpConvUpdate<S>& a, const uint32_t* keep) {
   for (uint32_t i = threadIdx.x; i < (B / P) * s.len; i += kConsumerThreads) {
     const uint32_t sq = i / s.len, c = s.e0 + i % s.len;
+    if (keep[sq] == 0) continue;
     // Row u takes history entry keep + u > u: rows below u are written, the entries read are not yet.
     for (uint32_t u = 0; u + 1 < a.width; ++u) {
       a.state[size_t(sq) * a.state_stride + size_t(u) * a.channels + c] = from_float<S>(conv_history<P>(a, sq, keep[sq] + u, c));

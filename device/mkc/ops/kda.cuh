@@ -233,8 +233,8 @@ __device__ void kda_decode(KdaDecode<T> a) {
 }
 
 // After a verify step: each sequence's state stepped through the positions it
-// keeps (keep[sequence], 1 to P: its accepted drafts and the token before
-// them), from the step's log, as plain decoding would have stepped it one
+// keeps (keep[sequence], 0 to P: its accepted drafts and the token before
+// them, or fewer at a generation's end), from the step's log, as plain decoding would have stepped it one
 // token at a time. The task's heads [h0, h1), as kda_decode's.
 template <int B, int P, class T>
 __device__ void kda_commit(const KdaDecode<T>& a, const uint32_t* keep) {

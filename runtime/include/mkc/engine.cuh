@@ -173,7 +173,7 @@ class Engine {
     }
     launch(tokens, false);
     std::vector<int32_t> kept(kSequences, 0);  // one position a sequence: no drafts
-    if constexpr (kPositions > 1) commit(kept.data());
+    if constexpr (kPositions > 1) commit(nullptr, kept.data());
     std::vector<int32_t> choice(P::kBatch);
     MKC_CUDA(cudaMemcpy(choice.data(), outputs_[P::kNextTokenOutput], sizeof(int32_t) * P::kBatch,
                         cudaMemcpyDeviceToHost));
@@ -267,7 +267,8 @@ class Engine {
     std::vector<std::vector<int32_t>> seen(kSequences);
     for (int s = 0; s < kSequences; ++s) seen[s].assign(history + size_t(s) * len, history + size_t(s + 1) * len);
     std::vector<uint32_t> done(kSequences, 0);
-    std::vector<int32_t> tokens(P::kBatch), choice(P::kBatch);
+    std::vector<int32_t> tokens(P::kBatch), choice(P::kBatch), kept(kSequences);
+    std::vector<uint32_t> left(kSequences);
     uint32_t steps = 0;
     while (*std::min_element(done.begin(), done.end()) < n) {
       for (int s = 0; s < kSequences; ++s) {
@@ -278,12 +279,19 @@ class Engine {
       }
       launch(tokens.data(), false);
       ++steps;
+      // The state moves on by the tokens each sequence takes: none once it has its n.
+      for (int s = 0; s < kSequences; ++s) left[s] = n - done[s];
+      if constexpr (kPositions > 1) commit(left.data(), kept.data());
       MKC_CUDA(cudaMemcpy(choice.data(), outputs_[P::kNextTokenOutput], sizeof(int32_t) * P::kBatch,
                           cudaMemcpyDeviceToHost));
       for (int s = 0; s < kSequences; ++s) {
         if (done[s] == n) continue;  // stepped along, not advanced
         const int32_t* row = tokens.data() + s * kPositions;
         const uint32_t a = accepted_drafts(row, choice.data() + s * kPositions, kPositions);
+        if (int32_t(a) != kept[s]) {
+          throw Failure{"generate_speculative: sequence " + std::to_string(s) + ": the device kept " +
+                        std::to_string(kept[s]) + " drafts of the step, the step's choices accept " + std::to_string(a)};
+        }
         const uint32_t take = std::min(a + 1, n - done[s]);  // the drafts that stand, then the choice after them
         for (uint32_t i = 0; i < take; ++i) {
           const int32_t t = i < a ? row[i + 1] : choice[s * kPositions + a];
@@ -458,12 +466,14 @@ class Engine {
 
   // After a verify step: the state it read and left as it was (KDA's
   // recurrent state, the conv windows) stepped through the positions each
-  // sequence keeps (commit_kernel, megakernel.cuh); the drafts it accepted,
-  // by the device's reckoning, into accepted[sequences].
-  void commit(int32_t* accepted) requires(kPositions > 1) {
+  // sequence keeps (commit_kernel, megakernel.cuh), at most limit[sequence]
+  // if given (host memory); the drafts it accepted, by the device's
+  // reckoning, into accepted[sequences].
+  void commit(const uint32_t* limit, int32_t* accepted) requires(kPositions > 1) {
     const auto* choice = static_cast<const int32_t*>(outputs_[P::kNextTokenOutput]);
-    commit_kernel<typename P::Step, kPositions, kSequences>
-        <<<plan_.sms, kConsumerThreads>>>(schedule_, memory_, choice, d_accepted_);
+    if (limit != nullptr) MKC_CUDA(cudaMemcpy(d_limit_, limit, sizeof(uint32_t) * kSequences, cudaMemcpyHostToDevice));
+    commit_kernel<typename P::Step, kPositions, kSequences><<<plan_.sms, kConsumerThreads>>>(
+        schedule_, memory_, choice, limit != nullptr ? d_limit_ : nullptr, d_accepted_);
     MKC_CUDA(cudaGetLastError());
     const cudaError_t e = cudaDeviceSynchronize();
     if (e != cudaSuccess) throw Failure{std::string("the verify step's commit failed: ") + cudaGetErrorString(e)};
@@ -624,6 +634,7 @@ class Engine {
     d_pos_ = device_alloc<int32_t>(sizeof(int32_t) * 2 * P::kBatch);
     gen_length_ = device_alloc<int32_t>(sizeof(int32_t) * P::kBatch);
     d_accepted_ = device_alloc<int32_t>(sizeof(int32_t) * kSequences);
+    d_limit_ = device_alloc<uint32_t>(sizeof(uint32_t) * kSequences);
     gen_ctl_ = device_alloc<GenerateControl>(sizeof(GenerateControl));
     float* staging = device_alloc<float>(sizeof(float) * P::kStagingFloats * plan_.sms);
     const TaskArgs* tasks = device_copy(plan_.tasks.data(), plan_.tasks.size());
@@ -667,6 +678,7 @@ class Engine {
   int32_t* gen_length_ = nullptr;
   GenerateControl* gen_ctl_ = nullptr;
   int32_t* d_accepted_ = nullptr;  // [sequences]: a verify step's accepted drafts (commit)
+  uint32_t* d_limit_ = nullptr;    // [sequences]: the positions a commit may keep at most
   Memory memory_{};
   Schedule schedule_{};
   HangReport* report_ = nullptr;
