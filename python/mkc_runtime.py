@@ -117,8 +117,8 @@ class Model:
         return accepted, nxt, argmax.reshape(shape), logits.reshape(shape + (self.vocab,))
 
     def generate_speculative(self, history, n):
-        """Greedy generation with prompt-lookup speculation (a library of positions > 1): history
-        [sequences, len] each sequence's tokens so far, the last not yet decoded. Returns (tokens
+        """Greedy generation with prompt-lookup speculation in one launch (a library of positions > 1):
+        history [sequences, len] each sequence's tokens so far, the last not yet decoded. Returns (tokens
         [sequences, n] int32, the same as n single steps; verify steps taken)."""
         if not hasattr(self._lib, "mkc_model_generate_speculative"):
             raise MkcError(f"{self.name}: this library was built before mkc_model_generate_speculative")

@@ -261,4 +261,118 @@ __global__ void __launch_bounds__(kThreads, 1) generate_kernel(Schedule p, typen
   }
 }
 
+// ---------------------------------------------------------------------------
+// Greedy generation with speculation in one launch (a verify program of
+// kPositions rows a sequence: mkc_model_generate_speculative). Each step
+// verifies every sequence's last token and its drafts. At the first grid
+// barrier after it, the last CTA to arrive takes each sequence's tokens
+// (accepted_drafts: the drafts that stand and the choice after them, at most
+// what the sequence still needs), appends them to its history and output,
+// and writes the next step's rows into the other half of the tokens and
+// positions: the history's last token and its prompt-lookup drafts
+// (ngram_draft: n-grams of 1 to 3 tokens, the token 0 where none recurs).
+// Every CTA then commits its tasks' state through the tokens taken
+// (Tasks::commit, as commit_kernel), and a second grid barrier ends the step.
+// A sequence that has its n tokens steps along without advancing, until
+// every sequence has them.
+struct Speculate {
+  int32_t* tokens;        // [2][batch]: half 0 the first step's rows (from the host)
+  int32_t* pos;           // [2][batch]: their positions
+  const int32_t* choice;  // [batch]: the argmax output a step writes
+  int32_t* history;       // [sequences][cap]: each sequence's tokens, the last not yet decoded
+  uint32_t* length;       // [sequences]: the history's length
+  uint32_t* done;         // [sequences], zeroed: tokens generated
+  uint32_t* keep;         // [sequences]: the positions a step's commit keeps
+  int32_t* out;           // [sequences][n]: the generated tokens
+  GenerateControl* ctl;   // zeroed before the launch
+  uint32_t cap;           // the history's room per sequence: its length + n at least
+  uint32_t n;             // tokens per sequence
+};
+
+// A grid barrier of thread 0 (the launch is cooperative): `arrivals`
+// arrivals of every CTA so far; the last to arrive returns true without
+// waiting (the caller releases the others with store_release(released,
+// arrivals)); the others wait for that release.
+__device__ __forceinline__ bool grid_arrive(GenerateControl* ctl, uint32_t arrivals) {
+  __threadfence();
+  if (atomicAdd(&ctl->arrived, 1u) + 1 == arrivals * gridDim.x) {
+    __threadfence();  // every CTA's work before the barrier is visible
+    return true;
+  }
+  uint32_t backoff = 16;
+  while (static_cast<int32_t>(load_acquire(&ctl->released) - arrivals) < 0) {
+    __nanosleep(backoff);
+    if (backoff < 128) backoff *= 2;
+  }
+  return false;
+}
+
+template <class Tasks, int kPositions, int kSequences>
+__global__ void __launch_bounds__(kThreads, 1)
+    speculate_kernel(Schedule p, typename Tasks::Params params, uint32_t step0, Speculate g) {
+  constexpr int kRows = kPositions * kSequences;
+  Ring& ring = *ring_ptr();
+  __shared__ uint32_t last, done;
+  if (threadIdx.x == 0) ring_init(ring);
+  __syncthreads();
+  const uint32_t begin = p.sm_begin[blockIdx.x], end = p.sm_begin[blockIdx.x + 1];
+  uint32_t it = 0;
+  for (uint32_t s = 0;; ++s) {
+    typename Tasks::Params sp = params;
+    const int32_t* rows = g.tokens + (s & 1) * kRows;
+    const int32_t* pos = g.pos + (s & 1) * kRows;
+    sp.tokens = rows;
+    sp.pos = pos;
+    run_step<Tasks, false>(p, sp, step0 + s, begin, end, threadIdx.x / 32, it);
+    __syncthreads();  // this CTA's instructions of step s are done (the storer's releases issued)
+    if (threadIdx.x == 0) last = grid_arrive(g.ctl, 2 * s + 1) ? 1u : 0u;
+    __syncthreads();
+    if (last) {  // the step's choices are final: take the tokens, draft the next rows
+      __threadfence();
+      int32_t* next_rows = g.tokens + ((s + 1) & 1) * kRows;
+      int32_t* next_pos = g.pos + ((s + 1) & 1) * kRows;
+      for (int sq = threadIdx.x; sq < kSequences; sq += blockDim.x) {
+        const int32_t* row = rows + sq * kPositions;
+        const uint32_t a = accepted_drafts(row, g.choice + sq * kPositions, kPositions);
+        const uint32_t left = g.n - g.done[sq], take = left < a + 1 ? left : a + 1;
+        int32_t* history = g.history + size_t(sq) * g.cap;
+        for (uint32_t i = 0; i < take; ++i) {
+          const int32_t t = i < a ? row[i + 1] : g.choice[sq * kPositions + a];
+          g.out[size_t(sq) * g.n + g.done[sq] + i] = t;
+          history[g.length[sq] + i] = t;
+        }
+        g.done[sq] += take;
+        g.length[sq] += take;
+        g.keep[sq] = take;
+        int32_t* next = next_rows + sq * kPositions;
+        next[0] = history[g.length[sq] - 1];
+        const uint32_t drafted = ngram_draft(history, g.length[sq], 1, 3, kPositions - 1, next + 1);
+        for (uint32_t i = 1 + drafted; i < uint32_t(kPositions); ++i) next[i] = 0;
+        for (int t = 0; t < kPositions; ++t) next_pos[sq * kPositions + t] = pos[sq * kPositions] + int32_t(take) + t;
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        bool all = true;
+        for (int sq = 0; sq < kSequences; ++sq) all = all && g.done[sq] == g.n;
+        g.ctl->steps = s + 1;
+        g.ctl->done = all ? 1u : 0u;
+        __threadfence();
+        store_release(&g.ctl->released, 2 * s + 1);
+      }
+    }
+    __syncthreads();
+    // The state through the tokens each sequence took, this CTA's tasks (the consumer warps' work).
+    if (threadIdx.x < kConsumerThreads) {
+      for (uint32_t i = begin; i < end; ++i) Tasks::commit(p.instructions[i].task, params, g.keep);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (grid_arrive(g.ctl, 2 * s + 2)) store_release(&g.ctl->released, 2 * s + 2);
+      done = *reinterpret_cast<volatile uint32_t*>(&g.ctl->done);
+    }
+    __syncthreads();
+    if (done) break;
+  }
+}
+
 }  // namespace mkc

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -240,16 +241,17 @@ class Engine {
     if (!ok) throw Failure{std::string("cannot write the trace ") + path};
   }
 
-  // Greedy generation with speculation (a verify program), a verify step at
-  // a time from the host: history[sequence][len] is each sequence's tokens
-  // so far, the last not yet decoded (its state holds the ones before it);
-  // drafts come from prompt lookup over the sequence's history and what it
-  // has generated (ngram_draft: n-grams of 1 to 3 tokens, up to kPositions -
-  // 1 drafts, the token 0 where none recurs). Writes out[sequence][n], the
-  // same tokens as n mkc_model_step calls, and returns the verify steps
-  // taken. A sequence that has its n tokens keeps stepping with the others
-  // without advancing, so every sequence ends n positions on, as n single
-  // steps leave it.
+  // Greedy generation with speculation (a verify program) in one launch
+  // (device/mkc/megakernel.cuh, speculate_kernel): history[sequence][len] is
+  // each sequence's tokens so far, the last not yet decoded (its state holds
+  // the ones before it); each step verifies every sequence's last token and
+  // its drafts, prompt lookup over the sequence's history and what it has
+  // generated (ngram_draft: n-grams of 1 to 3 tokens, up to kPositions - 1
+  // drafts, the token 0 where none recurs). Writes out[sequence][n], the same
+  // tokens as n mkc_model_step calls, and returns the verify steps taken. A
+  // sequence that has its n tokens keeps stepping with the others without
+  // advancing, so every sequence ends n positions on, as n single steps
+  // leave it.
   uint32_t generate_speculative(const int32_t* history, uint32_t len, uint32_t n, int32_t* out) {
     if (kPositions == 1) {
       throw Failure{"generate_speculative: this program takes one position a sequence (mkc codegen --positions "
@@ -264,45 +266,62 @@ class Engine {
                       " positions of a verify step) exceed the plan's context of " + std::to_string(P::kContext)};
       }
     }
-    std::vector<std::vector<int32_t>> seen(kSequences);
-    for (int s = 0; s < kSequences; ++s) seen[s].assign(history + size_t(s) * len, history + size_t(s + 1) * len);
-    std::vector<uint32_t> done(kSequences, 0);
-    std::vector<int32_t> tokens(P::kBatch), choice(P::kBatch), kept(kSequences);
-    std::vector<uint32_t> left(kSequences);
-    uint32_t steps = 0;
-    while (*std::min_element(done.begin(), done.end()) < n) {
-      for (int s = 0; s < kSequences; ++s) {
-        int32_t* row = tokens.data() + s * kPositions;
-        row[0] = seen[s].back();
-        const uint32_t got = ngram_draft(seen[s].data(), uint32_t(seen[s].size()), 1, 3, kPositions - 1, row + 1);
-        std::fill(row + 1 + got, row + kPositions, 0);
-      }
-      launch(tokens.data(), false);
-      ++steps;
-      // The state moves on by the tokens each sequence takes: none once it has its n.
-      for (int s = 0; s < kSequences; ++s) left[s] = n - done[s];
-      if constexpr (kPositions > 1) commit(left.data(), kept.data());
-      MKC_CUDA(cudaMemcpy(choice.data(), outputs_[P::kNextTokenOutput], sizeof(int32_t) * P::kBatch,
-                          cudaMemcpyDeviceToHost));
-      for (int s = 0; s < kSequences; ++s) {
-        if (done[s] == n) continue;  // stepped along, not advanced
-        const int32_t* row = tokens.data() + s * kPositions;
-        const uint32_t a = accepted_drafts(row, choice.data() + s * kPositions, kPositions);
-        if (int32_t(a) != kept[s]) {
-          throw Failure{"generate_speculative: sequence " + std::to_string(s) + ": the device kept " +
-                        std::to_string(kept[s]) + " drafts of the step, the step's choices accept " + std::to_string(a)};
+    if constexpr (kPositions > 1) {
+      const uint32_t cap = len + n;
+      int32_t* d_history = device_alloc<int32_t>(sizeof(int32_t) * size_t(cap) * kSequences);
+      uint32_t* d_counts = device_alloc<uint32_t>(sizeof(uint32_t) * 3 * kSequences);  // length, done, keep
+      int32_t* d_out = device_alloc<int32_t>(sizeof(int32_t) * size_t(n) * kSequences);
+      try {
+        // The first step's rows: each sequence's last token and its drafts, at its next positions.
+        std::vector<int32_t> rows(P::kBatch);
+        for (int s = 0; s < kSequences; ++s) {
+          const int32_t* h = history + size_t(s) * len;
+          int32_t* row = rows.data() + s * kPositions;
+          row[0] = h[len - 1];
+          const uint32_t got = ngram_draft(h, len, 1, 3, kPositions - 1, row + 1);
+          std::fill(row + 1 + got, row + kPositions, 0);
         }
-        const uint32_t take = std::min(a + 1, n - done[s]);  // the drafts that stand, then the choice after them
-        for (uint32_t i = 0; i < take; ++i) {
-          const int32_t t = i < a ? row[i + 1] : choice[s * kPositions + a];
-          out[size_t(s) * n + done[s] + i] = t;
-          seen[s].push_back(t);
+        std::vector<uint32_t> counts(3 * kSequences, 0);
+        for (int s = 0; s < kSequences; ++s) counts[s] = len;
+        for (int s = 0; s < kSequences; ++s) {
+          MKC_CUDA(cudaMemcpy(d_history + size_t(s) * cap, history + size_t(s) * len, sizeof(int32_t) * len,
+                              cudaMemcpyHostToDevice));
         }
-        done[s] += take;
-        pos_[s] += int32_t(take);
+        MKC_CUDA(cudaMemcpy(d_counts, counts.data(), sizeof(uint32_t) * counts.size(), cudaMemcpyHostToDevice));
+        MKC_CUDA(cudaMemcpy(d_tokens_, rows.data(), sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
+        upload_positions();
+        MKC_CUDA(cudaMemset(gen_ctl_, 0, sizeof(GenerateControl)));
+        Speculate g{d_tokens_, d_pos_, static_cast<const int32_t*>(outputs_[P::kNextTokenOutput]), d_history,
+                    d_counts, d_counts + kSequences, d_counts + 2 * kSequences, d_out, gen_ctl_, cap, n};
+        uint32_t step0 = step_ + 1;
+        void* args[] = {&schedule_, &memory_, &step0, &g};
+        MKC_CUDA(cudaLaunchCooperativeKernel(speculate_fn(), dim3(plan_.sms), dim3(kThreads), args, kSmemBytes, 0));
+        const cudaError_t e = cudaDeviceSynchronize();
+        if (e != cudaSuccess) {
+          throw Failure{std::string("the speculative generation megakernel failed: ") + cudaGetErrorString(e)};
+        }
+        GenerateControl ctl{};
+        MKC_CUDA(cudaMemcpy(&ctl, gen_ctl_, sizeof ctl, cudaMemcpyDeviceToHost));
+        MKC_CUDA(cudaMemcpy(counts.data(), d_counts, sizeof(uint32_t) * counts.size(), cudaMemcpyDeviceToHost));
+        for (int s = 0; s < kSequences; ++s) {
+          if (ctl.done != 1 || ctl.steps == 0 || ctl.steps > n || counts[kSequences + s] != n) {
+            throw Failure{"the speculative generation megakernel reported " + std::to_string(ctl.steps) +
+                          " steps (done " + std::to_string(ctl.done) + ") and " +
+                          std::to_string(counts[kSequences + s]) + " of " + std::to_string(n) + " tokens for sequence " +
+                          std::to_string(s)};
+          }
+        }
+        MKC_CUDA(cudaMemcpy(out, d_out, sizeof(int32_t) * size_t(n) * kSequences, cudaMemcpyDeviceToHost));
+        step_ += ctl.steps;
+        for (auto& p : pos_) p += int32_t(n);
+        free_owned({d_history, d_counts, d_out});
+        return ctl.steps;
+      } catch (...) {
+        free_owned({d_history, d_counts, d_out});
+        throw;
       }
     }
-    return steps;
+    return 0;
   }
 
   // Greedy generation in one launch (device/mkc/megakernel.cuh,
@@ -316,8 +335,8 @@ class Engine {
   uint32_t generate(const int32_t* tokens, uint32_t n, int32_t stop, int32_t* out, int32_t* length) {
     if (kPositions > 1) {
       throw Failure{"generate: this program is a verify step of " + std::to_string(kPositions) +
-                    " positions a sequence; generation with speculation in one launch is not written yet "
-                    "(mkc_model_verify a step at a time)"};
+                    " positions a sequence: generate with mkc_model_generate_speculative (drafts by prompt lookup, "
+                    "in one launch) or mkc_model_verify (drafts of your own, a step at a time)"};
     }
     if (n == 0) throw Failure{"generate: n must be at least 1"};
     if (stop < -1 || (stop >= 0 && uint64_t(stop) >= P::kVocab)) {
@@ -505,6 +524,9 @@ class Engine {
   }
 
   static const void* generate_fn() { return reinterpret_cast<const void*>(&generate_kernel<typename P::Step>); }
+  static const void* speculate_fn() requires(kPositions > 1) {
+    return reinterpret_cast<const void*>(&speculate_kernel<typename P::Step, kPositions, kSequences>);
+  }
 
   template <class T>
   T* device_alloc(size_t bytes) {
@@ -512,6 +534,14 @@ class Engine {
     MKC_CUDA(cudaMalloc(&p, bytes == 0 ? 16 : bytes));
     owned_.push_back(p);
     return static_cast<T*>(p);
+  }
+
+  // Frees allocations of device_alloc made for one call.
+  void free_owned(std::initializer_list<void*> ps) {
+    for (void* p : ps) {
+      owned_.erase(std::find(owned_.begin(), owned_.end(), p));
+      cudaFree(p);
+    }
   }
 
   void upload(mkc_checkpoint* ck) {
@@ -657,6 +687,9 @@ class Engine {
     MKC_CUDA(cudaFuncSetAttribute(kernel<false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
     MKC_CUDA(cudaFuncSetAttribute(kernel<true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
     MKC_CUDA(cudaFuncSetAttribute(generate_fn(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+    if constexpr (kPositions > 1) {
+      MKC_CUDA(cudaFuncSetAttribute(speculate_fn(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+    }
   }
 
   template <class T>

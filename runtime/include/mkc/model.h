@@ -61,13 +61,14 @@ int mkc_model_step(mkc_model* m, const int32_t* tokens, int32_t* next, float* lo
 int mkc_model_verify(mkc_model* m, const int32_t* tokens, int32_t* accepted, int32_t* next, int32_t* argmax,
                      float* logits, char* err, size_t err_len);
 
-/* Greedy generation with speculation (a verify program), a verify step at a
- * time: history[sequence][len] is each sequence's tokens so far, the last not
- * yet decoded (its state holds the others); drafts come from prompt lookup
- * over each sequence's history and what it generates (mkc/speculative.h's
- * ngram_draft, n-grams of 1 to 3). Writes out[sequence][n], the same tokens
- * as n mkc_model_step calls, and *steps (verify steps taken); every sequence
- * ends n positions on. */
+/* Greedy generation with speculation (a verify program) in one persistent
+ * launch: history[sequence][len] is each sequence's tokens so far, the last
+ * not yet decoded (its state holds the others); each step's drafts come from
+ * prompt lookup, on the device, over each sequence's history and what it has
+ * generated (mkc/speculative.h's ngram_draft, n-grams of 1 to 3), and the
+ * step's acceptance and state commit run on the device between steps.
+ * Writes out[sequence][n], the same tokens as n mkc_model_step calls, and
+ * *steps (verify steps taken); every sequence ends n positions on. */
 int mkc_model_generate_speculative(mkc_model* m, const int32_t* history, uint32_t len, uint32_t n, int32_t* out,
                                    uint32_t* steps, char* err, size_t err_len);
 
