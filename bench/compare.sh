@@ -4,7 +4,8 @@
 # scripts/build_gpu_libs.sh), at batch 1, 2, 4 and 8 where both have the
 # library, each pair measured in one process on the same
 # weights against the same PyTorch peer (bench/k2_bench.py, bench/k3_bench.py):
-#   bench/compare.sh OLD_MODELS_DIR [k2|k3|fp8|all]   (fp8: this checkout's FP8 K2 libraries and the peer only)
+#   bench/compare.sh OLD_MODELS_DIR [k2|k3|fp8|verify|all]   (fp8, verify: this checkout's libraries and the
+#   peer only; verify: K3 per-layer dims' verify steps at T = 1, 2, 4, 8)
 # Writes $OUT/compare_k2.json and $OUT/compare_k3.json and prints their tables; MKC_BENCH_TRACE=DIR
 # adds one profiled step per library (Chrome trace JSON, for `mkc plan --estimate --trace`).
 set -uo pipefail
@@ -48,6 +49,18 @@ if [ "$which" = fp8 ] || [ "$which" = all ]; then
   if [ ${#args[@]} -gt 0 ]; then
     python3 bench/k2_bench.py --config model_graphs/kimi_k2/bench_4l64e_fp8.json --fp8 "${args[@]}" "${trace[@]}" \
       --json "$out/compare_fp8.json" || rc=1
+  fi
+fi
+if [ "$which" = verify ]; then
+  # K3's verify step (per-layer dims, 48 experts: fits an 80 GB card) at T = 1 (the single-token step),
+  # 2, 4 and 8, this checkout's libraries, each against the peer verifying the same positions.
+  args=()
+  for name in kimi_k3_dims_8l48e_h200 kimi_k3_dims_8l48e_t2_h200 kimi_k3_dims_8l48e_t4_h200 kimi_k3_dims_8l48e_t8_h200; do
+    [ -f "target/models/$name/lib$name.so" ] && args+=(--lib "target/models/$name/lib$name.so")
+  done
+  if [ ${#args[@]} -gt 0 ]; then
+    python3 bench/k3_bench.py --config model_graphs/kimi_k3/test_8l48e.json "${args[@]}" \
+      --json "$out/compare_verify.json" || rc=1
   fi
 fi
 exit $rc

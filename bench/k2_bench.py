@@ -442,10 +442,11 @@ def report(config, bw, rows, json_path):
 
 def print_table(rows):
     """The benchmarks' last lines: a row per library."""
-    print(f"{'library':36} {'B':>2} {'mkc ms':>8} {'peer ms':>8} {'floor ms':>8} {'mkc %floor':>10} {'peer %floor':>11} "
-          f"{'mkc tok/s/u':>11} {'rel L2':>8} {'route gap':>9} next=")
+    print(f"{'library':36} {'B':>2} {'T':>2} {'mkc ms':>8} {'peer ms':>8} {'floor ms':>8} {'mkc %floor':>10} "
+          f"{'peer %floor':>11} {'mkc tok/s/u':>11} {'rel L2':>8} {'route gap':>9} next=")
     for r in rows:
-        print(f"{r['lib']:36} {r['batch']:>2} {r['mkc_ms']:>8.3f} {r['peer_ms']:>8.3f} {r['floor_ms']:>8.3f} "
+        print(f"{r['lib']:36} {r['batch']:>2} {r.get('positions', 1):>2} {r['mkc_ms']:>8.3f} {r['peer_ms']:>8.3f} "
+              f"{r['floor_ms']:>8.3f} "
               f"{100 * r['mkc_floor_fraction']:>9.1f}% {100 * r['peer_floor_fraction']:>10.1f}% "
               f"{r['mkc_tokens_per_s_per_user']:>11.1f} {r['logits_rel_l2_vs_peer']:>8.2e} "
               f"{r.get('routing_gap_min', float('nan')):>9.1e} {r['next_equal']}")
@@ -457,11 +458,15 @@ def measure(model, lib, state, tokens, trace):
     (with a trace folder) one profiled step and its per-stage table; closes
     the model. Returns (next, logits, ms, ms_repeat)."""
     model.load_state(state)
-    nxt, logits = model.step(tokens)
+    if getattr(model, "positions", 1) > 1:  # a verify step: every row's choice and logits
+        _, _, nxt, logits = model.verify(tokens)
+        nxt, logits = nxt.reshape(-1), logits.reshape(model.batch, -1)
+    else:
+        nxt, logits = model.step(tokens)
     model.load_state(state)  # time at the same position
     ms = model.time_steps(tokens, warmup=10, n=100)
     ms2 = model.time_steps(tokens, warmup=5, n=100)
-    if trace:
+    if trace and getattr(model, "positions", 1) == 1:  # (a verify program has no profiled step)
         os.makedirs(trace, exist_ok=True)
         # Named by the library's folder and file: a baseline's library has the same file name.
         folder = os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(lib))))
@@ -473,11 +478,13 @@ def measure(model, lib, state, tokens, trace):
     return nxt, logits, ms, ms2
 
 
-def result_row(lib, batch, pos, load_s, mkc_ms, mkc_ms_repeat, peer, peer_ms, nbytes, bw, nxt, p_next, rel, gap=None):
-    """One library's measurement, as the JSON report and print_table have it."""
+def result_row(lib, batch, pos, load_s, mkc_ms, mkc_ms_repeat, peer, peer_ms, nbytes, bw, nxt, p_next, rel, gap=None,
+               positions=1):
+    """One library's measurement, as the JSON report and print_table have it (`positions` T > 1: a verify
+    step of batch / T sequences of T positions)."""
     floor_ms = nbytes / bw * 1e3
     return {
-        "lib": os.path.basename(lib), "batch": batch, "pos": pos, "load_s": round(load_s, 1),
+        "lib": os.path.basename(lib), "batch": batch, "positions": positions, "pos": pos, "load_s": round(load_s, 1),
         "mkc_ms": mkc_ms, "mkc_ms_repeat": mkc_ms_repeat, "peer_ms": peer_ms, "peer_grouped_mm": peer.grouped,
         "bytes": nbytes, "floor_ms": floor_ms, "mkc_floor_fraction": floor_ms / mkc_ms,
         "peer_floor_fraction": floor_ms / peer_ms, "mkc_tokens_per_s_per_user": 1e3 / mkc_ms,

@@ -22,6 +22,10 @@ correctness tests are in tests/gpu/).
 
     python3 bench/k3_bench.py --config model_graphs/kimi_k3/test_8l96e.json \\
         --lib target/models/kimi_k3_dims_8l96e_h200/libkimi_k3_dims_8l96e_h200.so --json OUT [--trace DIR]
+
+A verify library (`mkc codegen --positions T`) is timed as a verify step of its sequences' T positions
+(the step and its commit, at the same positions) against the peer verifying the same T positions (its
+MLA one pass over a sequence's cache for all T, KDA's recurrence and conv windows through them in order).
 """
 
 import argparse
@@ -59,8 +63,10 @@ class Peer(CapturedStep):
     keeps fp32), captured in a CUDA graph. `state` holds its KV caches, conv
     windows and recurrent state, which the step updates in place."""
 
-    def __init__(self, c, w, batch, ctx, pos, state):
-        self.c, self.b, self.ctx = c, batch, ctx
+    def __init__(self, c, w, batch, ctx, pos, state, positions=1):
+        # A verify step (positions T > 1): batch rows, batch / T sequences of T consecutive positions from
+        # `pos`, causal among them; the state is the sequences' (and takes all T positions).
+        self.c, self.b, self.ctx, self.t, self.seqs = c, batch, ctx, positions, batch // positions
         self.kv, self.conv, self.ssm = state
         h, d, p = c.kda_heads, c.kda_dim, c.kda_heads * c.kda_dim
         self.layers = []
@@ -99,7 +105,8 @@ class Peer(CapturedStep):
         self.lm = w["model.embed_tokens.weight"] if c.tied else w["lm_head.weight"]
         self.cw_out = w["model.output_attn_res_norm.weight"].float() * w["model.output_attn_res_proj.weight"].float().reshape(-1)
         self.tokens = torch.zeros(batch, dtype=torch.long, device="cuda")
-        self.pos = torch.full((batch,), pos, dtype=torch.long, device="cuda")
+        self.pos = pos + torch.arange(batch, device="cuda") % positions  # each row's position
+        self.seq = torch.arange(batch, device="cuda") // positions  # each row's sequence
         self.valid = torch.arange(ctx, device="cuda")[None, :] <= self.pos[:, None]
         self.ids = {}
         self.gaps = {}
@@ -119,10 +126,12 @@ class Peer(CapturedStep):
         p = h * d
         y = x @ L["w_in"].T
         z, gate_in, fa, braw = y[:, : 3 * p], y[:, 3 * p: 4 * p], y[:, 4 * p: 4 * p + d], y[:, 4 * p + d:]
-        st = self.conv[l]  # [B, W-1, 3P] bf16, oldest first
-        win = torch.cat([st, z[:, None]], 1)
-        conv = F.silu((win.float() * L["wconv"][None]).sum(1))
-        st.copy_(win[:, 1:])
+        st = self.conv[l]  # [sequences, W-1, 3P] bf16, oldest first
+        # Each sequence's window through its T positions: the state's rows, then the positions.
+        full = torch.cat([st, z.view(self.seqs, self.t, 3 * p)], 1)  # [sequences, W-1+T, 3P]
+        win = full.unfold(1, st.shape[1] + 1, 1)  # [sequences, T, 3P, W]
+        conv = F.silu((win.float() * L["wconv"].t()[None, None]).sum(-1)).reshape(b, 3 * p)
+        st.copy_(full[:, self.t:])
         q, k, v = (t.reshape(b, h, d) for t in conv.split(p, -1))
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * d ** -0.5
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
@@ -132,11 +141,15 @@ class Peer(CapturedStep):
         else:
             g = -L["a"] * F.softplus(f + L["dt"], threshold=20.0)
         beta = torch.sigmoid(braw.float())
-        S = self.ssm[l]  # [B, h, d (v), d (k)] fp32
-        S.mul_(torch.exp(g)[:, :, None, :])
-        u = beta[..., None] * (v - torch.einsum("bhvk,bhk->bhv", S, k))
-        S.add_(u[..., :, None] * k[..., None, :])
-        o = torch.einsum("bhvk,bhk->bhv", S, q)
+        S = self.ssm[l]  # [sequences, h, d (v), d (k)] fp32
+        outs = []
+        for t in range(self.t):  # a sequence's positions in order
+            rows = slice(t, None, self.t)
+            S.mul_(torch.exp(g[rows])[:, :, None, :])
+            u = beta[rows][..., None] * (v[rows] - torch.einsum("bhvk,bhk->bhv", S, k[rows]))
+            S.add_(u[..., :, None] * k[rows][..., None, :])
+            outs.append(torch.einsum("bhvk,bhk->bhv", S, q[rows]))
+        o = torch.stack(outs, 1).reshape(b, h, d)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * L["o_norm"]
         o = o * torch.sigmoid(gate_in.float().view(b, h, d))
         return o.reshape(b, p).to(BF) @ L["wo"].T
@@ -148,13 +161,16 @@ class Peer(CapturedStep):
         q = (self.rms(qa, L["n_qa"]) @ L["wqb"].T).view(b, c.heads, c.nope + c.rope)
         q_nope, q_pe = q[..., : c.nope], q[..., c.nope:]
         ckv = self.rms(kva[:, : c.kv_lora], L["n_kva"])
-        cache = self.kv[l]
-        cache.index_put_((torch.arange(b, device="cuda"), self.pos), torch.cat([ckv, kva[:, c.kv_lora:]], -1))
+        cache = self.kv[l]  # [sequences, ctx, c + rope]
+        cache.index_put_((self.seq, self.pos), torch.cat([ckv, kva[:, c.kv_lora:]], -1))
         q_lat = torch.einsum("bhn,hnc->bhc", q_nope, L["w_uk"])
-        s = torch.bmm(q_lat, cache[:, :, : c.kv_lora].transpose(1, 2))
-        s = s + torch.bmm(q_pe, cache[:, :, c.kv_lora:].transpose(1, 2))
+        # A sequence's T positions' heads against its cache in one pass, each row masked at its position.
+        n, hh = self.seqs, self.t * c.heads
+        s = torch.bmm(q_lat.reshape(n, hh, c.kv_lora), cache[:, :, : c.kv_lora].transpose(1, 2))
+        s = s + torch.bmm(q_pe.reshape(n, hh, c.rope), cache[:, :, c.kv_lora:].transpose(1, 2))
+        s = s.view(b, c.heads, -1)
         s = (s.float() * (c.nope + c.rope) ** -0.5).masked_fill(~self.valid[:, None, :], float("-inf"))
-        o_lat = torch.bmm(torch.softmax(s, -1).to(BF), cache[:, :, : c.kv_lora])
+        o_lat = torch.bmm(torch.softmax(s, -1).to(BF).view(n, hh, -1), cache[:, :, : c.kv_lora]).view(b, c.heads, -1)
         o = torch.einsum("bhc,hvc->bhv", o_lat, L["w_uv"]).reshape(b, -1)
         return (o.float() * torch.sigmoid(gg.float())).to(BF) @ L["wo"].T
 
@@ -251,7 +267,7 @@ def step_bytes(c, raw, ids, batch, pos):
     """Bytes one step must move: every non-expert weight once (the embedding:
     its rows), the distinct routed experts used (as stored: MXFP4 codes and
     scales), KV cache rows 0..pos, the KDA conv windows and recurrent state
-    read and written."""
+    read and written; `batch` sequences (a verify step's rows share theirs)."""
     total = 0
     for k, t in raw.items():
         if ".experts." in k or k.endswith("model.embed_tokens.weight"):
@@ -310,16 +326,19 @@ def main():
         t0 = time.time()
         model = Model(lib, ckpt)
         load_s = time.time() - t0
-        b = model.batch
-        ctx = state_context(c, b, model.state_bytes)
-        kv0, conv0, ssm0 = random_state(c, b, ctx, args.pos, args.seed + 1)
-        state = np.frombuffer(pack_state(c, b, args.pos, kv0, conv0, ssm0, model.state_bytes), dtype=np.uint8)
+        # Rows b: a verify program's (positions T > 1) are b / T sequences of T positions, whose state is
+        # the sequences'.
+        b, t = model.batch, getattr(model, "positions", 1)
+        seqs = b // t
+        ctx = state_context(c, seqs, model.state_bytes)
+        kv0, conv0, ssm0 = random_state(c, seqs, ctx, args.pos, args.seed + 1)
+        state = np.frombuffer(pack_state(c, seqs, args.pos, kv0, conv0, ssm0, model.state_bytes), dtype=np.uint8)
         g = torch.Generator(device="cuda").manual_seed(args.seed + 2)
         tokens = torch.randint(0, c.vocab, (b,), generator=g, device="cuda")
         nxt, logits, ours_ms, ours_ms2 = measure(model, lib, state, tokens.cpu().numpy(), args.trace)
         st = ({l: t.clone() for l, t in kv0.items()}, {l: t.clone() for l, t in conv0.items()},
               {l: t.clone() for l, t in ssm0.items()})
-        peer = Peer(c, w, b, ctx, args.pos, st)
+        peer = Peer(c, w, b, ctx, args.pos, st, t)
         peer.tokens.copy_(tokens)
         peer.capture()
         for mine, first in zip(st, (kv0, conv0, ssm0)):  # capturing ran steps: back to the same state
@@ -331,10 +350,10 @@ def main():
         rel = float((torch.from_numpy(logits).cuda() - p_logits).norm() / p_logits.norm())
         ids = {l: t.cpu() for l, t in peer.ids.items()}
         peer_ms = peer.time()
-        nbytes = step_bytes(c, raw, ids, b, args.pos)
+        nbytes = step_bytes(c, raw, ids, seqs, args.pos)
         gap = min((float(g) for g in peer.gaps.values()), default=float("inf"))
         rows.append(result_row(lib, b, args.pos, load_s, ours_ms, ours_ms2, peer, peer_ms, nbytes, bw, nxt, p_next, rel,
-                               gap))
+                               gap, t))
         del peer, st, kv0, conv0, ssm0
         torch.cuda.empty_cache()
     shutil.rmtree(work, ignore_errors=True)

@@ -386,7 +386,8 @@ class Engine {
 
   // Benchmark: `n` steps back to back at the current positions (each step
   // rewrites the same cache row; positions do not advance), timed with CUDA
-  // events after `warmup` untimed steps. Returns milliseconds per step.
+  // events after `warmup` untimed steps; a verify program's steps each with
+  // their commit. Returns milliseconds per step.
   float time_steps(const int32_t* tokens, int warmup, int n) {
     MKC_CUDA(cudaMemcpy(d_tokens_, tokens, sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
     upload_positions();
@@ -398,6 +399,10 @@ class Engine {
       ++step_;
       void* args[] = {&schedule_, &memory_, &step_};
       MKC_CUDA(cudaLaunchCooperativeKernel(kernel<false>(), dim3(plan_.sms), dim3(kThreads), args, kSmemBytes, 0));
+      if constexpr (kPositions > 1) {  // a verify step: its commit too
+        commit_kernel<typename P::Step, kPositions, kSequences><<<plan_.sms, kConsumerThreads>>>(
+            schedule_, memory_, static_cast<const int32_t*>(outputs_[P::kNextTokenOutput]), nullptr, d_accepted_);
+      }
     }
     MKC_CUDA(cudaEventRecord(stop));
     MKC_CUDA(cudaEventSynchronize(stop));
