@@ -15,9 +15,9 @@ random checkpoint. For each seed:
      (compare.NEAR_TIE); the drafts that stood are counted.
   3. After the `wrong` run (every step rejects T - 1 rows), VERIFY's state against PLAIN's after as many
      tokens, through save_state: PLAIN's next step from each gives the same logits (within compare's bound
-     of 2e-2 relative; KDA's recurrent state and the conv windows included) and, for K2 (--arch
-     deepseek_v3, whose state is the positions and the MLA caches), the positions equal and every cache row
-     before them equal to bf16 rounding (rows past them hold rejected drafts, which no later step reads).
+     of 2e-2 relative), the positions are equal, and so is every part of the state within 2e-2 of its
+     largest value: K2's MLA cache rows before the positions; K3's too, its conv windows and KDA's
+     recurrent state whole (cache rows past the positions hold rejected drafts, which no later step reads).
   4. mkc_model_generate_speculative (prompt lookup, one launch) from the same start: the
      reference's tokens and, after them, PLAIN's state; on the first seed, tokens/s per user over --bench
      tokens against PLAIN's single steps, from a repetitive prompt and from a random one.
@@ -160,6 +160,44 @@ def cache_rows_equal(model, a, b, layers, ctx):
     return worst < 2e-2, f"cache rows before the positions: max difference {worst:.2e} of the largest value"
 
 
+def k3_state_equal(c, seqs, a, b):
+    """A K3 state (k3_reference.pack_state's layout) against another: positions equal; per KDA layer the
+    conv windows and the recurrent state whole, per MLA layer the cache rows before the positions, each
+    within 2e-2 of its largest value (rows past the positions hold rejected drafts, which no step reads)."""
+    from k3_reference import state_context
+
+    pa, pb = a[: 4 * seqs].view(np.int32), b[: 4 * seqs].view(np.int32)
+    if not (pa == pb).all():
+        return False, f"positions {pa.tolist()} against {pb.tolist()}"
+    ctx = state_context(c, seqs, a.size)
+    p = c.kda_heads * c.kda_dim
+    at, worst = 4 * seqs, {"conv": 0.0, "recurrent": 0.0, "cache": 0.0}
+
+    def rel(x, y):
+        return float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-6)) if x.size else 0.0
+
+    def bf16(buf, shape):
+        return (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+
+    for layer in range(c.layers):
+        if c.is_mla(layer):
+            n = seqs * ctx * (c.kv_lora + c.rope) * 2
+            ca, cb = (bf16(x[at:at + n], (seqs, ctx, c.kv_lora + c.rope)) for x in (a, b))
+            for s in range(seqs):
+                worst["cache"] = max(worst["cache"], rel(ca[s, : pa[s]], cb[s, : pa[s]]))
+            at += n
+        else:
+            for _ in range(3):  # q, k, v windows
+                n = seqs * (c.conv - 1) * p * 2
+                worst["conv"] = max(worst["conv"], rel(bf16(a[at:at + n], (-1,)), bf16(b[at:at + n], (-1,))))
+                at += n
+            n = seqs * c.kda_heads * c.kda_dim * c.kda_dim * 4
+            worst["recurrent"] = max(worst["recurrent"], rel(a[at:at + n].view(np.float32), b[at:at + n].view(np.float32)))
+            at += n
+    ok = max(worst.values()) < 2e-2
+    return ok, "state: max difference of the largest value: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+
+
 def same_next_step(plain, state, want, token):
     """PLAIN's next step (token) from `state` (another program's, through save_state) against its step from
     its own state `want`: logits within 2e-2 of the largest."""
@@ -212,7 +250,10 @@ def run_seed(args, seed, work):
             if args.arch == "deepseek_v3":
                 ok, msg = cache_rows_equal(verify, after, states[steps - 1], args.layers, verify.context)
                 checks["state after rejections: cache rows"] = ok
-                row["state"] += "; " + msg
+            else:
+                ok, msg = k3_state_equal(args.k3, verify.sequences, after, states[steps - 1])
+                checks["state after rejections: conv windows, recurrent state, cache rows"] = ok
+            row["state"] += "; " + msg
     # Generation with prompt-lookup drafts (mkc_model_generate_speculative) from the same start.
     verify.load_state(start)
     got, steps = verify.generate_speculative(prompt.T, args.steps)
@@ -227,7 +268,10 @@ def run_seed(args, seed, work):
         if args.arch == "deepseek_v3":
             ok, msg = cache_rows_equal(verify, after, states[-1], args.layers, verify.context)
             checks["generate_speculative: cache rows"] = ok
-            row["generate_speculative"]["state"] += "; " + msg
+        else:
+            ok, msg = k3_state_equal(args.k3, verify.sequences, after, states[-1])
+            checks["generate_speculative: conv windows, recurrent state, cache rows"] = ok
+        row["generate_speculative"]["state"] += "; " + msg
     if seed == args.seeds[0] and args.bench:
         row["bench"] = bench(plain, verify, start, prompt, args.bench, rng)
     checks["mkc_model_step refused"], row["step message"] = refused(
@@ -258,6 +302,10 @@ def main():
     with open(args.config) as f:
         config = json.load(f)
         args.layers = config.get("text_config", config)["num_hidden_layers"]
+    if args.arch == "k3":
+        from k3_reference import Config
+
+        args.k3 = Config.load(args.config)
     work = scratch_dir("mkc_verify_")
     rows = [run_seed(args, seed, work) for seed in args.seeds]
     shutil.rmtree(work, ignore_errors=True)
