@@ -365,6 +365,7 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                          dispatch/combine communication not modelled"
                     )?;
                 }
+                let spec = speculative.map(|tokens| plan::estimate::Speculation { tokens, acceptance });
                 if let Some(g) = gpus {
                     writeln!(out, "{}", plan::multi::assumptions(&target, g))?;
                     for b in [1, 8] {
@@ -376,16 +377,29 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                         }
                         .map_err(|e| plain(&e))?;
                         write!(out, "{}", plan::multi::render(&m))?;
+                        if let Some(s) = spec {
+                            let verify = plan::multi::estimate_verify(&v, &target, b, s.tokens, context, g)
+                                .map_err(|e| format!("beyond the device library: {}", e.reason));
+                            write!(
+                                out,
+                                "{}",
+                                plan::multi::render_speculative(&m, verify.as_ref().map_err(String::as_str), s)
+                            )?;
+                        }
                     }
                     if target.name == "gb300" && g == 72 {
                         writeln!(
                             out,
                             "for comparison: NVIDIA's hand-written K3 decode megakernel, 423 tokens/s per user on a GB300 \
-                             NVL72 (its speculative decoding not stated; this estimate has none)"
+                             NVL72 (its speculative decoding not stated; {})",
+                            if spec.is_some() {
+                                "the speculative lines above state theirs"
+                            } else {
+                                "this estimate has none"
+                            }
                         )?;
                     }
                 }
-                let spec = speculative.map(|tokens| plan::estimate::Speculation { tokens, acceptance });
                 if spec.is_some() {
                     writeln!(out, "{}", plan::estimate::SPECULATION_ASSUMPTIONS)?;
                 }

@@ -853,3 +853,23 @@ fn several_gpus_are_estimated_with_their_exchanges() {
     let err = plan::multi::estimate_on(&v, &Target::load("h200").unwrap(), 1, 4096, 16).unwrap_err();
     assert!(err.reason.contains("joins 8 GPUs"), "{}", err.reason);
 }
+
+/// Speculation on several GPUs: the verify step is the plan `codegen
+/// --positions` makes, on one GPU of the domain, its all-reduces carrying
+/// every position's row; it costs more than the plain step and less than
+/// plain steps for as many tokens; past the device's rows it says why.
+#[test]
+fn several_gpus_estimate_the_verify_step() {
+    let v = compile("kimi_k3", "config.json");
+    let t = Target::load("gb300").unwrap();
+    let plain = plan::multi::estimate_on(&v, &t, 1, 4096, 72).unwrap();
+    let verify = plan::multi::estimate_verify(&v, &t, 1, 4, 4096, 72).unwrap();
+    assert_eq!((verify.per_gpu.batch, verify.moe_layers), (4, 92), "4 rows a step, the same layers");
+    assert!(verify.comm_us > plain.comm_us, "every position's row in each all-reduce");
+    assert!(verify.step_us > plain.step_us && verify.step_us < 4.0 * plain.step_us);
+    let s = estimate::Speculation { tokens: 4, acceptance: 0.7 };
+    let line = plan::multi::render_speculative(&plain, Ok(&verify), s);
+    assert!(line.contains("speculative 4 positions at acceptance 0.70 (2.53 tokens per verify step)"), "{line}");
+    let err = plan::multi::estimate_verify(&v, &t, 8, 4, 4096, 72).unwrap_err();
+    assert!(err.reason.contains("attention-residual mix at batch 32"), "{}", err.reason);
+}

@@ -66,6 +66,25 @@ pub fn estimate_on(v: &Validated, target: &Target, batch: u32, context: u64, gpu
     estimate_of(&p, target, gpus)
 }
 
+/// Plans one GPU of `gpus` for a speculative verify step (`batch` sequences
+/// of `positions` positions, the program `codegen --positions` makes) and
+/// adds the exchanges (the all-reduces carry every position's row).
+pub fn estimate_verify(
+    v: &Validated,
+    target: &Target,
+    batch: u32,
+    positions: u32,
+    context: u64,
+    gpus: u32,
+) -> Result<MultiEstimate> {
+    in_one_domain(target, gpus)?;
+    let rows = batch.checked_mul(positions).ok_or_else(|| {
+        Error::new(ErrorKind::Limit, format!("batch {batch} x {positions} positions overflows a step's rows"))
+    })?;
+    let p = plan(v, target, Options { batch: rows, context, expert_parallel: gpus, positions })?;
+    estimate_of(&p, target, gpus)
+}
+
 /// Whether `gpus` GPUs of `target` are one NVLink domain.
 fn in_one_domain(target: &Target, gpus: u32) -> Result<()> {
     if gpus > target.nvlink_domain_gpus {
@@ -215,11 +234,54 @@ pub fn assumptions(target: &Target, gpus: u32) -> String {
          other weight, all state and every sequence's attention, dense layers, shared experts and router on every GPU; \
          one all-reduce of the routed experts' partial sums per MoE layer at {:.0} GB/s per GPU and {:.1} us per \
          exchange (nvlink_bandwidth, nvlink_latency_ns); tensor parallelism, the batch split and overlap of the \
-         exchanges with the weights not modelled; no speculative decoding",
+         exchanges with the weights not modelled; no speculative decoding unless --speculative says so",
         target.name,
         target.nvlink_bandwidth / 1e9,
         target.nvlink_latency_ns / 1e3
     )
+}
+
+/// The line `--speculative` adds for one batch on several GPUs: the verify
+/// step (`verify`, planned with its positions) against the plain step
+/// (`plain`), both placements, in tokens/s per user.
+pub fn render_speculative(
+    plain: &MultiEstimate,
+    verify: std::result::Result<&MultiEstimate, &str>,
+    s: super::estimate::Speculation,
+) -> String {
+    let gain = s.expected_tokens();
+    let per_user = |us: f64| if us > 0.0 { gain * 1e6 / us } else { 0.0 };
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    match verify {
+        Ok(v) => {
+            let (ep, tp) = (per_user(v.step_us), per_user(v.tensor_parallel.step_us));
+            format!(
+                "batch {} on {} GPUs, speculative {} positions at acceptance {:.2} ({:.2} tokens per verify step): \
+                 experts sharded, verify step {:.1} us, {:.1} tokens/s per user ({:.2}x plain decoding's {:.1}); tensor \
+                 parallel (from bytes), verify step {:.1} us, {:.1} tokens/s per user ({:.2}x plain decoding's {:.1})\n",
+                plain.per_gpu.batch,
+                plain.gpus,
+                s.tokens,
+                s.acceptance,
+                gain,
+                v.step_us,
+                ep,
+                ratio(ep, plain.tokens_per_s),
+                plain.tokens_per_s,
+                v.tensor_parallel.step_us,
+                tp,
+                ratio(tp, plain.tensor_parallel.tokens_per_s),
+                plain.tensor_parallel.tokens_per_s
+            )
+        }
+        Err(why) => format!(
+            "batch {} on {} GPUs, speculative {} positions: not estimated: a verify step of {} positions is {why}\n",
+            plain.per_gpu.batch,
+            plain.gpus,
+            s.tokens,
+            u64::from(plain.per_gpu.batch) * u64::from(s.tokens)
+        ),
+    }
 }
 
 /// The lines of one batch.
