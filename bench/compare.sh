@@ -59,7 +59,7 @@ if [ "$which" = verify ]; then
     [ -f "target/models/$name/lib$name.so" ] && args+=(--lib "target/models/$name/lib$name.so")
   done
   if [ ${#args[@]} -gt 0 ]; then
-    python3 bench/k3_bench.py --config model_graphs/kimi_k3/test_8l48e.json "${args[@]}" \
+    python3 bench/k3_bench.py --config model_graphs/kimi_k3/test_8l48e.json "${args[@]}" "${trace[@]}" \
       --json "$out/compare_verify.json" || rc=1
   fi
 fi

@@ -466,7 +466,7 @@ def measure(model, lib, state, tokens, trace):
     model.load_state(state)  # time at the same position
     ms = model.time_steps(tokens, warmup=10, n=100)
     ms2 = model.time_steps(tokens, warmup=5, n=100)
-    if trace and getattr(model, "positions", 1) == 1:  # (a verify program has no profiled step)
+    if trace:
         os.makedirs(trace, exist_ok=True)
         # Named by the library's folder and file: a baseline's library has the same file name.
         folder = os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(lib))))

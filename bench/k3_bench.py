@@ -350,6 +350,26 @@ def main():
         rel = float((torch.from_numpy(logits).cuda() - p_logits).norm() / p_logits.norm())
         ids = {l: t.cpu() for l, t in peer.ids.items()}
         peer_ms = peer.time()
+        if t > 1:
+            # The peer's verify against its own single steps through the same positions (one row of each
+            # sequence a step), from the same state; and ours against those steps.
+            st1 = ({l: x.clone() for l, x in kv0.items()}, {l: x.clone() for l, x in conv0.items()},
+                   {l: x.clone() for l, x in ssm0.items()})
+            single = Peer(c, w, seqs, ctx, args.pos, st1)
+            single.grouped = peer.grouped
+            steps = []
+            for i in range(t):
+                single.pos.fill_(args.pos + i)
+                single.valid = torch.arange(ctx, device="cuda")[None, :] <= single.pos[:, None]
+                single.tokens.copy_(tokens.view(seqs, t)[:, i])
+                with torch.no_grad():
+                    steps.append(single.step()[0])
+            seq_logits = torch.stack(steps, 1).reshape(b, -1)
+            ours = torch.from_numpy(logits).cuda()
+            print(f"{os.path.basename(lib)}: logits rel L2 against the peer's single steps: peer's verify "
+                  f"{float((p_logits - seq_logits).norm() / seq_logits.norm()):.2e}, mkc's verify "
+                  f"{float((ours - seq_logits).norm() / seq_logits.norm()):.2e}", flush=True)
+            del single, st1
         nbytes = step_bytes(c, raw, ids, seqs, args.pos)
         gap = min((float(g) for g in peer.gaps.values()), default=float("inf"))
         rows.append(result_row(lib, b, args.pos, load_s, ours_ms, ours_ms2, peer, peer_ms, nbytes, bw, nxt, p_next, rel,

@@ -4,7 +4,9 @@ Two libraries of one config and batch: PLAIN (positions 1) and VERIFY (`mkc code
 random checkpoint. For each seed:
   1. PLAIN decodes a random prompt per sequence, then --steps greedy tokens a step at a time: the reference
      tokens, each step's top-2 logit margin, and its state (positions, KV caches) after each step.
-  2. VERIFY starts from PLAIN's state after the prompt (the two programs' states are laid out alike) and
+  2. VERIFY's first step from PLAIN's state after the prompt, the reference's tokens as drafts: every
+     position's logits within 2e-2 of the largest of PLAIN's at that step. Then VERIFY starts from PLAIN's
+     state after the prompt (the two programs' states are laid out alike) and
      decodes until every sequence has --steps tokens, each step a sequence's last token and T - 1 drafts
      from one source:
        right   the reference's next tokens (every draft stands)
@@ -227,14 +229,26 @@ def run_seed(args, seed, work):
     for tok in prompt[:-1]:
         plain.step(tok)
     start = plain.save_state()
-    ref, margins, states = [], [], []
+    ref, margins, states, first = [], [], [], []
     tok = prompt[-1]
-    for _ in range(args.steps):
+    for i in range(args.steps):
         tok, logits = plain.step(tok)
         ref.append(tok.copy())
         margins.append([margin(logits[s]) for s in range(b)])
         states.append(plain.save_state())
+        if i < verify.positions:
+            first.append(logits)
     ref, margins = np.stack(ref), np.array(margins)
+    # The first verify step with the reference's tokens as drafts: each position's logits against the plain
+    # step's at that position (every row, not only its argmax).
+    verify.load_state(start)
+    t = verify.positions
+    tokens = np.stack([np.concatenate([[prompt[-1, s]], ref[: t - 1, s]]) for s in range(b)]).astype(np.int32)
+    _, _, _, logits = verify.verify(tokens)
+    want = np.stack(first, 1)  # [sequences, positions, vocab]
+    worst = float(np.abs(logits - want).max() / max(np.abs(want).max(), 1e-6))
+    checks["every position's logits"] = worst < 2e-2
+    row["logits"] = f"the first verify step's logits against the plain steps': max difference {worst:.2e} of the largest"
     for source in SOURCES:
         out, accepted, steps, diff = run_verify(verify, start, source, ref, margins, prompt, rng)
         ok = diff is None or diff["near_tie"]
@@ -319,6 +333,8 @@ def main():
         per += f" {r['generate_speculative']['tokens_per_step']:>16.2f}"
         bad = [k for k, v in r["checks"].items() if not v]
         print(f"{r['seed']:>4} {r['positions']:>2} {per}  {'all pass' if not bad else 'FAIL: ' + '; '.join(bad)}")
+    for r in rows:
+        print(f"seed {r['seed']}: {r['logits']}")
     for r in rows:
         for kind, m in r.get("bench", {}).items():
             print(f"seed {r['seed']} {kind} prompt: {m['tokens']} tokens, single steps "

@@ -201,14 +201,21 @@ class Engine {
   // trace JSON (chrome://tracing, Perfetto): a row per SM, an event per
   // instruction named by its stage, from when it runs (its waits done and the
   // SM's previous instruction ended) to its end; args.ready is when its waits
-  // were done.
+  // were done. A verify program's step runs at the current positions, which
+  // it does not advance (its commit is not run).
   void profile_step(const int32_t* tokens, int32_t* next, const char* path) {
     const size_t n_ins = plan_.instructions.size();
     uint64_t* d = device_alloc<uint64_t>(sizeof(uint64_t) * 2 * n_ins);
     MKC_CUDA(cudaMemset(d, 0, sizeof(uint64_t) * 2 * n_ins));
     schedule_.profile = d;
     try {
-      step(tokens, next, nullptr, false);
+      if constexpr (kPositions > 1) {  // a verify step at the current positions (not advanced)
+        launch(tokens, false);
+        MKC_CUDA(cudaMemcpy(next, outputs_[P::kNextTokenOutput], sizeof(int32_t) * P::kBatch,
+                            cudaMemcpyDeviceToHost));
+      } else {
+        step(tokens, next, nullptr, false);
+      }
     } catch (...) {
       schedule_.profile = nullptr;
       throw;
