@@ -1,7 +1,7 @@
 # CPU emulation of the tensor-core MXFP4 consumers' fragment layouts (the weights as A, rows.cuh)
 # against a direct product: the staged B fragments, the A words, the register mappings of the PTX
-# ISA, the kept half of the result and its scale. First mx_rows_pages_hmma (fp16 m16n8k16, batch 3
-# and 4; run here at 1 to 4), then mx_rows_pages_mma (int8 m16n8k32 with prmt's lookup, batch 1
+# ISA, the kept half of the result and its scale. First mx_rows_pages_hmma (fp16 m16n8k16: two parts a
+# token at batch 3 and 4, run here at 1 to 4; one part at batch 5 to 8, run at 3, 5 and 8), then mx_rows_pages_mma (int8 m16n8k32 with prmt's lookup, batch 1
 # and 2). Needs numpy. python3 device/tests/mx_mma_layout.py
 import numpy as np
 rng = np.random.default_rng(0)
@@ -28,18 +28,23 @@ def case(B, k, rows=8):  # random codes and scales of a page's rows, x [B, k], a
     return rows, codes, sc, x, x.astype(np.float64) @ W.T
 def mma(A, Bm, C):  # A: 16x16, Bm: 16x8
     return C + A.astype(np.float64) @ Bm.astype(np.float64)
-for B in (1, 2, 3, 4):
+for parts, batches in ((2, (1, 2, 3, 4)), (1, (3, 5, 8))):
+ # parts 2: an n-tile is two tokens, each as an fp16 high and low part (batch 3 and 4); parts 1: four
+ # tokens, one fp16 part each (batch 5 to 8, where two parts' fragments outgrow shared memory).
+ per = 4 // parts
+ for B in batches:
   for k in (64, 96, 3584):
     rows, codes, sc, x, ref = case(B, k)
     # staging
     scale = [2.0 ** (14 - (np.frexp(np.abs(x[b]).max())[1])) for b in range(B)]
-    tiles = (B + 1) // 2; pairs = (k // 32 + 1) // 2
+    tiles = (B + per - 1) // per; pairs = (k // 32 + 1) // 2
     frags = {}
     for p in range(pairs):
         for s in range(tiles):
             for lane in range(32):
                 g, t = lane // 4, lane % 4
-                h, b, l = g // 4, 2 * s + g // 2 % 2, g % 2
+                h = g // 4
+                b, l = (2 * s + g // 2 % 2, g % 2) if parts == 2 else (4 * s + g % 4, 0)
                 if b >= B: continue
                 e0 = (2 * p + h) * 32 + 8 * t
                 v = []
@@ -50,7 +55,7 @@ for B in (1, 2, 3, 4):
                     v.append(hi if l == 0 else np.float32(np.float16(val - hi)))
                 frags[(p, s, lane)] = [(v[0], v[4]), (v[1], v[5]), (v[2], v[6]), (v[3], v[7])]
     # consumer, one warp doing all pairs (the warp split only partitions p)
-    acc = np.zeros((32, tiles))
+    acc = np.zeros((32, tiles, 2))
     def word(j, byte):  # 4 code bytes as a little-endian word
         bs = [codes[j, byte + i] if byte + i < k // 2 else 0 for i in range(4)]
         return bs[0] | bs[1] << 8 | bs[2] << 16 | bs[3] << 24
@@ -75,19 +80,26 @@ for B in (1, 2, 3, 4):
                 blk = 2 * p + t // 2
                 s8 = sc[g, blk] if blk < k // 32 else 255
                 scv = 0.0 if s8 == 255 else 2.0 ** (s8 - 127)
-                d = D[g, 2 * t] + D[g, 2 * t + 1] if t < 2 else D[g + 8, 2 * t] + D[g + 8, 2 * t + 1]
-                acc[lane, s] += scv * d
+                d0, d1 = (D[g, 2 * t], D[g, 2 * t + 1]) if t < 2 else (D[g + 8, 2 * t], D[g + 8, 2 * t + 1])
+                if parts == 2:
+                    acc[lane, s, 0] += scv * (d0 + d1)  # token 2s + t % 2: its high and low parts
+                else:
+                    acc[lane, s, 0] += scv * d0  # tokens 4s + 2 (t % 2) and the one after
+                    acc[lane, s, 1] += scv * d1
     out = np.zeros((B, rows))
     for lane in range(32):
         g, t = lane // 4, lane % 4
         for s in range(tiles):
-            b = 2 * s + t
-            if t < 2 and b < B:
-                v = acc[lane, s] + acc[lane ^ 2, s]
-                out[b, g] = v * 16384 / scale[b]
+            if t >= 2:
+                continue
+            for i in range(3 - parts):
+                b = 2 * s + t if parts == 2 else 4 * s + 2 * t + i
+                if b < B:
+                    v = acc[lane, s, i] + acc[lane ^ 2, s, i]
+                    out[b, g] = v * 16384 / scale[b]
     err = np.abs(out - ref).max() / np.abs(ref).max()
-    print(f"B={B} k={k}: max rel error {err:.2e}")
-    assert err < 1e-5, err
+    print(f"fp16 x {parts}: B={B} k={k}: max rel error {err:.2e}")
+    assert err < (1e-5 if parts == 2 else 2e-3), err
 
 # mx_rows_pages_mma: int8. prmt.b32 in its default mode: selector nibble n picks byte n & 7 of
 # {a, b}; its top bit replicates that byte's sign bit instead.

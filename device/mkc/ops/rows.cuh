@@ -844,30 +844,43 @@ __device__ __forceinline__ void e2m1x8_half2(uint32_t c, uint32_t (&h)[4]) {
   }
 }
 
-// The staged B fragments, for n-tile s (tokens 2s, 2s + 1) of pair p and the
-// lanes whose token exists: four words (the two MMAs' b0b1 and b2b3) at
-// frags[(p * kTiles + s) * 32 + lane] (absent tokens' lanes read zeros, not
-// memory); mx_rows_compute checks that they fit the input's area. Token b's
-// values are scaled by the power of two that brings its largest to [2^13,
-// 2^14) (inside fp16's range); `unscale[b]` undoes it and the decode's 2^-14.
-template <int B>
+// With two parts (kParts 2, batch 3 and 4) an n-tile is two tokens as above;
+// with one (kParts 1: batch 5 to 8, whose two-part fragments outgrow shared
+// memory at K3's widths and would be read from L2 at every page), an n-tile
+// is four tokens, n = 4h + j for token 4s + j, each the fp16 rounding of its
+// scaled activation (11 bits: 2-3e-4 of the largest output in
+// device/tests/mx_mma_layout.py, finer than bf16 activations), and lane (g, t)
+// keeps row g's d0 and d1 (tokens 4s + 2t and + 1) for t < 2, d2 and d3
+// (tokens 4s + 2(t - 2) and + 1) for t >= 2: half the fragments and the MMAs.
+//
+// The staged B fragments, for n-tile s of pair p and the lanes whose token
+// exists: four words (the two MMAs' b0b1 and b2b3) at frags[(p * kTiles + s)
+// * 32 + lane] (absent tokens' lanes read zeros, not memory); mx_rows_compute
+// checks that they fit the input's area. Token b's values are scaled by the
+// power of two that brings its largest to [2^13, 2^14) (inside fp16's range);
+// `unscale[b]` undoes it and the decode's 2^-14.
+template <int B, int kParts = 2>
 struct MxHalfFrags {
-  static constexpr int kTiles = (B + 1) / 2;
+  static_assert(kParts == 1 || kParts == 2, "an activation in one or two fp16 parts");
+  static constexpr int kTokens = 4 / kParts;  // tokens an n-tile
+  static constexpr int kTiles = (B + kTokens - 1) / kTokens;
   const uint4* frags;
   float unscale[B];
 };
 
-template <int B, class T>
+template <int B, int kParts, class T>
 __device__ void stage_mx_half_frags(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, float* area,
-                                    MxHalfFrags<B>& out) {
-  constexpr int kTiles = MxHalfFrags<B>::kTiles;
+                                    MxHalfFrags<B, kParts>& out) {
+  constexpr int kTiles = MxHalfFrags<B, kParts>::kTiles;
   __shared__ float rs[B], scale[B];
   token_scales<B>(x, k, norm, eps, 14, rs, scale);
   uint4* frags = reinterpret_cast<uint4*>(area);
   const uint32_t pairs = (k / 32 + 1) / 2;
   for (uint32_t i = threadIdx.x; i < pairs * kTiles * 32; i += kConsumerThreads) {
     const uint32_t p = i / (kTiles * 32), s = i / 32 % kTiles, lane = i % 32, g = lane / 4, t = lane % 4;
-    const uint32_t h = g / 4, b = 2 * s + g / 2 % 2, l = g % 2, e0 = (2 * p + h) * 32 + 8 * t;
+    // Column g: block h of the pair, and token b's part l.
+    const uint32_t h = g / 4, b = kParts == 2 ? 2 * s + g / 2 % 2 : 4 * s + g % 4;
+    const uint32_t l = kParts == 2 ? g % 2 : 0, e0 = (2 * p + h) * 32 + 8 * t;
     if (int(b) >= B) continue;
     float v[8];
 #pragma unroll
@@ -891,9 +904,11 @@ __device__ void stage_mx_half_frags(const T* x, uint32_t k, const __nv_bfloat16*
 // The page loop of mx_rows_compute on the tensor cores at batch 3 to 8: rows
 // of y = x' W^T into st [B, cols] from the fragments `a` staged by
 // stage_mx_half_frags; the layout is described above e2m1x8_half2.
-template <int B>
-__device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B>& a, uint32_t& it, int warp, float* st) {
-  constexpr int kTiles = MxHalfFrags<B>::kTiles;
+template <int B, int kParts>
+__device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B, kParts>& a, uint32_t& it, int warp,
+                                   float* st) {
+  constexpr int kTiles = MxHalfFrags<B, kParts>::kTiles;
+  constexpr int kKept = 3 - kParts;  // the tokens a lane keeps of an n-tile: 1 (two parts) or 2
   constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;  // one row block's partial sums
   constexpr uint32_t G = kSumGroup<B>;
   static_assert(B >= 3 && B <= 8, "the fp16 tensor-core consumer takes batch 3 to 8");
@@ -905,9 +920,11 @@ __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B>& a, uin
   const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
   bool has_b[kTiles];  // whether this lane's B column is a token of the batch
 #pragma unroll
-  for (int s = 0; s < kTiles; ++s) has_b[s] = 2 * s + g / 2 % 2 < B;
+  for (int s = 0; s < kTiles; ++s) has_b[s] = (kParts == 2 ? 2 * s + g / 2 % 2 : 4 * s + g % 4) < B;
   for (uint32_t blk = 0; blk < blocks; ++blk) {
-    float acc[kTiles] = {};  // row g, token 2s + t % 2, this lane's blocks (the pairs' t / 2 halves)
+    // Row g, this lane's blocks (the pairs' t / 2 halves): token 2s + t % 2 (two parts), tokens 4s + 2 (t %
+    // 2) and + 1 (one part).
+    float acc[kTiles][kKept] = {};
     for (uint32_t ch = 0; ch < chunks; ++ch, ++it) {
       const uint32_t k0 = ch * kMxK, pairs = (min(kMxK, r.k - k0) / 32 + 1) / 2;
       const int slot = it % kPages;
@@ -928,7 +945,12 @@ __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B>& a, uin
           float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
           cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, lo[0], hi[0], lo[1], hi[1], f.x, f.y, d0, d1, d2, d3);
           cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, lo[2], hi[2], lo[3], hi[3], f.z, f.w, d0, d1, d2, d3);
-          acc[s] = fmaf(sc, t < 2 ? d0 + d1 : d2 + d3, acc[s]);
+          if constexpr (kParts == 2) {
+            acc[s][0] = fmaf(sc, t < 2 ? d0 + d1 : d2 + d3, acc[s][0]);
+          } else {
+            acc[s][0] = fmaf(sc, t < 2 ? d0 : d2, acc[s][0]);
+            acc[s][1] = fmaf(sc, t < 2 ? d1 : d3, acc[s][1]);
+          }
         }
       }
       release_page(&ring_ptr()->empty[slot]);
@@ -938,9 +960,12 @@ __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B>& a, uin
     float* mine = part + ((group & 1) * G + in_group) * kBlockSums + warp * kPageRows * B;
 #pragma unroll
     for (int s = 0; s < kTiles; ++s) {
-      const float v = acc[s] + __shfl_xor_sync(0xffffffffu, acc[s], 2);
-      const int b = 2 * s + t;
-      if (t < 2 && b < B) mine[g * B + b] = v * a.unscale[b];
+#pragma unroll
+      for (int i = 0; i < kKept; ++i) {
+        const float v = acc[s][i] + __shfl_xor_sync(0xffffffffu, acc[s][i], 2);
+        const int b = kParts == 2 ? 2 * s + t : 4 * s + 2 * t + i;
+        if (t < 2 && b < B) mine[g * B + b] = v * a.unscale[b];
+      }
     }
     if (in_group + 1 < G && blk + 1 < blocks) continue;
     sum_block_group<B, G>(part, group, in_group, cols, st);  // the group's sums over the warps, in a fixed order
@@ -948,10 +973,10 @@ __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B>& a, uin
 }
 
 // MXFP4 rows of y = x' W^T, x' = x or RMSNorm(x) * norm: on the tensor cores
-// at batch 1 and 2 (int8, the input staged as four parts) and 3 to 8 (fp16,
-// two parts) when the fragments fit the input's area, otherwise on the CUDA
-// cores (staged as fp32); in shared memory, or in `spill` when it does not fit
-// (input_area).
+// at batch 1 and 2 (int8, the input staged as four parts), 3 and 4 (fp16, two
+// parts) when the fragments fit the input's area, and 5 to 8 (fp16, one part)
+// when they fit shared memory; otherwise on the CUDA cores (staged as fp32),
+// in shared memory, or in `spill` when it does not fit (input_area).
 template <class T>
 struct MxRowsCompute {
   MxRows rows;                // the task's weight rows (mx_rows_load streams them)
@@ -977,10 +1002,18 @@ __device__ void mx_rows_compute(MxRowsCompute<T> a, uint32_t& it, int warp, floa
       mx_rows_pages_mma<B>(r, frags, it, warp, st);
       return;
     }
-  } else if constexpr (B <= 8) {
+  } else if constexpr (B <= 4) {
     if (pairs * MxHalfFrags<B>::kTiles * 512 <= area) {
       MxHalfFrags<B> frags;
       stage_mx_half_frags<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill), frags);
+      mx_rows_pages_hmma<B>(r, frags, it, warp, st);
+      return;
+    }
+  } else if constexpr (B <= 8) {
+    // One fp16 part a token, in shared memory (the activation area) where it fits.
+    if (pairs * MxHalfFrags<B, 1>::kTiles * 512 <= size_t(kActivationBytes)) {
+      MxHalfFrags<B, 1> frags;
+      stage_mx_half_frags<B>(a.x, r.k, a.norm, a.eps, activation_ptr(), frags);
       mx_rows_pages_hmma<B>(r, frags, it, warp, st);
       return;
     }
