@@ -211,6 +211,24 @@ __device__ __forceinline__ void store_release(uint32_t* p, uint32_t v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// A grid barrier of thread 0 (the launch is cooperative): `arrivals`
+// arrivals of every CTA so far; the last to arrive returns true without
+// waiting (the caller releases the others with store_release(released,
+// arrivals)); the others wait for that release.
+__device__ __forceinline__ bool grid_arrive(GenerateControl* ctl, uint32_t arrivals) {
+  __threadfence();
+  if (atomicAdd(&ctl->arrived, 1u) + 1 == arrivals * gridDim.x) {
+    __threadfence();  // every CTA's work before the barrier is visible
+    return true;
+  }
+  uint32_t backoff = 16;
+  while (static_cast<int32_t>(load_acquire(&ctl->released) - arrivals) < 0) {
+    __nanosleep(backoff);
+    if (backoff < 128) backoff *= 2;
+  }
+  return false;
+}
+
 template <class Tasks>
 __global__ void __launch_bounds__(kThreads, 1) generate_kernel(Schedule p, typename Tasks::Params params,
                                                                uint32_t step0, Generate g) {
@@ -227,10 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1) generate_kernel(Schedule p, typen
     run_step<Tasks, false>(p, sp, step0 + s, begin, end, threadIdx.x / 32, it);
     __syncthreads();  // this CTA's instructions of step s are done (the storer's releases issued)
     if (threadIdx.x == 0) {
-      __threadfence();
-      const uint32_t last = (s + 1) * gridDim.x;
-      if (atomicAdd(&g.ctl->arrived, 1u) + 1 == last) {
-        __threadfence();  // every CTA's step s is visible
+      if (grid_arrive(g.ctl, s + 1)) {  // the last to arrive: every CTA's step s is visible
         const int32_t* cur = g.pos + (s & 1) * g.batch;
         int32_t* tokens = g.tokens + ((s + 1) & 1) * g.batch;
         int32_t* pos = g.pos + ((s + 1) & 1) * g.batch;
@@ -247,12 +262,6 @@ __global__ void __launch_bounds__(kThreads, 1) generate_kernel(Schedule p, typen
         g.ctl->done = (all_stopped || s + 1 == g.n) ? 1u : 0u;
         __threadfence();
         store_release(&g.ctl->released, s + 1);
-      } else {
-        uint32_t backoff = 16;
-        while (static_cast<int32_t>(load_acquire(&g.ctl->released) - (s + 1)) < 0) {
-          __nanosleep(backoff);
-          if (backoff < 128) backoff *= 2;
-        }
       }
       done = *reinterpret_cast<volatile uint32_t*>(&g.ctl->done);
     }
@@ -288,24 +297,6 @@ struct Speculate {
   uint32_t cap;           // the history's room per sequence: its length + n at least
   uint32_t n;             // tokens per sequence
 };
-
-// A grid barrier of thread 0 (the launch is cooperative): `arrivals`
-// arrivals of every CTA so far; the last to arrive returns true without
-// waiting (the caller releases the others with store_release(released,
-// arrivals)); the others wait for that release.
-__device__ __forceinline__ bool grid_arrive(GenerateControl* ctl, uint32_t arrivals) {
-  __threadfence();
-  if (atomicAdd(&ctl->arrived, 1u) + 1 == arrivals * gridDim.x) {
-    __threadfence();  // every CTA's work before the barrier is visible
-    return true;
-  }
-  uint32_t backoff = 16;
-  while (static_cast<int32_t>(load_acquire(&ctl->released) - arrivals) < 0) {
-    __nanosleep(backoff);
-    if (backoff < 128) backoff *= 2;
-  }
-  return false;
-}
 
 template <class Tasks, int kPositions, int kSequences>
 __global__ void __launch_bounds__(kThreads, 1)

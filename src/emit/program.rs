@@ -49,6 +49,13 @@ macro_rules! init {
     };
 }
 
+/// A designated initializer of [`init!`] with one more field last:
+/// `with_field("T{.a = 1}", "b", "2")` is `T{.a = 1, .b = 2}`.
+fn with_field(init: &str, field: &str, value: &str) -> String {
+    let open = init.strip_suffix('}').expect("a designated initializer");
+    format!("{open}, .{field} = {value}}}")
+}
+
 // The stage emitters, by family (each an `impl Gen` block).
 mod attention;
 mod moe;

@@ -173,6 +173,16 @@ __device__ __forceinline__ void kda_lane_logged(const KdaLog& log, size_t at, ui
   }
 }
 
+// One state row's step (row r, head h) by a verify step's logged position,
+// token row b.
+__device__ __forceinline__ void kda_row_logged_step(KdaLane& sv, const KdaShape& s, const KdaLog& log, uint32_t b,
+                                                    uint32_t h, uint32_t r) {
+  const size_t at = (size_t(b) * s.heads + h) * s.d;
+  KdaLane alpha, kk;
+  kda_lane_logged(log, at, s.d, alpha, kk);
+  kda_row_step(sv, alpha, kk, log.beta[size_t(b) * s.heads + h], log.v[at + r]);
+}
+
 // Plain decoding (P = 1): one token a sequence, the state stepped in place.
 // A verify step (P > 1, rows b = sequence P + position): each sequence's
 // positions in order, each row of S carried in registers through them, each
@@ -218,13 +228,11 @@ __device__ void kda_decode(KdaDecode<T> a) {
           kda_row_load(sv, sh + size_t(r) * d, d);
           for (int t = 0; t < P; ++t) {
             const uint32_t b = sq * P + t;
-            const size_t at = size_t(b) * p + size_t(h) * d;
-            KdaLane alpha, kk, qq;
-            kda_lane_logged(a.log, at, d, alpha, kk);
+            kda_row_logged_step(sv, s, a.log, b, h, r);
+            KdaLane qq;
             kda_lane_query(a, b, h, qq);
-            kda_row_step(sv, alpha, kk, a.log.beta[size_t(b) * s.heads + h], a.log.v[at + r]);
             const float o = kda_row_out(sv, qq);
-            if (threadIdx.x % 32 == 0) a.out[at + r] = from_float<T>(o);
+            if (threadIdx.x % 32 == 0) a.out[size_t(b) * p + size_t(h) * d + r] = from_float<T>(o);
           }
         }
       }
@@ -234,26 +242,21 @@ __device__ void kda_decode(KdaDecode<T> a) {
 
 // After a verify step: each sequence's state stepped through the positions it
 // keeps (keep[sequence], 0 to P: its accepted drafts and the token before
-// them, or fewer at a generation's end), from the step's log, as plain decoding would have stepped it one
-// token at a time. The task's heads [h0, h1), as kda_decode's.
+// them, or fewer at a generation's end), from the step's log, as plain
+// decoding would have stepped it one token at a time. The task's heads [h0,
+// h1), as kda_decode's.
 template <int B, int P, class T>
 __device__ void kda_commit(const KdaDecode<T>& a, const uint32_t* keep) {
   const KdaShape& s = a.shape;
   const int warp = threadIdx.x / 32;
-  const uint32_t d = s.d, p = s.heads * d;
+  const uint32_t d = s.d;
   for (int sq = 0; sq < B / P; ++sq) {
     for (uint32_t h = a.h0; h < a.h1; ++h) {
       float* sh = a.state + (size_t(sq) * s.heads + h) * d * d;
       for (uint32_t r = warp; r < d; r += kConsumerWarps) {
         KdaLane sv;
         kda_row_load(sv, sh + size_t(r) * d, d);
-        for (uint32_t t = 0; t < keep[sq]; ++t) {
-          const uint32_t b = sq * P + t;
-          const size_t at = size_t(b) * p + size_t(h) * d;
-          KdaLane alpha, kk;
-          kda_lane_logged(a.log, at, d, alpha, kk);
-          kda_row_step(sv, alpha, kk, a.log.beta[size_t(b) * s.heads + h], a.log.v[at + r]);
-        }
+        for (uint32_t t = 0; t < keep[sq]; ++t) kda_row_logged_step(sv, s, a.log, sq * P + t, h, r);
         kda_row_store(sv, sh + size_t(r) * d, d);
       }
     }

@@ -203,7 +203,7 @@ impl Gen<'_> {
             log.push(format!("reinterpret_cast<float*>({})", self.arena(name, Loc::Arena(*at))));
         }
         let log = init!("KdaLog"; alpha = log[0], k = log[1], v = log[2], beta = log[3]);
-        let args = format!("{}, .log = {log}}}", args.strip_suffix('}').expect("an initializer"));
+        let args = with_field(&args, "log", &log);
         let _ = writeln!(
             self.code,
             "__device__ inline auto {f}_args(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \

@@ -305,31 +305,23 @@ impl Gen<'_> {
                     };
                     let w = self.weight(ops[1].node, 0)?;
                     let state = self.state(ops[2].node, c_type);
+                    let args = init!("EpConvUpdate";
+                        w = w,
+                        width = width,
+                        state = state,
+                        state_stride = st_type.elements(),
+                        channels = channels,
+                        silu = silu,
+                    );
                     if positions == 1 {
-                        let args = init!("EpConvUpdate";
-                            w = w,
-                            width = width,
-                            state = state,
-                            state_stride = st_type.elements(),
-                            channels = channels,
-                            silu = silu,
-                        );
                         let _ = writeln!(body, "  ep_conv_update<kBatch>(st, n, {src}, {args});\n  consumer_sync();");
                     } else {
-                        // The verify step's conv and its commit read the same arguments.
+                        // The verify step's conv and its commit read the same arguments, with the log.
                         let Some([at]) = self.plan.arena.logs.get(&n.index()).map(Vec::as_slice) else {
                             return Err(internal(op, "a short conv without its verify-step log"));
                         };
                         let log = format!("reinterpret_cast<{c_type}*>({})", self.arena("conv_log", Loc::Arena(*at)));
-                        let args = init!("EpConvUpdate";
-                            w = w,
-                            width = width,
-                            state = state,
-                            state_stride = st_type.elements(),
-                            channels = channels,
-                            silu = silu,
-                            log = log,
-                        );
+                        let args = with_field(&args, "log", &log);
                         let conv = format!("@K@_conv{}", commits.len() + 1);
                         let _ = writeln!(
                             self.code,
