@@ -72,6 +72,7 @@ case "${1:-}" in
     for pair in kimi_k2_tiny_b2_t4_h200:kimi_k2_tiny_b2_h200:kimi_k2/tiny.json:deepseek_v3 \
       kimi_k2_dims_2l16e_t4_h200:kimi_k2_dims_2l16e_h200:kimi_k2/test_2l16e.json:deepseek_v3 \
       kimi_k3_tiny_b2_t4_h200:kimi_k3_tiny_b2_h200:kimi_k3/tiny.json:k3 \
+      kimi_linear_tiny_b2_t4_h200:kimi_linear_tiny_b2_h200:kimi_linear/tiny.json:kimi_linear \
       kimi_k3_dims_8l48e_t4_h200:kimi_k3_dims_8l48e_h200:kimi_k3/test_8l48e.json:k3; do
       IFS=: read -r name plain config arch <<< "$pair"
       [ -f "target/models/$name/lib$name.so" ] && [ -f "target/models/$plain/lib$plain.so" ] || continue

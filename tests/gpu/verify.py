@@ -19,13 +19,14 @@ random checkpoint. For each seed:
      tokens, through save_state: PLAIN's next step from each gives the same logits (within compare's bound
      of 2e-2 relative), the positions are equal, and so is every part of the state within 2e-2 of its
      largest value: K2's MLA cache rows before the positions; K3's too, its conv windows and KDA's
-     recurrent state whole (cache rows past the positions hold rejected drafts, which no later step reads).
+     recurrent state whole (cache rows past the positions hold rejected drafts, which no later step reads);
+     Kimi Linear's through the next step alone.
   4. mkc_model_generate_speculative (prompt lookup, one launch) from the same start: the
      reference's tokens and, after them, PLAIN's state; on the first seed, tokens/s per user over --bench
      tokens against PLAIN's single steps, from a repetitive prompt and from a random one.
   5. mkc_model_step on VERIFY, and a verify step that would pass the context, refused by name.
 
-    python3 tests/gpu/verify.py --plain LIB --verify LIB --config CONFIG [--arch deepseek_v3|k3]
+    python3 tests/gpu/verify.py --plain LIB --verify LIB --config CONFIG [--arch deepseek_v3|k3|kimi_linear]
         [--seeds 0 1 2] [--steps 64] [--json OUT]
 Exits 1 if any check fails; prints a table last.
 """
@@ -200,6 +201,16 @@ def k3_state_equal(c, seqs, a, b):
     return ok, "state: max difference of the largest value: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
 
 
+def state_parts_equal(args, verify, got, want):
+    """The state part by part where its layout is known here: K2's MLA cache rows, K3's windows, recurrent
+    states and cache rows; (what, ok, message), or None (Kimi Linear: the next step's check alone)."""
+    if args.arch == "deepseek_v3":
+        return ("cache rows",) + cache_rows_equal(verify, got, want, args.layers, verify.context)
+    if args.arch == "k3":
+        return ("conv windows, recurrent state, cache rows",) + k3_state_equal(args.k3, verify.sequences, got, want)
+    return None
+
+
 def same_next_step(plain, state, want, token):
     """PLAIN's next step (token) from `state` (another program's, through save_state) against its step from
     its own state `want`: logits within 2e-2 of the largest."""
@@ -261,13 +272,11 @@ def run_seed(args, seed, work):
             ok, msg = same_next_step(plain, after, states[steps - 1], ref[steps - 1])
             checks["state after rejections: next step"] = ok
             row["state"] = msg
-            if args.arch == "deepseek_v3":
-                ok, msg = cache_rows_equal(verify, after, states[steps - 1], args.layers, verify.context)
-                checks["state after rejections: cache rows"] = ok
-            else:
-                ok, msg = k3_state_equal(args.k3, verify.sequences, after, states[steps - 1])
-                checks["state after rejections: conv windows, recurrent state, cache rows"] = ok
-            row["state"] += "; " + msg
+            parts = state_parts_equal(args, verify, after, states[steps - 1])
+            if parts:
+                what, ok, msg = parts
+                checks[f"state after rejections: {what}"] = ok
+                row["state"] += "; " + msg
     # Generation with prompt-lookup drafts (mkc_model_generate_speculative) from the same start.
     verify.load_state(start)
     got, steps = verify.generate_speculative(prompt.T, args.steps)
@@ -279,13 +288,11 @@ def run_seed(args, seed, work):
         ok, msg = same_next_step(plain, after, states[-1], ref[-1])
         checks["generate_speculative: state"] = ok
         row["generate_speculative"]["state"] = msg
-        if args.arch == "deepseek_v3":
-            ok, msg = cache_rows_equal(verify, after, states[-1], args.layers, verify.context)
-            checks["generate_speculative: cache rows"] = ok
-        else:
-            ok, msg = k3_state_equal(args.k3, verify.sequences, after, states[-1])
-            checks["generate_speculative: conv windows, recurrent state, cache rows"] = ok
-        row["generate_speculative"]["state"] += "; " + msg
+        parts = state_parts_equal(args, verify, after, states[-1])
+        if parts:
+            what, ok, msg = parts
+            checks[f"generate_speculative: {what}"] = ok
+            row["generate_speculative"]["state"] += "; " + msg
     if seed == args.seeds[0] and args.bench:
         row["bench"] = bench(plain, verify, start, prompt, args.bench, rng)
     checks["mkc_model_step refused"], row["step message"] = refused(
@@ -307,7 +314,7 @@ def main():
     ap.add_argument("--plain", required=True, help="the library of positions 1")
     ap.add_argument("--verify", required=True, help="the library of the same config and batch, positions T")
     ap.add_argument("--config", required=True)
-    ap.add_argument("--arch", choices=["deepseek_v3", "k3"], default="deepseek_v3")
+    ap.add_argument("--arch", choices=["deepseek_v3", "k3", "kimi_linear"], default="deepseek_v3")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--bench", type=int, default=256, help="tokens timed each way on the first seed (0: none)")
