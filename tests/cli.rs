@@ -235,6 +235,29 @@ fn speculative_decoding_is_estimated() {
     for l in plain.lines().filter(|l| l.starts_with("batch 1:")) {
         assert!(out.contains(l), "{l}");
     }
+    // On several GPUs: each batch's verify step beside its plain step, both placements.
+    let o = run(&[
+        "plan",
+        &graph,
+        "--config",
+        &dims,
+        "--target",
+        "h200",
+        "--gpus",
+        "8",
+        "--estimate",
+        "--speculative",
+        "2",
+        "--acceptance",
+        "0.5",
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("batch 1 on 8 GPUs, speculative 2 positions at acceptance 0.50 (1.50 tokens"))
+        .unwrap_or_else(|| panic!("a batch-1 line on 8 GPUs:\n{out}"));
+    assert!(line.contains("experts sharded, verify step") && line.contains("tensor parallel (from bytes)"), "{line}");
 }
 
 #[test]
