@@ -15,7 +15,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -274,59 +273,55 @@ class Engine {
       }
     }
     if constexpr (kPositions > 1) {
+      // Grown to the longest generation asked for, as generate's output: the histories [sequences][cap],
+      // then length, done and keep [sequences] each; the output [sequences][n].
       const uint32_t cap = len + n;
-      int32_t* d_history = device_alloc<int32_t>(sizeof(int32_t) * size_t(cap) * kSequences);
-      uint32_t* d_counts = device_alloc<uint32_t>(sizeof(uint32_t) * 3 * kSequences);  // length, done, keep
-      int32_t* d_out = device_alloc<int32_t>(sizeof(int32_t) * size_t(n) * kSequences);
-      try {
-        // The first step's rows: each sequence's last token and its drafts, at its next positions.
-        std::vector<int32_t> rows(P::kBatch);
-        for (int s = 0; s < kSequences; ++s) {
-          const int32_t* h = history + size_t(s) * len;
-          int32_t* row = rows.data() + s * kPositions;
-          row[0] = h[len - 1];
-          const uint32_t got = ngram_draft(h, len, 1, 3, kPositions - 1, row + 1);
-          std::fill(row + 1 + got, row + kPositions, 0);
-        }
-        std::vector<uint32_t> counts(3 * kSequences, 0);
-        for (int s = 0; s < kSequences; ++s) counts[s] = len;
-        for (int s = 0; s < kSequences; ++s) {
-          MKC_CUDA(cudaMemcpy(d_history + size_t(s) * cap, history + size_t(s) * len, sizeof(int32_t) * len,
-                              cudaMemcpyHostToDevice));
-        }
-        MKC_CUDA(cudaMemcpy(d_counts, counts.data(), sizeof(uint32_t) * counts.size(), cudaMemcpyHostToDevice));
-        MKC_CUDA(cudaMemcpy(d_tokens_, rows.data(), sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
-        upload_positions();
-        MKC_CUDA(cudaMemset(gen_ctl_, 0, sizeof(GenerateControl)));
-        Speculate g{d_tokens_, d_pos_, static_cast<const int32_t*>(outputs_[P::kNextTokenOutput]), d_history,
-                    d_counts, d_counts + kSequences, d_counts + 2 * kSequences, d_out, gen_ctl_, cap, n};
-        uint32_t step0 = step_ + 1;
-        void* args[] = {&schedule_, &memory_, &step0, &g};
-        MKC_CUDA(cudaLaunchCooperativeKernel(speculate_fn(), dim3(plan_.sms), dim3(kThreads), args, kSmemBytes, 0));
-        const cudaError_t e = cudaDeviceSynchronize();
-        if (e != cudaSuccess) {
-          throw Failure{std::string("the speculative generation megakernel failed: ") + cudaGetErrorString(e)};
-        }
-        GenerateControl ctl{};
-        MKC_CUDA(cudaMemcpy(&ctl, gen_ctl_, sizeof ctl, cudaMemcpyDeviceToHost));
-        MKC_CUDA(cudaMemcpy(counts.data(), d_counts, sizeof(uint32_t) * counts.size(), cudaMemcpyDeviceToHost));
-        for (int s = 0; s < kSequences; ++s) {
-          if (ctl.done != 1 || ctl.steps == 0 || ctl.steps > n || counts[kSequences + s] != n) {
-            throw Failure{"the speculative generation megakernel reported " + std::to_string(ctl.steps) +
-                          " steps (done " + std::to_string(ctl.done) + ") and " +
-                          std::to_string(counts[kSequences + s]) + " of " + std::to_string(n) + " tokens for sequence " +
-                          std::to_string(s)};
-          }
-        }
-        MKC_CUDA(cudaMemcpy(out, d_out, sizeof(int32_t) * size_t(n) * kSequences, cudaMemcpyDeviceToHost));
-        step_ += ctl.steps;
-        for (auto& p : pos_) p += int32_t(n);
-        free_owned({d_history, d_counts, d_out});
-        return ctl.steps;
-      } catch (...) {
-        free_owned({d_history, d_counts, d_out});
-        throw;
+      int32_t* d_history = grown(spec_buf_, spec_buf_ints_, (size_t(cap) + 3) * kSequences);
+      uint32_t* d_counts = reinterpret_cast<uint32_t*>(d_history + size_t(cap) * kSequences);
+      int32_t* d_out = grown(gen_out_, gen_out_ints_, size_t(n) * kSequences);
+      // The first step's rows: each sequence's last token and its drafts, at its next positions.
+      std::vector<int32_t> rows(P::kBatch);
+      for (int s = 0; s < kSequences; ++s) {
+        const int32_t* h = history + size_t(s) * len;
+        int32_t* row = rows.data() + s * kPositions;
+        row[0] = h[len - 1];
+        const uint32_t got = ngram_draft(h, len, 1, 3, kPositions - 1, row + 1);
+        std::fill(row + 1 + got, row + kPositions, 0);
       }
+      std::vector<uint32_t> counts(3 * kSequences, 0);
+      for (int s = 0; s < kSequences; ++s) counts[s] = len;
+      for (int s = 0; s < kSequences; ++s) {
+        MKC_CUDA(cudaMemcpy(d_history + size_t(s) * cap, history + size_t(s) * len, sizeof(int32_t) * len,
+                            cudaMemcpyHostToDevice));
+      }
+      MKC_CUDA(cudaMemcpy(d_counts, counts.data(), sizeof(uint32_t) * counts.size(), cudaMemcpyHostToDevice));
+      MKC_CUDA(cudaMemcpy(d_tokens_, rows.data(), sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
+      upload_positions();
+      MKC_CUDA(cudaMemset(gen_ctl_, 0, sizeof(GenerateControl)));
+      Speculate g{d_tokens_, d_pos_, static_cast<const int32_t*>(outputs_[P::kNextTokenOutput]), d_history,
+                  d_counts, d_counts + kSequences, d_counts + 2 * kSequences, d_out, gen_ctl_, cap, n};
+      uint32_t step0 = step_ + 1;
+      void* args[] = {&schedule_, &memory_, &step0, &g};
+      MKC_CUDA(cudaLaunchCooperativeKernel(speculate_fn(), dim3(plan_.sms), dim3(kThreads), args, kSmemBytes, 0));
+      const cudaError_t e = cudaDeviceSynchronize();
+      if (e != cudaSuccess) {
+        throw Failure{std::string("the speculative generation megakernel failed: ") + cudaGetErrorString(e)};
+      }
+      GenerateControl ctl{};
+      MKC_CUDA(cudaMemcpy(&ctl, gen_ctl_, sizeof ctl, cudaMemcpyDeviceToHost));
+      MKC_CUDA(cudaMemcpy(counts.data(), d_counts, sizeof(uint32_t) * counts.size(), cudaMemcpyDeviceToHost));
+      for (int s = 0; s < kSequences; ++s) {
+        if (ctl.done != 1 || ctl.steps == 0 || ctl.steps > n || counts[kSequences + s] != n) {
+          throw Failure{"the speculative generation megakernel reported " + std::to_string(ctl.steps) +
+                        " steps (done " + std::to_string(ctl.done) + ") and " +
+                        std::to_string(counts[kSequences + s]) + " of " + std::to_string(n) + " tokens for sequence " +
+                        std::to_string(s)};
+        }
+      }
+      MKC_CUDA(cudaMemcpy(out, d_out, sizeof(int32_t) * size_t(n) * kSequences, cudaMemcpyDeviceToHost));
+      step_ += ctl.steps;
+      for (auto& p : pos_) p += int32_t(n);
+      return ctl.steps;
     }
     return 0;
   }
@@ -357,16 +352,7 @@ class Engine {
                       std::to_string(n) + " more exceed the plan's context of " + std::to_string(P::kContext)};
       }
     }
-    if (gen_out_capacity_ < n) {  // grows to the longest generation asked for
-      if (gen_out_ != nullptr) {
-        owned_.erase(std::find(owned_.begin(), owned_.end(), static_cast<void*>(gen_out_)));
-        MKC_CUDA(cudaFree(gen_out_));
-        gen_out_ = nullptr;
-        gen_out_capacity_ = 0;
-      }
-      gen_out_ = device_alloc<int32_t>(sizeof(int32_t) * size_t(n) * P::kBatch);
-      gen_out_capacity_ = n;
-    }
+    grown(gen_out_, gen_out_ints_, size_t(n) * P::kBatch);  // grows to the longest generation asked for
     MKC_CUDA(cudaMemcpy(d_tokens_, tokens, sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
     MKC_CUDA(cudaMemcpy(d_pos_, pos_.data(), sizeof(int32_t) * P::kBatch, cudaMemcpyHostToDevice));
     MKC_CUDA(cudaMemset(gen_length_, 0, sizeof(int32_t) * P::kBatch));
@@ -548,12 +534,21 @@ class Engine {
     return static_cast<T*>(p);
   }
 
-  // Frees allocations of device_alloc made for one call.
-  void free_owned(std::initializer_list<void*> ps) {
-    for (void* p : ps) {
-      owned_.erase(std::find(owned_.begin(), owned_.end(), p));
-      cudaFree(p);
+  // `buf` (of device_alloc) holding at least `need` elements: replaced by a
+  // larger one when it holds fewer (its contents not kept), never shrunk.
+  template <class T>
+  T* grown(T*& buf, size_t& count, size_t need) {
+    if (count < need) {
+      if (buf != nullptr) {
+        owned_.erase(std::find(owned_.begin(), owned_.end(), static_cast<void*>(buf)));
+        MKC_CUDA(cudaFree(buf));
+        buf = nullptr;
+        count = 0;
+      }
+      buf = device_alloc<T>(sizeof(T) * need);
+      count = need;
     }
+    return buf;
   }
 
   void upload(mkc_checkpoint* ck) {
@@ -718,8 +713,10 @@ class Engine {
   std::vector<void*> outputs_;
   int32_t* d_tokens_ = nullptr;
   int32_t* d_pos_ = nullptr;
-  int32_t* gen_out_ = nullptr;  // [gen_out_capacity_][batch]
-  uint32_t gen_out_capacity_ = 0;
+  int32_t* gen_out_ = nullptr;  // a generation's output: [steps][batch] (generate), [sequences][n] (speculative)
+  size_t gen_out_ints_ = 0;
+  int32_t* spec_buf_ = nullptr;  // generate_speculative's histories and counts
+  size_t spec_buf_ints_ = 0;
   int32_t* gen_length_ = nullptr;
   GenerateControl* gen_ctl_ = nullptr;
   int32_t* d_accepted_ = nullptr;  // [sequences]: a verify step's accepted drafts (commit)
