@@ -539,7 +539,8 @@ def main():
         peer.capture()
         peer.graph.replay()
         torch.cuda.synchronize()
-        p_logits, p_next = peer.out
+        # Copies: timing replays the graph, which rewrites its outputs (and, in K3, steps the recurrent state on).
+        p_logits, p_next = (x.clone() for x in peer.out)
         rel = float((torch.from_numpy(logits).cuda() - p_logits).norm() / p_logits.norm())
         ids = [L["ids"].cpu() for L in peer.layers if "ids" in L]
         gap = min((float(L["gap"]) for L in peer.layers if "gap" in L), default=float("inf"))

@@ -346,9 +346,11 @@ def main():
                 mine[l].copy_(first[l])
         peer.graph.replay()
         torch.cuda.synchronize()
-        p_logits, p_next = peer.out
+        # Copies: timing replays the graph, which rewrites its outputs (and, in K3, steps the recurrent state on).
+        p_logits, p_next = (x.clone() for x in peer.out)
         rel = float((torch.from_numpy(logits).cuda() - p_logits).norm() / p_logits.norm())
         ids = {l: t.cpu() for l, t in peer.ids.items()}
+        gap = min((float(g) for g in peer.gaps.values()), default=float("inf"))
         peer_ms = peer.time()
         if t > 1:
             # The peer's verify against its own single steps through the same positions (one row of each
@@ -371,7 +373,6 @@ def main():
                   f"{float((ours - seq_logits).norm() / seq_logits.norm()):.2e}", flush=True)
             del single, st1
         nbytes = step_bytes(c, raw, ids, seqs, args.pos)
-        gap = min((float(g) for g in peer.gaps.values()), default=float("inf"))
         rows.append(result_row(lib, b, args.pos, load_s, ours_ms, ours_ms2, peer, peer_ms, nbytes, bw, nxt, p_next, rel,
                                gap, t))
         del peer, st, kv0, conv0, ssm0
