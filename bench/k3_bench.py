@@ -241,6 +241,33 @@ class Peer(CapturedStep):
         return logits, torch.argmax(logits, -1)
 
 
+def reset(state, first):
+    """The peer's state (kv, conv, ssm dicts) back to `first`'s values, in place."""
+    for mine, want in zip(state, first):
+        for l in mine:
+            mine[l].copy_(want[l])
+
+
+def check_grouped(peer, state, first):
+    """The peer's routed experts through torch._grouped_mm against the same experts gathered (bmm), one eager
+    step each from `first`: where they part (more than 1e-2 relative L2), the peer gathers, and says so."""
+    with torch.no_grad():
+        try:
+            grouped = peer.step()[0].clone()
+        except RuntimeError:  # unavailable for these shapes: CapturedStep.capture says so and gathers
+            reset(state, first)
+            return
+        reset(state, first)
+        peer.grouped = False
+        gathered = peer.step()[0]
+        reset(state, first)
+    rel = float((grouped - gathered).norm() / gathered.norm())
+    peer.grouped = rel <= 1e-2
+    if not peer.grouped:
+        print(f"peer: torch._grouped_mm parts from the gathered experts ({rel:.2e} relative L2); gathering instead",
+              flush=True)
+
+
 def peer_weights(c, raw):
     """The checkpoint's tensors on the GPU (prefix dropped), with each MoE
     layer's MXFP4 experts dequantised to bf16 and stacked for _grouped_mm:
@@ -340,10 +367,9 @@ def main():
               {l: t.clone() for l, t in ssm0.items()})
         peer = Peer(c, w, b, ctx, args.pos, st, t)
         peer.tokens.copy_(tokens)
+        check_grouped(peer, st, (kv0, conv0, ssm0))
         peer.capture()
-        for mine, first in zip(st, (kv0, conv0, ssm0)):  # capturing ran steps: back to the same state
-            for l in mine:
-                mine[l].copy_(first[l])
+        reset(st, (kv0, conv0, ssm0))  # capturing ran steps: back to the same state
         peer.graph.replay()
         torch.cuda.synchronize()
         # Copies: timing replays the graph, which rewrites its outputs (and, in K3, steps the recurrent state on).

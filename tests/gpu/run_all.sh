@@ -27,6 +27,9 @@
 #                                   longer runs
 #   tests/gpu/run_all.sh verify     speculative verify steps against plain greedy decoding (tests/gpu/verify.py):
 #                                   every ..._tN_h200 library beside its config's plain one, seeds 0 1 2
+#   tests/gpu/run_all.sh rows       K3 per-layer dims (48 experts) at position 4000: the verify libraries and
+#                                   batch 8's rows against the batch-1 library's single steps, the fp32
+#                                   reference and the benchmark's peer (tests/gpu/k3_rows.py)
 #   tests/gpu/run_all.sh soak       10,000 steps of K3 tiny at batch 4 with the e8m0-255 and truncated
 #                                   checkpoints, 2,000 of K2 per-layer dims (tests/gpu/soak.py)
 # Logs under $OUT; a short table last.
@@ -87,6 +90,19 @@ case "${1:-}" in
     for f in "$out"/verify/*.log; do grep -v '^$' "$f" | grep -vE 'Loading|Writing' | tail -n 5; done
     cat "$out/verify/rc.txt"
     ! grep -qv "rc=0" "$out/verify/rc.txt"
+    ;;
+  rows)
+    d=target/models
+    args=()
+    for name in kimi_k3_dims_8l48e_t4_h200 kimi_k3_dims_8l48e_t8_h200 kimi_k3_dims_8l48e_b8_h200 kimi_k3_dims_8l48e_b4_h200; do
+      [ -f "$d/$name/lib$name.so" ] && args+=(--lib "$d/$name/lib$name.so")
+    done
+    timeout "${MKC_LIB_TIMEOUT:-400}" python3 tests/gpu/k3_rows.py --config model_graphs/kimi_k3/test_8l48e.json \
+      --single "$d/kimi_k3_dims_8l48e_h200/libkimi_k3_dims_8l48e_h200.so" "${args[@]}" --json "$out/k3_rows.json" \
+      > "$out/k3_rows.log" 2>&1
+    rc=$?
+    grep -v '^{' "$out/k3_rows.log" | tail -n 8
+    exit $rc
     ;;
   soak)
     rc=0
