@@ -183,8 +183,8 @@ __device__ __forceinline__ void kda_row_logged_step(KdaLane& sv, const KdaShape&
   kda_row_step(sv, alpha, kk, log.beta[size_t(b) * s.heads + h], log.v[at + r]);
 }
 
-// State rows a warp has in flight in plain decoding: their loads issued
-// together, then each stepped. A row's step waits on its own load, so one row
+// State rows a warp has in flight (plain decoding, a verify step and its
+// commit): their loads issued together, then each stepped. A row's step waits on its own load, so one row
 // at a time cost a memory round trip per row (K3's 128 rows a head, 16 a warp:
 // 109 us a KDA stage at batch 8 on the H100, a third of the bandwidth).
 constexpr uint32_t kKdaRowsInFlight = 4;
@@ -242,16 +242,24 @@ __device__ void kda_decode(KdaDecode<T> a) {
         }
         __threadfence_block();
         consumer_sync();
-        for (uint32_t r = warp; r < d; r += kConsumerWarps) {
-          KdaLane sv;
-          kda_row_load(sv, sh + size_t(r) * d, d);
-          for (int t = 0; t < P; ++t) {
-            const uint32_t b = sq * P + t;
-            kda_row_logged_step(sv, s, a.log, b, h, r);
-            KdaLane qq;
-            kda_lane_query(a, b, h, qq);
-            const float o = kda_row_out(sv, qq);
-            if (threadIdx.x % 32 == 0) a.out[size_t(b) * p + size_t(h) * d + r] = from_float<T>(o);
+        for (uint32_t r0 = warp; r0 < d; r0 += kKdaRowsInFlight * kConsumerWarps) {
+          KdaLane sv[kKdaRowsInFlight] = {};
+#pragma unroll
+          for (uint32_t i = 0; i < kKdaRowsInFlight; ++i) {
+            if (r0 + i * kConsumerWarps < d) kda_row_load(sv[i], sh + size_t(r0 + i * kConsumerWarps) * d, d);
+          }
+#pragma unroll
+          for (uint32_t i = 0; i < kKdaRowsInFlight; ++i) {
+            const uint32_t r = r0 + i * kConsumerWarps;
+            if (r >= d) break;
+            for (int t = 0; t < P; ++t) {
+              const uint32_t b = sq * P + t;
+              kda_row_logged_step(sv[i], s, a.log, b, h, r);
+              KdaLane qq;
+              kda_lane_query(a, b, h, qq);
+              const float o = kda_row_out(sv[i], qq);
+              if (threadIdx.x % 32 == 0) a.out[size_t(b) * p + size_t(h) * d + r] = from_float<T>(o);
+            }
           }
         }
       }
@@ -272,11 +280,20 @@ __device__ void kda_commit(const KdaDecode<T>& a, const uint32_t* keep) {
   for (int sq = 0; sq < B / P; ++sq) {
     for (uint32_t h = a.h0; h < a.h1; ++h) {
       float* sh = a.state + (size_t(sq) * s.heads + h) * d * d;
-      for (uint32_t r = warp; r < d; r += kConsumerWarps) {
-        KdaLane sv;
-        kda_row_load(sv, sh + size_t(r) * d, d);
-        for (uint32_t t = 0; t < keep[sq]; ++t) kda_row_logged_step(sv, s, a.log, sq * P + t, h, r);
-        kda_row_store(sv, sh + size_t(r) * d, d);
+      if (keep[sq] == 0) continue;  // the state as it was
+      for (uint32_t r0 = warp; r0 < d; r0 += kKdaRowsInFlight * kConsumerWarps) {
+        KdaLane sv[kKdaRowsInFlight] = {};
+#pragma unroll
+        for (uint32_t i = 0; i < kKdaRowsInFlight; ++i) {
+          if (r0 + i * kConsumerWarps < d) kda_row_load(sv[i], sh + size_t(r0 + i * kConsumerWarps) * d, d);
+        }
+#pragma unroll
+        for (uint32_t i = 0; i < kKdaRowsInFlight; ++i) {
+          const uint32_t r = r0 + i * kConsumerWarps;
+          if (r >= d) break;
+          for (uint32_t t = 0; t < keep[sq]; ++t) kda_row_logged_step(sv[i], s, a.log, sq * P + t, h, r);
+          kda_row_store(sv[i], sh + size_t(r) * d, d);
+        }
       }
     }
   }
