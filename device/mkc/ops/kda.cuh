@@ -184,10 +184,32 @@ __device__ __forceinline__ void kda_row_logged_step(KdaLane& sv, const KdaShape&
 }
 
 // State rows a warp has in flight (plain decoding, a verify step and its
-// commit): their loads issued together, then each stepped. A row's step waits on its own load, so one row
-// at a time cost a memory round trip per row (K3's 128 rows a head, 16 a warp:
-// 109 us a KDA stage at batch 8 on the H100, a third of the bandwidth).
+// commit): their loads issued together, then each stepped. A row's step
+// waits on its own load, so one row at a time cost a memory round trip per
+// row (K3's 128 rows a head, 16 a warp: 109 us a KDA stage at batch 8 on the
+// H100, a third of the bandwidth).
 constexpr uint32_t kKdaRowsInFlight = 4;
+// Each of this warp's state rows r of a head's state sh, kKdaRowsInFlight at
+// a time: their loads (and value(r), a number the step reads with the row)
+// issued together, then step(sv, r, value) for each in order.
+template <class Value, class Step>
+__device__ __forceinline__ void kda_rows_each(const float* sh, uint32_t d, Value value, Step step) {
+  for (uint32_t r0 = threadIdx.x / 32; r0 < d; r0 += kKdaRowsInFlight * kConsumerWarps) {
+    KdaLane sv[kKdaRowsInFlight] = {};
+    float v[kKdaRowsInFlight] = {};
+#pragma unroll
+    for (uint32_t i = 0; i < kKdaRowsInFlight; ++i) {
+      const uint32_t r = r0 + i * kConsumerWarps;
+      if (r < d) kda_row_load(sv[i], sh + size_t(r) * d, d), v[i] = value(r);
+    }
+#pragma unroll
+    for (uint32_t i = 0; i < kKdaRowsInFlight; ++i) {
+      const uint32_t r = r0 + i * kConsumerWarps;
+      if (r >= d) break;
+      step(sv[i], r, v[i]);
+    }
+  }
+}
 
 // Plain decoding (P = 1): one token a sequence, the state stepped in place.
 // A verify step (P > 1, rows b = sequence P + position): each sequence's
@@ -199,7 +221,6 @@ template <int B, int P = 1, class T>
 __device__ void kda_decode(KdaDecode<T> a) {
   static_assert(P >= 1 && B % P == 0, "whole sequences of positions");
   const KdaShape& s = a.shape;
-  const int warp = threadIdx.x / 32;
   const uint32_t d = s.d, p = s.heads * d;
   for (int sq = 0; sq < B / P; ++sq) {
     for (uint32_t h = a.h0; h < a.h1; ++h) {
@@ -208,28 +229,15 @@ __device__ void kda_decode(KdaDecode<T> a) {
         const float beta = sigmoid(to_float(a.b_logit[size_t(sq) * s.heads + h]));
         KdaLane alpha, kk, qq;
         kda_lane_inputs(a, sq, h, alpha, kk, qq);
-        for (uint32_t r0 = warp; r0 < d; r0 += kKdaRowsInFlight * kConsumerWarps) {
-          // The warp's next rows (and their values) loaded together, then stepped one by one.
-          KdaLane sv[kKdaRowsInFlight] = {};
-          float v[kKdaRowsInFlight] = {};
-#pragma unroll
-          for (uint32_t i = 0; i < kKdaRowsInFlight; ++i) {
-            const uint32_t r = r0 + i * kConsumerWarps;
-            if (r < d) {
-              kda_row_load(sv[i], sh + size_t(r) * d, d);
-              v[i] = to_float(a.v[size_t(sq) * p + size_t(h) * d + r]);
-            }
-          }
-#pragma unroll
-          for (uint32_t i = 0; i < kKdaRowsInFlight; ++i) {
-            const uint32_t r = r0 + i * kConsumerWarps;
-            if (r >= d) break;
-            kda_row_step(sv[i], alpha, kk, beta, v[i]);
-            kda_row_store(sv[i], sh + size_t(r) * d, d);
-            const float o = kda_row_out(sv[i], qq);
-            if (threadIdx.x % 32 == 0) a.out[size_t(sq) * p + size_t(h) * d + r] = from_float<T>(o);
-          }
-        }
+        const size_t row0 = size_t(sq) * p + size_t(h) * d;  // the sequence's head h in v and out
+        kda_rows_each(
+            sh, d, [&](uint32_t r) { return to_float(a.v[row0 + r]); },
+            [&](KdaLane& sv, uint32_t r, float v_r) {
+              kda_row_step(sv, alpha, kk, beta, v_r);
+              kda_row_store(sv, sh + size_t(r) * d, d);
+              const float o = kda_row_out(sv, qq);
+              if (threadIdx.x % 32 == 0) a.out[row0 + r] = from_float<T>(o);
+            });
       } else {
         // The log first: each position's decay, key, value and beta.
         for (uint32_t e = threadIdx.x; e < P * d; e += kConsumerThreads) {
@@ -242,26 +250,18 @@ __device__ void kda_decode(KdaDecode<T> a) {
         }
         __threadfence_block();
         consumer_sync();
-        for (uint32_t r0 = warp; r0 < d; r0 += kKdaRowsInFlight * kConsumerWarps) {
-          KdaLane sv[kKdaRowsInFlight] = {};
-#pragma unroll
-          for (uint32_t i = 0; i < kKdaRowsInFlight; ++i) {
-            if (r0 + i * kConsumerWarps < d) kda_row_load(sv[i], sh + size_t(r0 + i * kConsumerWarps) * d, d);
-          }
-#pragma unroll
-          for (uint32_t i = 0; i < kKdaRowsInFlight; ++i) {
-            const uint32_t r = r0 + i * kConsumerWarps;
-            if (r >= d) break;
-            for (int t = 0; t < P; ++t) {
-              const uint32_t b = sq * P + t;
-              kda_row_logged_step(sv[i], s, a.log, b, h, r);
-              KdaLane qq;
-              kda_lane_query(a, b, h, qq);
-              const float o = kda_row_out(sv[i], qq);
-              if (threadIdx.x % 32 == 0) a.out[size_t(b) * p + size_t(h) * d + r] = from_float<T>(o);
-            }
-          }
-        }
+        kda_rows_each(
+            sh, d, [](uint32_t) { return 0.f; },
+            [&](KdaLane& sv, uint32_t r, float) {
+              for (int t = 0; t < P; ++t) {
+                const uint32_t b = sq * P + t;
+                kda_row_logged_step(sv, s, a.log, b, h, r);
+                KdaLane qq;
+                kda_lane_query(a, b, h, qq);
+                const float o = kda_row_out(sv, qq);
+                if (threadIdx.x % 32 == 0) a.out[size_t(b) * p + size_t(h) * d + r] = from_float<T>(o);
+              }
+            });
       }
     }
   }
@@ -275,26 +275,17 @@ __device__ void kda_decode(KdaDecode<T> a) {
 template <int B, int P, class T>
 __device__ void kda_commit(const KdaDecode<T>& a, const uint32_t* keep) {
   const KdaShape& s = a.shape;
-  const int warp = threadIdx.x / 32;
   const uint32_t d = s.d;
   for (int sq = 0; sq < B / P; ++sq) {
     for (uint32_t h = a.h0; h < a.h1; ++h) {
       float* sh = a.state + (size_t(sq) * s.heads + h) * d * d;
       if (keep[sq] == 0) continue;  // the state as it was
-      for (uint32_t r0 = warp; r0 < d; r0 += kKdaRowsInFlight * kConsumerWarps) {
-        KdaLane sv[kKdaRowsInFlight] = {};
-#pragma unroll
-        for (uint32_t i = 0; i < kKdaRowsInFlight; ++i) {
-          if (r0 + i * kConsumerWarps < d) kda_row_load(sv[i], sh + size_t(r0 + i * kConsumerWarps) * d, d);
-        }
-#pragma unroll
-        for (uint32_t i = 0; i < kKdaRowsInFlight; ++i) {
-          const uint32_t r = r0 + i * kConsumerWarps;
-          if (r >= d) break;
-          for (uint32_t t = 0; t < keep[sq]; ++t) kda_row_logged_step(sv[i], s, a.log, sq * P + t, h, r);
-          kda_row_store(sv[i], sh + size_t(r) * d, d);
-        }
-      }
+      kda_rows_each(
+          sh, d, [](uint32_t) { return 0.f; },
+          [&](KdaLane& sv, uint32_t r, float) {
+            for (uint32_t t = 0; t < keep[sq]; ++t) kda_row_logged_step(sv, s, a.log, sq * P + t, h, r);
+            kda_row_store(sv, sh + size_t(r) * d, d);
+          });
     }
   }
 }
