@@ -202,19 +202,13 @@ fn each_error_is_printed_once() {
 fn speculative_decoding_is_estimated() {
     let dims = root("model_graphs/kimi_k2/bench_4l64e.json").display().to_string();
     let graph = root("model_graphs/kimi_k2/graph.mkc").display().to_string();
-    let o = run(&[
-        "plan",
-        &graph,
-        "--config",
-        &dims,
-        "--target",
-        "h200",
-        "--estimate",
-        "--speculative",
-        "4",
-        "--acceptance",
-        "0.5",
-    ]);
+    // The K2 dims estimate on the H200 with more options.
+    let estimate = |more: &[&str]| {
+        let mut args = vec!["plan", &graph, "--config", &dims, "--target", "h200", "--estimate"];
+        args.extend_from_slice(more);
+        run(&args)
+    };
+    let o = estimate(&["--speculative", "4", "--acceptance", "0.5"]);
     let out = stdout(&o);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(out.contains("assumptions (speculative)"), "{out}");
@@ -231,26 +225,12 @@ fn speculative_decoding_is_estimated() {
     let o = run(&["plan", &graph, "--target", "h200", "--estimate", "--speculative", "4", "--acceptance", "1.5"]);
     assert!(!o.status.success() && stderr(&o).contains("not a probability"), "{}", stderr(&o));
     // Plain decoding's numbers are unchanged by the option.
-    let plain = stdout(&run(&["plan", &graph, "--config", &dims, "--target", "h200", "--estimate"]));
+    let plain = stdout(&estimate(&[]));
     for l in plain.lines().filter(|l| l.starts_with("batch 1:")) {
         assert!(out.contains(l), "{l}");
     }
     // On several GPUs: each batch's verify step beside its plain step, both placements.
-    let o = run(&[
-        "plan",
-        &graph,
-        "--config",
-        &dims,
-        "--target",
-        "h200",
-        "--gpus",
-        "8",
-        "--estimate",
-        "--speculative",
-        "2",
-        "--acceptance",
-        "0.5",
-    ]);
+    let o = estimate(&["--gpus", "8", "--speculative", "2", "--acceptance", "0.5"]);
     let out = stdout(&o);
     assert!(o.status.success(), "{}", stderr(&o));
     let line = out
