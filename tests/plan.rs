@@ -588,11 +588,55 @@ fn attention_residual_mix_beyond_its_scratch_is_refused() {
     assert!(err.contains("attention-residual mix at batch 16") && err.contains("batch 12 at most"), "{err}");
 }
 
+/// The head gates join the attention stages that make their input (the
+/// `head-gate` rule): KDA's gated output norm is applied by the KDA stage and
+/// K3's MLA output gate by the MLA combine, so the output projections read a
+/// plain input; in a verify step too. Where the gated norm's groups are not
+/// KDA's heads, it stays the output projection's prologue.
+#[test]
+fn head_gates_join_their_attention_stage() {
+    let from = mkc::emit::Provenance { graph: "g.mkc".into(), config: "c.json".into() };
+    let t = Target::load("h200").unwrap();
+    for (model, positions) in [("kimi_k3", 1), ("kimi_k3", 4), ("kimi_linear", 1)] {
+        let v = compile(model, "tiny.json");
+        let p = plan::plan(&v, &t, Options { batch: 2 * positions, positions, ..Options::default() }).unwrap();
+        let a = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap();
+        let program = a.file("program.cuh").unwrap();
+        let kda: Vec<&str> = program.lines().filter(|l| l.contains("KdaDecode{")).collect();
+        assert!(!kda.is_empty(), "{model}: no KDA stage");
+        for l in kda {
+            assert!(l.contains(".gate = ") && l.contains(".sigmoid_act = 1"), "{model}: {l}");
+        }
+        assert!(!program.contains("rows_compute_gated"), "{model}: a gated-norm prologue is left");
+        if model == "kimi_k3" {
+            let combine: Vec<&str> = program.lines().filter(|l| l.contains("MlaCombine{")).collect();
+            assert!(!combine.is_empty(), "no MLA combine");
+            for l in combine {
+                assert!(l.contains(".gate_sigmoid = 1"), "{l}");
+            }
+            assert!(!program.contains("rows_compute_mul"), "an MLA output-gate prologue is left");
+        }
+        let rules: Vec<&str> = p.fusion.ops.iter().flat_map(|o| o.applied.iter().map(|a| a.rule)).collect();
+        assert!(rules.contains(&"head-gate"), "{model}: {rules:?}");
+    }
+    // Kimi Linear with the output norm over half a head: the projection's prologue.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("model_graphs/kimi_linear");
+    let source = std::fs::read_to_string(root.join("graph.mkc")).unwrap();
+    let half = source.replace("weight o_norm: bf16[kda_dim] ", "weight o_norm: bf16[kda_dim / 2] ");
+    assert_ne!(half, source, "the graph's o_norm declaration moved");
+    let v = compile_with(&half, &Config::load(&root.join("tiny.json")).unwrap());
+    let p = plan::plan(&v, &t, Options { batch: 2, ..Options::default() }).unwrap();
+    let a = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap();
+    let program = a.file("program.cuh").unwrap();
+    assert!(program.contains("rows_compute_gated"), "the half-head norm is not the projection's prologue");
+    assert!(program.lines().filter(|l| l.contains("KdaDecode{")).all(|l| !l.contains(".gate = ")));
+}
+
 /// An input staged whole that does not fit the 64 KiB of shared-memory
-/// staging (K3's MLA output gate over 96 heads of 128 at batch 8: 384 KiB;
-/// the MXFP4 experts' inputs of 3584 and 3072 at batch 8) is given a spill in
-/// the SM's global staging past its output tile; at batch 1 it stays in
-/// shared memory.
+/// staging (the MXFP4 experts' inputs of 3584 and 3072 at batch 8) is given a
+/// spill in the SM's global staging past its output tile; at batch 1 it stays
+/// in shared memory. (A gated input's spill, `rows_compute_gated` and
+/// `rows_compute_mul` past 64 KiB, is run by ops_test.)
 #[test]
 fn wide_staged_inputs_spill_to_global_staging() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("model_graphs");
@@ -611,7 +655,7 @@ fn wide_staged_inputs_spill_to_global_staging() {
         let p = plan::plan(&v, &t, Options { batch, ..Options::default() }).unwrap();
         let a = mkc::emit::emit(&v, &p, "x_h200", &from, "", false).unwrap();
         let program = a.file("program.cuh").unwrap();
-        for call in ["rows_compute_mul<kBatch>(", "mx_rows_compute<kBatch>("] {
+        for call in ["mx_rows_compute<kBatch>("] {
             let lines: Vec<&str> = program.lines().filter(|l| l.contains(call)).collect();
             assert!(!lines.is_empty(), "batch {batch}: no {call}");
             for l in lines {

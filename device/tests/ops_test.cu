@@ -904,6 +904,26 @@ __global__ void kda_kernel() {
                                       .state = c.state,
                                       .out = c.out});
 }
+// The same step with the gated output norm applied in the stage (the planner's head-gate rule).
+__global__ void kda_gated_kernel() {
+  const KdaCase c = g_kda;
+  mkc::kda_decode<kKB>(mkc::KdaDecode{.shape = c.shape,
+                                      .h0 = c.h0,
+                                      .h1 = c.h1,
+                                      .q = c.q,
+                                      .k = c.k,
+                                      .v = c.v,
+                                      .f = c.f,
+                                      .b_logit = c.b,
+                                      .a_log = c.a_log,
+                                      .dt_bias = c.dt_bias,
+                                      .state = c.state,
+                                      .out = c.out,
+                                      .gate = c.gate,
+                                      .norm_w = c.norm_w,
+                                      .norm_eps = 1e-5f,
+                                      .sigmoid_act = 1});
+}
 __global__ void gated_norm_kernel() {
   const KdaCase c = g_kda;
   mkc::gated_rms_norm_inplace<kKB>(c.out, c.gate, c.shape.heads, c.shape.d, c.norm_w, 1e-5f, 1);
@@ -1000,7 +1020,17 @@ static void test_kda(std::mt19937& rng, uint32_t heads, uint32_t d, bool safe) {
   const auto new_state = download(c.state, size_t(kKB) * heads * d * d);
   launch(gated_norm_kernel, "gated_rms_norm");
   const auto normed = download(c.out, kKB * p);
-  double worst_o = 0, worst_s = 0, worst_n = 0, mag = 0;
+  // Again from the same state, the gated norm in the stage (out rewritten, state stepped as before).
+  CHECK(cudaMemcpy(c.state, state.data(), state.size() * sizeof(float), cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(c.out, std::vector<float>(kKB * p, NAN).data(), kKB * p * sizeof(float), cudaMemcpyHostToDevice));
+  for (uint32_t part = 0; part < 2; ++part) {
+    c.h0 = part * heads / 2, c.h1 = (part + 1) * heads / 2;
+    CHECK(cudaMemcpyToSymbol(g_kda, &c, sizeof c));
+    launch(kda_gated_kernel, "kda_decode with the gated norm");
+  }
+  const auto fused = download(c.out, kKB * p);
+  const bool fused_state = download(c.state, size_t(kKB) * heads * d * d) == new_state;
+  double worst_o = 0, worst_s = 0, worst_n = 0, worst_f = 0, mag = 0;
   for (int b = 0; b < kKB; ++b) {
     for (uint32_t h = 0; h < heads; ++h) {
       const double sc = std::exp(double(a_log[h]));
@@ -1038,14 +1068,18 @@ static void test_kda(std::mt19937& rng, uint32_t heads, uint32_t d, bool safe) {
         const double gv = gate[b * p + h * d + r];
         const double want = o[r] * rs * __bfloat162float(norm_w[r]) / (1 + std::exp(-gv));
         worst_n = std::max(worst_n, std::abs(want - normed[b * p + h * d + r]));
+        worst_f = std::max(worst_f, std::abs(want - fused[b * p + h * d + r]));
       }
     }
   }
-  char detail[192];
+  char detail[256];
   std::snprintf(detail, sizeof detail,
-                "%u heads of %u, %s gate: max abs error out %.2e (up to %.2f), state %.2e, gated norm %.2e", heads, d,
-                safe ? "safe" : "softplus", worst_o, mag, worst_s, worst_n);
-  report("KDA decode step + gated output norm", worst_o < 1e-4 && worst_s < 1e-4 && worst_n < 1e-4, detail);
+                "%u heads of %u, %s gate: max abs error out %.2e (up to %.2f), state %.2e, gated norm %.2e, "
+                "in the stage %.2e (state %s)",
+                heads, d, safe ? "safe" : "softplus", worst_o, mag, worst_s, worst_n, worst_f,
+                fused_state ? "equal" : "DIFFERENT");
+  report("KDA decode step + gated output norm",
+         worst_o < 1e-4 && worst_s < 1e-4 && worst_n < 1e-4 && worst_f < 1e-4 && fused_state, detail);
   for (void* ptr : {(void*)c.q, (void*)c.k, (void*)c.v, (void*)c.f, (void*)c.b, (void*)c.a_log, (void*)c.dt_bias,
                     (void*)c.gate, (void*)c.state, (void*)c.out, (void*)c.norm_w})
     CHECK(cudaFree(ptr));

@@ -246,6 +246,7 @@ __device__ inline void projection1(const TaskArgs& t, const Memory& m, const pro
 // kda0: 69 fused operations of this code; the first covers
 //   sigmoid l.0/layer/kda/beta (97:10)
 //   kda_decode l.0/layer/kda/o (98:7)
+//   gated_rms_norm l.0/layer/kda/y (108:7)
 struct kda0_params {
   uint64_t in;         // arena offset
   uint64_t in_2;       // arena offset
@@ -255,7 +256,9 @@ struct kda0_params {
   uint64_t a_log;      // weight index
   uint64_t dt_bias;    // weight index
   uint64_t recurrent;  // state index
-  uint64_t o;          // arena offset
+  uint64_t in_6;       // arena offset
+  uint64_t o_norm;     // weight index
+  uint64_t y;          // arena offset
 };
 
 // kda: state update of a range of heads
@@ -271,19 +274,20 @@ __device__ inline void kda0(const TaskArgs& t, const Memory& m, const kda0_param
                                .a_log = static_cast<const float*>(m.w[p.a_log]),
                                .dt_bias = static_cast<const float*>(m.w[p.dt_bias]),
                                .state = static_cast<float*>(m.state[p.recurrent]),
-                               .out = reinterpret_cast<float*>(m.arena + p.o)});
+                               .out = reinterpret_cast<float*>(m.arena + p.y),
+                               .gate = reinterpret_cast<float*>(m.arena + p.in_6),
+                               .norm_w = static_cast<const __nv_bfloat16*>(m.w[p.o_norm]),
+                               .norm_eps = 1e-5f,
+                               .sigmoid_act = 1});
 }
 
 // ---------------------------------------------------------------------------
 // projection2: 8 fused operations of this code; the first covers
-//   gated_rms_norm l.0/layer/kda/y (108:7)
 //   linear l.0/layer/kda/out (109:9)
 struct projection2_params {
-  uint64_t in;      // arena offset
-  uint64_t in_2;    // arena offset
-  uint64_t o_norm;  // weight index
-  uint64_t w_o;     // weight index
-  uint64_t out;     // arena offset
+  uint64_t in;   // arena offset
+  uint64_t w_o;  // weight index
+  uint64_t out;  // arena offset
 };
 
 // projection_rows: output rows
@@ -304,18 +308,10 @@ __device__ inline void projection2(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection2_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(RowsComputeGated{.rows = r,
-                                              .x = reinterpret_cast<float*>(m.arena + p.in_2),
-                                              .gate = reinterpret_cast<float*>(m.arena + p.in),
-                                              .heads = 96,
-                                              .d = 128,
-                                              .w = static_cast<const __nv_bfloat16*>(m.w[p.o_norm]),
-                                              .eps = 1e-5f,
-                                              .sigmoid_act = 1,
-                                              .spill = nullptr},
-                             it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
-  // gated_rms_norm y (108:7)
   // linear out (109:9)
   const Span s1 = linear_span(t, 0);
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.out), 7168);
@@ -469,16 +465,13 @@ __device__ inline void attn_res1(const Memory& m, const attn_res1_params& p) {
 
 // ---------------------------------------------------------------------------
 // projection5: 61 fused operations of this code; the first covers
-//   gated_rms_norm l.1/layer/kda/y (108:7)
 //   linear l.1/layer/kda/out (109:9)
 //   add l.1/layer/u#2 (212:9)
 struct projection5_params {
-  uint64_t in;      // arena offset
-  uint64_t in_2;    // arena offset
-  uint64_t o_norm;  // weight index
-  uint64_t w_o;     // weight index
-  uint64_t in_3;    // arena offset
-  uint64_t u_2;     // arena offset
+  uint64_t in;    // arena offset
+  uint64_t w_o;   // weight index
+  uint64_t in_2;  // arena offset
+  uint64_t u_2;   // arena offset
 };
 
 // projection_rows: output rows
@@ -499,22 +492,14 @@ __device__ inline void projection5(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection5_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(RowsComputeGated{.rows = r,
-                                              .x = reinterpret_cast<float*>(m.arena + p.in_2),
-                                              .gate = reinterpret_cast<float*>(m.arena + p.in),
-                                              .heads = 96,
-                                              .d = 128,
-                                              .w = static_cast<const __nv_bfloat16*>(m.w[p.o_norm]),
-                                              .eps = 1e-5f,
-                                              .sigmoid_act = 1,
-                                              .spill = nullptr},
-                             it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
-  // gated_rms_norm y (108:7)
   // linear out (109:9)
   const Span s1 = linear_span(t, 0);
   // add u#2 (212:9)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_3), 7168);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_2), 7168);
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.u_2), 7168);
 }
@@ -943,6 +928,8 @@ __device__ inline void projection10(const TaskArgs& t, const Memory& m, const pr
 // mla0: 24 fused operations of this code; the first covers
 //   rms_norm l.3/layer/mla/c_kv#2 (126:10)
 //   mla_decode l.3/layer/mla/o (128:7)
+//   sigmoid l.3/layer/mla/sigmoid (131:16)
+//   mul l.3/layer/mla/o#2 (131:9)
 struct mla0_params {
   uint64_t in;        // arena offset
   uint64_t in_2;      // arena offset
@@ -950,7 +937,8 @@ struct mla0_params {
   uint64_t in_3;      // arena offset
   uint64_t w_kvb;     // weight index
   uint64_t kv_cache;  // state index
-  uint64_t o;         // arena offset
+  uint64_t o_2;       // arena offset
+  uint64_t in_4;      // arena offset
   uint64_t partials;  // arena offset
   uint64_t absorbed;  // arena offset
 };
@@ -1022,21 +1010,20 @@ __device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, cons
                                  .h1 = t.a[1],
                                  .partials = reinterpret_cast<float*>(m.arena + p.partials),
                                  .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
-                                 .out = reinterpret_cast<float*>(m.arena + p.o)},
+                                 .out = reinterpret_cast<float*>(m.arena + p.o_2),
+                                 .gate = reinterpret_cast<float*>(m.arena + p.in_4),
+                                 .gate_sigmoid = 1},
                       it, warp);
 }
 
 // ---------------------------------------------------------------------------
 // projection11: 24 fused operations of this code; the first covers
-//   sigmoid l.3/layer/mla/sigmoid (131:16)
-//   mul l.3/layer/mla/o#2 (131:9)
 //   linear l.3/layer/mla/out (133:9)
 //   add l.3/layer/u#2 (212:9)
 struct projection11_params {
   uint64_t in;    // arena offset
-  uint64_t in_2;  // arena offset
   uint64_t w_o;   // weight index
-  uint64_t in_3;  // arena offset
+  uint64_t in_2;  // arena offset
   uint64_t u_2;   // arena offset
 };
 
@@ -1058,19 +1045,14 @@ __device__ inline void projection11(const TaskArgs& t, const Memory& m, const pr
   const Rows r = projection11_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_mul<kBatch>(RowsComputeMul{.rows = r,
-                                          .x = reinterpret_cast<float*>(m.arena + p.in_2),
-                                          .g = reinterpret_cast<float*>(m.arena + p.in),
-                                          .sigmoid_gate = 1,
-                                          .spill = nullptr},
-                           it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
-  // sigmoid sigmoid (131:16)
-  // mul o#2 (131:9)
   // linear out (133:9)
   const Span s1 = linear_span(t, 0);
   // add u#2 (212:9)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_3), 7168);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_2), 7168);
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.u_2), 7168);
 }
@@ -1409,11 +1391,11 @@ struct Step {
         const auto p = stage_params<kda0_params>(m, t);
         prefetch_l1(m.w + p.a_log);
         prefetch_l1(m.w + p.dt_bias);
+        prefetch_l1(m.w + p.o_norm);
         break;
       }
       case 4: {
         const auto p = stage_params<projection2_params>(m, t);
-        prefetch_l1(m.w + p.o_norm);
         prefetch_l1(m.w + p.w_o);
         break;
       }
@@ -1443,7 +1425,6 @@ struct Step {
       }
       case 9: {
         const auto p = stage_params<projection5_params>(m, t);
-        prefetch_l1(m.w + p.o_norm);
         prefetch_l1(m.w + p.w_o);
         break;
       }

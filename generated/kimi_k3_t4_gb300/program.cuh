@@ -29,7 +29,7 @@ inline constexpr uint32_t kRouters = 92;
 inline constexpr uint32_t kRouterTopK = 16;
 inline constexpr uint64_t kRouteLogInts = 5888;
 // fp32 staging floats per SM for projection epilogues.
-inline constexpr uint64_t kStagingFloats = 49344;
+inline constexpr uint64_t kStagingFloats = 12288;
 // The plan sized the page ring and shared memory for this many pages.
 static_assert(kPages == 8, "the device library's page ring differs from the plan's");
 
@@ -268,6 +268,7 @@ __device__ inline void projection1(const TaskArgs& t, const Memory& m, const pro
 // kda0: 69 fused operations of this code; the first covers
 //   sigmoid l.0/layer/kda/beta (97:10)
 //   kda_decode l.0/layer/kda/o (98:7)
+//   gated_rms_norm l.0/layer/kda/y (108:7)
 struct kda0_params {
   uint64_t in;         // arena offset
   uint64_t in_2;       // arena offset
@@ -277,7 +278,9 @@ struct kda0_params {
   uint64_t a_log;      // weight index
   uint64_t dt_bias;    // weight index
   uint64_t recurrent;  // state index
-  uint64_t o;          // arena offset
+  uint64_t in_6;       // arena offset
+  uint64_t o_norm;     // weight index
+  uint64_t y;          // arena offset
   uint64_t alpha_log;  // arena offset
   uint64_t k_log;      // arena offset
   uint64_t v_log;      // arena offset
@@ -297,7 +300,11 @@ __device__ inline auto kda0_args(const TaskArgs& t, const Memory& m, const kda0_
                    .a_log = static_cast<const float*>(m.w[p.a_log]),
                    .dt_bias = static_cast<const float*>(m.w[p.dt_bias]),
                    .state = static_cast<float*>(m.state[p.recurrent]),
-                   .out = reinterpret_cast<float*>(m.arena + p.o),
+                   .out = reinterpret_cast<float*>(m.arena + p.y),
+                   .gate = reinterpret_cast<float*>(m.arena + p.in_6),
+                   .norm_w = static_cast<const __nv_bfloat16*>(m.w[p.o_norm]),
+                   .norm_eps = 1e-5f,
+                   .sigmoid_act = 1,
                    .log = KdaLog{.alpha = reinterpret_cast<float*>(m.arena + p.alpha_log),
                                  .k = reinterpret_cast<float*>(m.arena + p.k_log),
                                  .v = reinterpret_cast<float*>(m.arena + p.v_log),
@@ -313,14 +320,11 @@ __device__ inline void kda0_commit(const TaskArgs& t, const Memory& m, const kda
 
 // ---------------------------------------------------------------------------
 // projection2: 8 fused operations of this code; the first covers
-//   gated_rms_norm l.0/layer/kda/y (108:7)
 //   linear l.0/layer/kda/out (109:9)
 struct projection2_params {
-  uint64_t in;      // arena offset
-  uint64_t in_2;    // arena offset
-  uint64_t o_norm;  // weight index
-  uint64_t w_o;     // weight index
-  uint64_t out;     // arena offset
+  uint64_t in;   // arena offset
+  uint64_t w_o;  // weight index
+  uint64_t out;  // arena offset
 };
 
 // projection_rows: output rows
@@ -341,18 +345,10 @@ __device__ inline void projection2(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection2_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(RowsComputeGated{.rows = r,
-                                              .x = reinterpret_cast<float*>(m.arena + p.in_2),
-                                              .gate = reinterpret_cast<float*>(m.arena + p.in),
-                                              .heads = 96,
-                                              .d = 128,
-                                              .w = static_cast<const __nv_bfloat16*>(m.w[p.o_norm]),
-                                              .eps = 1e-5f,
-                                              .sigmoid_act = 1,
-                                              .spill = st + 192},
-                             it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
-  // gated_rms_norm y (108:7)
   // linear out (109:9)
   const Span s1 = linear_span(t, 0);
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.out), 7168);
@@ -506,16 +502,13 @@ __device__ inline void attn_res1(const Memory& m, const attn_res1_params& p) {
 
 // ---------------------------------------------------------------------------
 // projection5: 61 fused operations of this code; the first covers
-//   gated_rms_norm l.1/layer/kda/y (108:7)
 //   linear l.1/layer/kda/out (109:9)
 //   add l.1/layer/u#2 (212:9)
 struct projection5_params {
-  uint64_t in;      // arena offset
-  uint64_t in_2;    // arena offset
-  uint64_t o_norm;  // weight index
-  uint64_t w_o;     // weight index
-  uint64_t in_3;    // arena offset
-  uint64_t u_2;     // arena offset
+  uint64_t in;    // arena offset
+  uint64_t w_o;   // weight index
+  uint64_t in_2;  // arena offset
+  uint64_t u_2;   // arena offset
 };
 
 // projection_rows: output rows
@@ -536,22 +529,14 @@ __device__ inline void projection5(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection5_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(RowsComputeGated{.rows = r,
-                                              .x = reinterpret_cast<float*>(m.arena + p.in_2),
-                                              .gate = reinterpret_cast<float*>(m.arena + p.in),
-                                              .heads = 96,
-                                              .d = 128,
-                                              .w = static_cast<const __nv_bfloat16*>(m.w[p.o_norm]),
-                                              .eps = 1e-5f,
-                                              .sigmoid_act = 1,
-                                              .spill = st + 192},
-                             it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
-  // gated_rms_norm y (108:7)
   // linear out (109:9)
   const Span s1 = linear_span(t, 0);
   // add u#2 (212:9)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_3), 7168);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_2), 7168);
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.u_2), 7168);
 }
@@ -980,6 +965,8 @@ __device__ inline void projection10(const TaskArgs& t, const Memory& m, const pr
 // mla0: 24 fused operations of this code; the first covers
 //   rms_norm l.3/layer/mla/c_kv#2 (126:10)
 //   mla_decode l.3/layer/mla/o (128:7)
+//   sigmoid l.3/layer/mla/sigmoid (131:16)
+//   mul l.3/layer/mla/o#2 (131:9)
 struct mla0_params {
   uint64_t in;        // arena offset
   uint64_t in_2;      // arena offset
@@ -987,7 +974,8 @@ struct mla0_params {
   uint64_t in_3;      // arena offset
   uint64_t w_kvb;     // weight index
   uint64_t kv_cache;  // state index
-  uint64_t o;         // arena offset
+  uint64_t o_2;       // arena offset
+  uint64_t in_4;      // arena offset
   uint64_t partials;  // arena offset
   uint64_t absorbed;  // arena offset
 };
@@ -1059,21 +1047,20 @@ __device__ inline void mla0_mla_combine(const TaskArgs& t, const Memory& m, cons
                                  .h1 = t.a[1],
                                  .partials = reinterpret_cast<float*>(m.arena + p.partials),
                                  .wkvb = static_cast<const __nv_bfloat16*>(m.w[p.w_kvb]),
-                                 .out = reinterpret_cast<float*>(m.arena + p.o)},
+                                 .out = reinterpret_cast<float*>(m.arena + p.o_2),
+                                 .gate = reinterpret_cast<float*>(m.arena + p.in_4),
+                                 .gate_sigmoid = 1},
                       it, warp);
 }
 
 // ---------------------------------------------------------------------------
 // projection11: 24 fused operations of this code; the first covers
-//   sigmoid l.3/layer/mla/sigmoid (131:16)
-//   mul l.3/layer/mla/o#2 (131:9)
 //   linear l.3/layer/mla/out (133:9)
 //   add l.3/layer/u#2 (212:9)
 struct projection11_params {
   uint64_t in;    // arena offset
-  uint64_t in_2;  // arena offset
   uint64_t w_o;   // weight index
-  uint64_t in_3;  // arena offset
+  uint64_t in_2;  // arena offset
   uint64_t u_2;   // arena offset
 };
 
@@ -1095,19 +1082,14 @@ __device__ inline void projection11(const TaskArgs& t, const Memory& m, const pr
   const Rows r = projection11_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_mul<kBatch>(RowsComputeMul{.rows = r,
-                                          .x = reinterpret_cast<float*>(m.arena + p.in_2),
-                                          .g = reinterpret_cast<float*>(m.arena + p.in),
-                                          .sigmoid_gate = 1,
-                                          .spill = st + 192},
-                           it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
-  // sigmoid sigmoid (131:16)
-  // mul o#2 (131:9)
   // linear out (133:9)
   const Span s1 = linear_span(t, 0);
   // add u#2 (212:9)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_3), 7168);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_2), 7168);
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.u_2), 7168);
 }
@@ -1446,11 +1428,11 @@ struct Step {
         const auto p = stage_params<kda0_params>(m, t);
         prefetch_l1(m.w + p.a_log);
         prefetch_l1(m.w + p.dt_bias);
+        prefetch_l1(m.w + p.o_norm);
         break;
       }
       case 4: {
         const auto p = stage_params<projection2_params>(m, t);
-        prefetch_l1(m.w + p.o_norm);
         prefetch_l1(m.w + p.w_o);
         break;
       }
@@ -1480,7 +1462,6 @@ struct Step {
       }
       case 9: {
         const auto p = stage_params<projection5_params>(m, t);
-        prefetch_l1(m.w + p.o_norm);
         prefetch_l1(m.w + p.w_o);
         break;
       }

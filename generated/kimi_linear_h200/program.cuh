@@ -20,10 +20,10 @@ inline constexpr int kBatch = 1;
 // Rows a sequence holds: a speculative verify step's positions (1: plain decoding).
 inline constexpr uint32_t kPositions = 1;
 inline constexpr uint64_t kContext = 4096;
-inline constexpr uint64_t kArenaBytes = 1286656;
+inline constexpr uint64_t kArenaBytes = 1295872;
 // The routing log: each router's expert ids of the last step, [router][batch][top_k]
 // int32 from here (after the buffers; the host reads it: mkc_model_routing).
-inline constexpr uint64_t kRouteLog = 1285632;
+inline constexpr uint64_t kRouteLog = 1294848;
 inline constexpr uint32_t kRouters = 26;
 // Their common top-k (0: no routers, or routers of different top-k).
 inline constexpr uint32_t kRouterTopK = 8;
@@ -235,38 +235,6 @@ __device__ inline void projection1(const TaskArgs& t, const Memory& m, const pro
 }
 
 // ---------------------------------------------------------------------------
-// kda0: 20 fused operations of this code; the first covers
-//   sigmoid layer.0/decoder_layer/kda/beta (71:10)
-//   kda_decode layer.0/decoder_layer/kda/o (72:7)
-struct kda0_params {
-  uint64_t in;         // arena offset
-  uint64_t in_2;       // arena offset
-  uint64_t in_3;       // arena offset
-  uint64_t in_4;       // arena offset
-  uint64_t in_5;       // arena offset
-  uint64_t a_log;      // weight index
-  uint64_t dt_bias;    // weight index
-  uint64_t recurrent;  // state index
-  uint64_t o;          // arena offset
-};
-
-// kda: state update of a range of heads
-__device__ inline void kda0(const TaskArgs& t, const Memory& m, const kda0_params& p) {
-  kda_decode<kBatch>(KdaDecode{.shape = KdaShape{.heads = 32, .d = 128, .safe_gate = false, .lower_bound = 0e0f},
-                               .h0 = t.a[0],
-                               .h1 = t.a[1],
-                               .q = reinterpret_cast<float*>(m.arena + p.in),
-                               .k = reinterpret_cast<float*>(m.arena + p.in_2),
-                               .v = reinterpret_cast<float*>(m.arena + p.in_3),
-                               .f = reinterpret_cast<float*>(m.arena + p.in_4),
-                               .b_logit = reinterpret_cast<float*>(m.arena + p.in_5),
-                               .a_log = static_cast<const float*>(m.w[p.a_log]),
-                               .dt_bias = static_cast<const float*>(m.w[p.dt_bias]),
-                               .state = static_cast<float*>(m.state[p.recurrent]),
-                               .out = reinterpret_cast<float*>(m.arena + p.o)});
-}
-
-// ---------------------------------------------------------------------------
 // projection2: 20 fused operations of this code; the first covers
 //   linear layer.0/decoder_layer/kda/g (73:7)
 struct projection2_params {
@@ -303,17 +271,53 @@ __device__ inline void projection2(const TaskArgs& t, const Memory& m, const pro
 }
 
 // ---------------------------------------------------------------------------
-// projection3: 20 fused operations of this code; the first covers
+// kda0: 20 fused operations of this code; the first covers
+//   sigmoid layer.0/decoder_layer/kda/beta (71:10)
+//   kda_decode layer.0/decoder_layer/kda/o (72:7)
 //   gated_rms_norm layer.0/decoder_layer/kda/gated_rms_norm (74:16)
+struct kda0_params {
+  uint64_t in;              // arena offset
+  uint64_t in_2;            // arena offset
+  uint64_t in_3;            // arena offset
+  uint64_t in_4;            // arena offset
+  uint64_t in_5;            // arena offset
+  uint64_t a_log;           // weight index
+  uint64_t dt_bias;         // weight index
+  uint64_t recurrent;       // state index
+  uint64_t in_6;            // arena offset
+  uint64_t o_norm;          // weight index
+  uint64_t gated_rms_norm;  // arena offset
+};
+
+// kda: state update of a range of heads
+__device__ inline void kda0(const TaskArgs& t, const Memory& m, const kda0_params& p) {
+  kda_decode<kBatch>(KdaDecode{.shape = KdaShape{.heads = 32, .d = 128, .safe_gate = false, .lower_bound = 0e0f},
+                               .h0 = t.a[0],
+                               .h1 = t.a[1],
+                               .q = reinterpret_cast<float*>(m.arena + p.in),
+                               .k = reinterpret_cast<float*>(m.arena + p.in_2),
+                               .v = reinterpret_cast<float*>(m.arena + p.in_3),
+                               .f = reinterpret_cast<float*>(m.arena + p.in_4),
+                               .b_logit = reinterpret_cast<float*>(m.arena + p.in_5),
+                               .a_log = static_cast<const float*>(m.w[p.a_log]),
+                               .dt_bias = static_cast<const float*>(m.w[p.dt_bias]),
+                               .state = static_cast<float*>(m.state[p.recurrent]),
+                               .out = reinterpret_cast<float*>(m.arena + p.gated_rms_norm),
+                               .gate = reinterpret_cast<float*>(m.arena + p.in_6),
+                               .norm_w = static_cast<const __nv_bfloat16*>(m.w[p.o_norm]),
+                               .norm_eps = 1e-5f,
+                               .sigmoid_act = 1});
+}
+
+// ---------------------------------------------------------------------------
+// projection3: 20 fused operations of this code; the first covers
 //   linear layer.0/decoder_layer/kda/out (74:9)
 //   add layer.0/decoder_layer/h (143:9)
 struct projection3_params {
-  uint64_t in;      // arena offset
-  uint64_t in_2;    // arena offset
-  uint64_t o_norm;  // weight index
-  uint64_t w_o;     // weight index
-  uint64_t in_3;    // arena offset
-  uint64_t h;       // arena offset
+  uint64_t in;    // arena offset
+  uint64_t w_o;   // weight index
+  uint64_t in_2;  // arena offset
+  uint64_t h;     // arena offset
 };
 
 // projection_rows: output rows
@@ -334,22 +338,14 @@ __device__ inline void projection3(const TaskArgs& t, const Memory& m, const pro
   const Rows r = projection3_rows(t, m, p);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  rows_compute_gated<kBatch>(RowsComputeGated{.rows = r,
-                                              .x = reinterpret_cast<float*>(m.arena + p.in_2),
-                                              .gate = reinterpret_cast<float*>(m.arena + p.in),
-                                              .heads = 32,
-                                              .d = 128,
-                                              .w = static_cast<const __nv_bfloat16*>(m.w[p.o_norm]),
-                                              .eps = 1e-5f,
-                                              .sigmoid_act = 1,
-                                              .spill = nullptr},
-                             it, warp, st);
+  rows_compute<kBatch>(
+      RowsCompute{.rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f}, it, warp,
+      st);
   consumer_sync();
-  // gated_rms_norm gated_rms_norm (74:16)
   // linear out (74:9)
   const Span s1 = linear_span(t, 0);
   // add h (143:9)
-  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_3), 2304);
+  ep_add<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.in_2), 2304);
   consumer_sync();
   ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.h), 2304);
 }
@@ -946,7 +942,7 @@ struct Step {
         rows_load<kBatch>(projection1_rows(t, m, p), it);
         break;
       }
-      case 4: {
+      case 3: {
         const auto p = stage_params<projection2_params>(m, t);
         rows_load<kBatch>(projection2_rows(t, m, p), it);
         break;
@@ -1053,19 +1049,19 @@ struct Step {
         break;
       }
       case 3: {
-        const auto p = stage_params<kda0_params>(m, t);
-        prefetch_l1(m.w + p.a_log);
-        prefetch_l1(m.w + p.dt_bias);
-        break;
-      }
-      case 4: {
         const auto p = stage_params<projection2_params>(m, t);
         prefetch_l1(m.w + p.w_gb);
         break;
       }
+      case 4: {
+        const auto p = stage_params<kda0_params>(m, t);
+        prefetch_l1(m.w + p.a_log);
+        prefetch_l1(m.w + p.dt_bias);
+        prefetch_l1(m.w + p.o_norm);
+        break;
+      }
       case 5: {
         const auto p = stage_params<projection3_params>(m, t);
-        prefetch_l1(m.w + p.o_norm);
         prefetch_l1(m.w + p.w_o);
         break;
       }
@@ -1163,13 +1159,13 @@ struct Step {
         break;
       }
       case 3: {
-        const auto p = stage_params<kda0_params>(m, t);
-        kda0(t, m, p);
+        const auto p = stage_params<projection2_params>(m, t);
+        projection2(t, m, p, it, warp);
         break;
       }
       case 4: {
-        const auto p = stage_params<projection2_params>(m, t);
-        projection2(t, m, p, it, warp);
+        const auto p = stage_params<kda0_params>(m, t);
+        kda0(t, m, p);
         break;
       }
       case 5: {

@@ -1,4 +1,4 @@
-// mkc device library: KDA decode and its gated output norm (the output projection's prologue).
+// mkc device library: KDA decode and its gated output norm (in the KDA stage, or the output projection's prologue).
 #pragma once
 
 #include "rows.cuh"
@@ -53,7 +53,14 @@ struct KdaDecode {
   const float* a_log;     // [heads]
   const float* dt_bias;   // [heads d]
   float* state;           // [sequences][heads][d][d] fp32
-  T* out;                 // [B, heads d]
+  T* out;                 // [B, heads d]: o, or with gate its gated output norm
+  // KDA's gated output norm, applied here where the planner put it (its
+  // tasks own whole heads): out = o rsqrt(mean over the head of o^2 + eps)
+  // norm_w act(gate), act sigmoid (sigmoid_act 1) or SiLU (0). Null: out = o.
+  const T* gate;                 // [B, heads d]
+  const __nv_bfloat16* norm_w;   // [d]
+  float norm_eps;
+  int sigmoid_act;
   KdaLog log;             // a verify step's (positions > 1); unused otherwise
 };
 
@@ -211,6 +218,34 @@ __device__ __forceinline__ void kda_rows_each(const float* sh, uint32_t d, Value
   }
 }
 
+// The gated norm's activation of the gate: sigmoid (sigmoid_act 1) or SiLU (0).
+__device__ __forceinline__ float gated_norm_act(float g, int sigmoid_act) {
+  return sigmoid_act ? sigmoid(g) : g / (1.f + expf(-g));
+}
+
+// With a.gate: the gated output norm of head h for sequence sq's P rows,
+// from their outputs o_rows [P][d] (shared memory, each warp's rows written
+// before), a warp a row: out = o r norm_w act(gate), in the order of
+// gated_rms_norm_inplace.
+template <int P, class T>
+__device__ void kda_gated_out(const KdaDecode<T>& a, const float* o_rows, uint32_t sq, uint32_t h) {
+  const uint32_t d = a.shape.d, p = a.shape.heads * d;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  consumer_sync();
+  for (uint32_t t = warp; t < uint32_t(P); t += kConsumerWarps) {
+    const float* o = o_rows + t * d;
+    float ss = 0.f;
+    for (uint32_t j = lane; j < d; j += 32) ss = fmaf(o[j], o[j], ss);
+    const float r = rsqrtf(warp_sum(ss) / float(d) + a.norm_eps);
+    const size_t at = size_t(sq * P + t) * p + size_t(h) * d;
+    for (uint32_t j = lane; j < d; j += 32) {
+      const float gv = to_float(a.gate[at + j]);
+      a.out[at + j] = from_float<T>(o[j] * r * bf(a.norm_w[j]) * gated_norm_act(gv, a.sigmoid_act));
+    }
+  }
+  consumer_sync();  // o_rows free for the next head
+}
+
 // Plain decoding (P = 1): one token a sequence, the state stepped in place.
 // A verify step (P > 1, rows b = sequence P + position): each sequence's
 // positions in order, each row of S carried in registers through them, each
@@ -220,8 +255,11 @@ __device__ __forceinline__ void kda_rows_each(const float* sh, uint32_t d, Value
 template <int B, int P = 1, class T>
 __device__ void kda_decode(KdaDecode<T> a) {
   static_assert(P >= 1 && B % P == 0, "whole sequences of positions");
+  static_assert(P * kMaxKdaDim * sizeof(float) <= kActivationBytes, "a head's outputs of a sequence fit");
   const KdaShape& s = a.shape;
   const uint32_t d = s.d, p = s.heads * d;
+  const bool gated = a.gate != nullptr;
+  float* o_rows = activation_ptr();  // [P][d] with the gated norm: the head's outputs before it
   for (int sq = 0; sq < B / P; ++sq) {
     for (uint32_t h = a.h0; h < a.h1; ++h) {
       float* sh = a.state + (size_t(sq) * s.heads + h) * d * d;
@@ -236,7 +274,13 @@ __device__ void kda_decode(KdaDecode<T> a) {
               kda_row_step(sv, alpha, kk, beta, v_r);
               kda_row_store(sv, sh + size_t(r) * d, d);
               const float o = kda_row_out(sv, qq);
-              if (threadIdx.x % 32 == 0) a.out[row0 + r] = from_float<T>(o);
+              if (threadIdx.x % 32 == 0) {
+                if (gated) {
+                  o_rows[r] = o;
+                } else {
+                  a.out[row0 + r] = from_float<T>(o);
+                }
+              }
             });
       } else {
         // The log first: each position's decay, key, value and beta.
@@ -259,10 +303,17 @@ __device__ void kda_decode(KdaDecode<T> a) {
                 KdaLane qq;
                 kda_lane_query(a, b, h, qq);
                 const float o = kda_row_out(sv, qq);
-                if (threadIdx.x % 32 == 0) a.out[size_t(b) * p + size_t(h) * d + r] = from_float<T>(o);
+                if (threadIdx.x % 32 == 0) {
+                  if (gated) {
+                    o_rows[t * d + r] = o;
+                  } else {
+                    a.out[size_t(b) * p + size_t(h) * d + r] = from_float<T>(o);
+                  }
+                }
               }
             });
       }
+      if (gated) kda_gated_out<P>(a, o_rows, sq, h);
     }
   }
 }
@@ -288,11 +339,6 @@ __device__ void kda_commit(const KdaDecode<T>& a, const uint32_t* keep) {
           });
     }
   }
-}
-
-// The gated norm's activation of the gate: sigmoid (sigmoid_act 1) or SiLU (0).
-__device__ __forceinline__ float gated_norm_act(float g, int sigmoid_act) {
-  return sigmoid_act ? sigmoid(g) : g / (1.f + expf(-g));
 }
 
 // Gated RMSNorm per head (KDA's output norm), as a projection's prologue:

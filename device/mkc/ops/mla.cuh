@@ -640,7 +640,11 @@ struct MlaCombine {
   uint32_t h0, h1;            // the task's heads [h0, h1)
   const float* partials;      // [B, heads, splits, 2 + c], from mla_split
   const __nv_bfloat16* wkvb;  // kv_b_proj [heads (nope + v_dim), c]
-  T* out;                     // [B, heads v_dim]
+  T* out;                     // [B, heads v_dim]: o, or with gate o times the gate
+  // K3's output gate, applied here where the planner put it (a task owns
+  // whole heads): out = o gate, or o sigmoid(gate) with gate_sigmoid. Null: out = o.
+  const T* gate;              // [B, heads v_dim]
+  int gate_sigmoid;
 };
 template <int B, class T>
 __device__ void mla_combine(MlaCombine<T> a, uint32_t& it, int warp) {
@@ -674,7 +678,13 @@ __device__ void mla_combine(MlaCombine<T> a, uint32_t& it, int warp) {
     consumer_sync();
     for (uint32_t i = threadIdx.x; i < B * s.v_dim; i += kConsumerThreads) {
       const uint32_t b = i / s.v_dim, j = i % s.v_dim;
-      out[size_t(b) * s.heads * s.v_dim + h * s.v_dim + j] = from_float<T>(st[i]);
+      const size_t at = size_t(b) * s.heads * s.v_dim + h * s.v_dim + j;
+      float o = st[i];
+      if (a.gate != nullptr) {
+        const float gv = to_float(a.gate[at]);
+        o *= a.gate_sigmoid ? sigmoid(gv) : gv;
+      }
+      out[at] = from_float<T>(o);
     }
     consumer_sync();
   }

@@ -31,7 +31,26 @@ impl Gen<'_> {
             return Err(unsupported(op, "a cache that is state"));
         };
         let cache = self.state(ops[4].node, "__nv_bfloat16");
-        let out = self.value(ValueRef { node: n, output: 0 }, op)?;
+        // The output gate, where the planner put it here (`head-gate`): the
+        // combine writes o times the gate (or its sigmoid, also here).
+        let gate_mul =
+            op.nodes.iter().map(|m| nid(*m)).find(|m| {
+                matches!(self.op_of(*m), Some((OpKind::Mul, _))) && g.operands(*m).iter().any(|v| v.node == n)
+            });
+        let (out, gate) = match gate_mul {
+            Some(m) => {
+                let gv = *g.operands(m).iter().find(|v| v.node != n).expect("a gate operand");
+                let (raw, act) = match self.op_of(gv.node) {
+                    Some((OpKind::Sigmoid, _)) if op.nodes.contains(&gv.node.index()) => (g.operands(gv.node)[0], 1),
+                    _ => (gv, 0),
+                };
+                if op.nodes.contains(&raw.node.index()) {
+                    return Err(unsupported(op, "an MLA output gate other than a value or its sigmoid"));
+                }
+                (self.value(ValueRef { node: m, output: 0 }, op)?, Some((self.value(raw, op)?, act)))
+            }
+            None => (self.value(ValueRef { node: n, output: 0 }, op)?, None),
+        };
         let ctx = self.plan.options.context;
         let Some((groups, hpt, splits)) = self.plan.tiling.stages[split].mla_split else {
             return Err(internal(op, "an MLA split the tiling did not shape"));
@@ -105,7 +124,7 @@ impl Gen<'_> {
         self.header(combine, op, "split merge and value up-projection (W_UV through the page ring)");
         let f = self.fname(op, combine);
         let load = init!("MlaCombineLoad"; shape = "@K@_shape", h0 = "t.a[0]", h1 = "t.a[1]", wkvb = wkvb);
-        let args = init!("MlaCombine";
+        let mut args = init!("MlaCombine";
             shape = "@K@_shape",
             h0 = "t.a[0]",
             h1 = "t.a[1]",
@@ -113,6 +132,9 @@ impl Gen<'_> {
             wkvb = wkvb,
             out = out,
         );
+        if let Some((gate, act)) = &gate {
+            args = with_field(&with_field(&args, "gate", gate), "gate_sigmoid", &act.to_string());
+        }
         let _ = writeln!(
             self.code,
             "__device__ inline void {f}_load(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
@@ -166,11 +188,39 @@ impl Gen<'_> {
             "safe" => ("true", attrs.float("lower_bound")),
             other => return Err(internal(op, &format!("KDA gate \"{other}\""))),
         };
-        let out = self.value(ValueRef { node: n, output: 0 }, op)?;
+        // The gated output norm, where the planner put it here (`head-gate`):
+        // each head's output normed and gated before it is written.
+        let norm = op
+            .nodes
+            .iter()
+            .map(|m| nid(*m))
+            .find(|m| matches!(self.op_of(*m), Some((OpKind::GatedRmsNorm, _))) && g.operands(*m)[0].node == n);
+        let (out, gated) = match norm {
+            Some(m) => {
+                let (_, nattrs) = self.op_of(m).expect("an op");
+                let nops = g.operands(m);
+                if op.nodes.contains(&nops[1].node.index()) || g.value_type(nops[2]).elements() != d {
+                    return Err(unsupported(op, "a gated norm in KDA other than over its heads, gated by a value"));
+                }
+                let act = match nattrs.str("act") {
+                    "sigmoid" => 1,
+                    "silu" => 0,
+                    a => return Err(unsupported(op, &format!("a gated norm with act \"{a}\""))),
+                };
+                let gated = [
+                    ("gate", self.value(nops[1], op)?),
+                    ("norm_w", self.weight(nops[2].node, 0)?),
+                    ("norm_eps", float(nattrs.float("eps"))),
+                    ("sigmoid_act", act.to_string()),
+                ];
+                (self.value(ValueRef { node: m, output: 0 }, op)?, Some(gated))
+            }
+            None => (self.value(ValueRef { node: n, output: 0 }, op)?, None),
+        };
         self.header(stage, op, "state update of a range of heads");
         let f = self.fname(op, stage);
         let shape = init!("KdaShape"; heads = heads, d = d, safe_gate = safe, lower_bound = float(lower));
-        let args = init!("KdaDecode";
+        let mut args = init!("KdaDecode";
             shape = shape,
             h0 = "t.a[0]",
             h1 = "t.a[1]",
@@ -184,6 +234,9 @@ impl Gen<'_> {
             state = state,
             out = out,
         );
+        for (field, value) in gated.iter().flatten() {
+            args = with_field(&args, field, value);
+        }
         if self.plan.options.positions == 1 {
             let _ = writeln!(
                 self.code,
