@@ -1274,6 +1274,7 @@ struct K3Case {
   const float *bank, *u;
   const __nv_bfloat16 *w, *gamma;
   uint32_t rows, hidden;
+  uint32_t b0, b1;  // the mix's token rows
   float* out;
 };
 __device__ K3Case g_k3;
@@ -1293,6 +1294,8 @@ __global__ void attn_res_kernel() {
                                         .hidden = c.hidden,
                                         .d0 = 0,
                                         .d1 = c.hidden,
+                                        .b0 = c.b0,
+                                        .b1 = c.b1,
                                         .out = c.out});
 }
 
@@ -1390,9 +1393,19 @@ static void test_attn_res(std::mt19937& rng, uint32_t rows, uint32_t hidden) {
   c.bank = upload(bank), c.u = upload(u), c.w = upload(w), c.gamma = upload(gamma);
   c.rows = rows, c.hidden = hidden;
   c.out = upload(std::vector<float>(kKB * hidden, NAN));
+  // The batch's rows in one task, then a task a row (the planner's tiling): the same sums.
+  c.b0 = 0, c.b1 = kKB;
   CHECK(cudaMemcpyToSymbol(g_k3, &c, sizeof c));
   launch(attn_res_kernel, "attn_res_mix");
   const auto got = download(c.out, kKB * hidden);
+  CHECK(cudaMemcpy(c.out, std::vector<float>(kKB * hidden, NAN).data(), kKB * hidden * sizeof(float),
+                   cudaMemcpyHostToDevice));
+  for (uint32_t b = 0; b < kKB; ++b) {
+    c.b0 = b, c.b1 = b + 1;
+    CHECK(cudaMemcpyToSymbol(g_k3, &c, sizeof c));
+    launch(attn_res_kernel, "attn_res_mix (a token row)");
+  }
+  const bool per_row_equal = download(c.out, kKB * hidden) == got;
   double worst = 0;
   for (int b = 0; b < kKB; ++b) {
     std::vector<double> s(rows + 1);
@@ -1416,9 +1429,10 @@ static void test_attn_res(std::mt19937& rng, uint32_t rows, uint32_t hidden) {
       worst = std::max(worst, std::abs(want - got[b * hidden + d]));
     }
   }
-  char detail[96];
-  std::snprintf(detail, sizeof detail, "%u bank rows + the current, hidden %u: max abs error %.2e", rows, hidden, worst);
-  report("attention-residual mix", worst < 1e-4, detail);
+  char detail[128];
+  std::snprintf(detail, sizeof detail, "%u bank rows + the current, hidden %u: max abs error %.2e, a task a row %s",
+                rows, hidden, worst, per_row_equal ? "equal" : "DIFFERENT");
+  report("attention-residual mix", worst < 1e-4 && per_row_equal, detail);
   for (void* p : {(void*)c.bank, (void*)c.u, (void*)c.w, (void*)c.gamma, (void*)c.out}) CHECK(cudaFree(p));
 }
 

@@ -2,7 +2,7 @@
 // (batch 4, context 4096). Do not edit: run `mkc codegen`.
 //
 // The code of one decode step: one device function per kind of stage. The
-// 1255 stages and 123203 tasks of this model are data in plan.mkcplan (format
+// 1255 stages and 123761 tasks of this model are data in plan.mkcplan (format
 // 1, runtime/include/mkc/plan_file.h): per stage, its kind's role here and
 // its parameters (weights, arena offsets, states); per SM, its instructions.
 // What is the same for every stage of a kind (widths, epsilons, shapes) is
@@ -367,7 +367,7 @@ struct attn_res0_params {
 };
 
 // attn_res: the mix of the bank and the current row
-__device__ inline void attn_res0(const Memory& m, const attn_res0_params& p) {
+__device__ inline void attn_res0(const TaskArgs& t, const Memory& m, const attn_res0_params& p) {
   attn_res_mix<kBatch>(AttnResMix{.bank = reinterpret_cast<float*>(m.arena + p.in_2),
                                   .rows = uint32_t(p.bank_rows),
                                   .row = reinterpret_cast<float*>(m.arena + p.in),
@@ -377,6 +377,8 @@ __device__ inline void attn_res0(const Memory& m, const attn_res0_params& p) {
                                   .hidden = 7168,
                                   .d0 = 0,
                                   .d1 = 7168,
+                                  .b0 = t.a[0],
+                                  .b1 = t.a[1],
                                   .out = reinterpret_cast<float*>(m.arena + p.attn_res_mix)});
 }
 
@@ -487,7 +489,7 @@ struct attn_res1_params {
 };
 
 // attn_res: the mix of the bank and the current row
-__device__ inline void attn_res1(const Memory& m, const attn_res1_params& p) {
+__device__ inline void attn_res1(const TaskArgs& t, const Memory& m, const attn_res1_params& p) {
   attn_res_mix<kBatch>(AttnResMix{.bank = reinterpret_cast<float*>(m.arena + p.in_2),
                                   .rows = uint32_t(p.bank_rows),
                                   .row = reinterpret_cast<float*>(m.arena + p.in),
@@ -497,6 +499,8 @@ __device__ inline void attn_res1(const Memory& m, const attn_res1_params& p) {
                                   .hidden = 7168,
                                   .d0 = 0,
                                   .d1 = 7168,
+                                  .b0 = t.a[0],
+                                  .b1 = t.a[1],
                                   .out = reinterpret_cast<float*>(m.arena + p.m)});
 }
 
@@ -554,7 +558,7 @@ struct attn_res2_params {
 };
 
 // attn_res: the mix of the bank and the current row
-__device__ inline void attn_res2(const Memory& m, const attn_res2_params& p) {
+__device__ inline void attn_res2(const TaskArgs& t, const Memory& m, const attn_res2_params& p) {
   attn_res_mix<kBatch>(AttnResMix{.bank = reinterpret_cast<float*>(m.arena + p.in_2),
                                   .rows = uint32_t(p.bank_rows),
                                   .row = reinterpret_cast<float*>(m.arena + p.in),
@@ -564,6 +568,8 @@ __device__ inline void attn_res2(const Memory& m, const attn_res2_params& p) {
                                   .hidden = 7168,
                                   .d0 = 0,
                                   .d1 = 7168,
+                                  .b0 = t.a[0],
+                                  .b1 = t.a[1],
                                   .out = reinterpret_cast<float*>(m.arena + p.attn_res_mix_2)});
 }
 
@@ -1209,7 +1215,7 @@ struct attn_res3_params {
 };
 
 // attn_res: the mix of the bank and the current row
-__device__ inline void attn_res3(const Memory& m, const attn_res3_params& p) {
+__device__ inline void attn_res3(const TaskArgs& t, const Memory& m, const attn_res3_params& p) {
   attn_res_mix<kBatch>(AttnResMix{.bank = reinterpret_cast<float*>(m.arena + p.in_2),
                                   .rows = uint32_t(p.bank_rows),
                                   .row = reinterpret_cast<float*>(m.arena + p.in),
@@ -1219,6 +1225,8 @@ __device__ inline void attn_res3(const Memory& m, const attn_res3_params& p) {
                                   .hidden = 7168,
                                   .d0 = 0,
                                   .d1 = 7168,
+                                  .b0 = t.a[0],
+                                  .b1 = t.a[1],
                                   .out = reinterpret_cast<float*>(m.arena + p.attn_res_mix)});
 }
 
@@ -1593,7 +1601,7 @@ struct Step {
       }
       case 5: {
         const auto p = stage_params<attn_res0_params>(m, t);
-        attn_res0(m, p);
+        attn_res0(t, m, p);
         break;
       }
       case 6: {
@@ -1608,7 +1616,7 @@ struct Step {
       }
       case 8: {
         const auto p = stage_params<attn_res1_params>(m, t);
-        attn_res1(m, p);
+        attn_res1(t, m, p);
         break;
       }
       case 9: {
@@ -1618,7 +1626,7 @@ struct Step {
       }
       case 10: {
         const auto p = stage_params<attn_res2_params>(m, t);
-        attn_res2(m, p);
+        attn_res2(t, m, p);
         break;
       }
       case 11: {
@@ -1698,7 +1706,7 @@ struct Step {
       }
       case 26: {
         const auto p = stage_params<attn_res3_params>(m, t);
-        attn_res3(m, p);
+        attn_res3(t, m, p);
         break;
       }
       case 27: {

@@ -330,7 +330,7 @@ struct attn_res0_params {
 };
 
 // attn_res: the mix of the bank and the current row
-__device__ inline void attn_res0(const Memory& m, const attn_res0_params& p) {
+__device__ inline void attn_res0(const TaskArgs& t, const Memory& m, const attn_res0_params& p) {
   attn_res_mix<kBatch>(AttnResMix{.bank = reinterpret_cast<float*>(m.arena + p.in_2),
                                   .rows = uint32_t(p.bank_rows),
                                   .row = reinterpret_cast<float*>(m.arena + p.in),
@@ -340,6 +340,8 @@ __device__ inline void attn_res0(const Memory& m, const attn_res0_params& p) {
                                   .hidden = 64,
                                   .d0 = 0,
                                   .d1 = 64,
+                                  .b0 = t.a[0],
+                                  .b1 = t.a[1],
                                   .out = reinterpret_cast<float*>(m.arena + p.attn_res_mix)});
 }
 
@@ -450,7 +452,7 @@ struct attn_res1_params {
 };
 
 // attn_res: the mix of the bank and the current row
-__device__ inline void attn_res1(const Memory& m, const attn_res1_params& p) {
+__device__ inline void attn_res1(const TaskArgs& t, const Memory& m, const attn_res1_params& p) {
   attn_res_mix<kBatch>(AttnResMix{.bank = reinterpret_cast<float*>(m.arena + p.in_2),
                                   .rows = uint32_t(p.bank_rows),
                                   .row = reinterpret_cast<float*>(m.arena + p.in),
@@ -460,6 +462,8 @@ __device__ inline void attn_res1(const Memory& m, const attn_res1_params& p) {
                                   .hidden = 64,
                                   .d0 = 0,
                                   .d1 = 64,
+                                  .b0 = t.a[0],
+                                  .b1 = t.a[1],
                                   .out = reinterpret_cast<float*>(m.arena + p.m)});
 }
 
@@ -517,7 +521,7 @@ struct attn_res2_params {
 };
 
 // attn_res: the mix of the bank and the current row
-__device__ inline void attn_res2(const Memory& m, const attn_res2_params& p) {
+__device__ inline void attn_res2(const TaskArgs& t, const Memory& m, const attn_res2_params& p) {
   attn_res_mix<kBatch>(AttnResMix{.bank = reinterpret_cast<float*>(m.arena + p.in_2),
                                   .rows = uint32_t(p.bank_rows),
                                   .row = reinterpret_cast<float*>(m.arena + p.in),
@@ -527,6 +531,8 @@ __device__ inline void attn_res2(const Memory& m, const attn_res2_params& p) {
                                   .hidden = 64,
                                   .d0 = 0,
                                   .d1 = 64,
+                                  .b0 = t.a[0],
+                                  .b1 = t.a[1],
                                   .out = reinterpret_cast<float*>(m.arena + p.attn_res_mix_2)});
 }
 
@@ -1171,7 +1177,7 @@ struct attn_res3_params {
 };
 
 // attn_res: the mix of the bank and the current row
-__device__ inline void attn_res3(const Memory& m, const attn_res3_params& p) {
+__device__ inline void attn_res3(const TaskArgs& t, const Memory& m, const attn_res3_params& p) {
   attn_res_mix<kBatch>(AttnResMix{.bank = reinterpret_cast<float*>(m.arena + p.in_2),
                                   .rows = uint32_t(p.bank_rows),
                                   .row = reinterpret_cast<float*>(m.arena + p.in),
@@ -1181,6 +1187,8 @@ __device__ inline void attn_res3(const Memory& m, const attn_res3_params& p) {
                                   .hidden = 64,
                                   .d0 = 0,
                                   .d1 = 64,
+                                  .b0 = t.a[0],
+                                  .b1 = t.a[1],
                                   .out = reinterpret_cast<float*>(m.arena + p.attn_res_mix)});
 }
 
@@ -1555,7 +1563,7 @@ struct Step {
       }
       case 5: {
         const auto p = stage_params<attn_res0_params>(m, t);
-        attn_res0(m, p);
+        attn_res0(t, m, p);
         break;
       }
       case 6: {
@@ -1570,7 +1578,7 @@ struct Step {
       }
       case 8: {
         const auto p = stage_params<attn_res1_params>(m, t);
-        attn_res1(m, p);
+        attn_res1(t, m, p);
         break;
       }
       case 9: {
@@ -1580,7 +1588,7 @@ struct Step {
       }
       case 10: {
         const auto p = stage_params<attn_res2_params>(m, t);
-        attn_res2(m, p);
+        attn_res2(t, m, p);
         break;
       }
       case 11: {
@@ -1660,7 +1668,7 @@ struct Step {
       }
       case 26: {
         const auto p = stage_params<attn_res3_params>(m, t);
-        attn_res3(m, p);
+        attn_res3(t, m, p);
         break;
       }
       case 27: {

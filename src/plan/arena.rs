@@ -399,7 +399,7 @@ impl Layout<'_> {
                 let NodeKind::Op { attrs, .. } = &g.node(n).kind else { unreachable!("an op") };
                 let heads = attrs.int("heads") as u64;
                 let c = g.value_type(g.operands(n)[1]).elements();
-                let [absorb, split, _] = stages[..] else {
+                let [absorb, split, combine] = stages[..] else {
                     return Err(bug(format!("fused operation {} is not three MLA stages", op.id)));
                 };
                 let Some((_, _, splits)) = self.tiling.stages[split].mla_split else {
@@ -410,8 +410,22 @@ impl Layout<'_> {
                 let bytes =
                     self.size(split, "the MLA partials", &[self.batch, heads, splits, c.saturating_add(2), 4])?;
                 self.reserve(split, Block::MlaPartials, bytes)?;
+                // The combine reads the output gate where the planner put it
+                // there (`head-gate`: the operands of the op's nodes past the
+                // MLA node, its gate and the gate's sigmoid).
+                let gate_reads: Vec<ValueRef> = reads
+                    .iter()
+                    .copied()
+                    .filter(|v| {
+                        op.nodes.iter().any(|m| {
+                            let m = NodeId::at(*m);
+                            m.index() > n.index() && g.operands(m).contains(v)
+                        })
+                    })
+                    .collect();
                 self.reads[absorb] = reads.clone();
                 self.reads[split] = reads;
+                self.reads[combine] = gate_reads;
             }
             FusedKind::Moe => {
                 let n = op

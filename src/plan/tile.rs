@@ -143,6 +143,13 @@ pub enum TaskArgs {
         /// The most rows a part can get.
         rows: u32,
     },
+    /// A range of token rows (the attention-residual mix).
+    Tokens {
+        /// First token row.
+        b0: u32,
+        /// One past the last.
+        b1: u32,
+    },
     /// One column tile (the experts' combine).
     Tile {
         /// The tile.
@@ -156,7 +163,8 @@ impl TaskArgs {
     /// The four words the device reads (`TaskArgs::a` of
     /// `device/mkc/plan_types.h`): rows `[linear, up or u32::MAX, r0, r1]`,
     /// a KV split `[group, split]`, heads `[h0, h1]`, expert rows `[part,
-    /// parts, unit]`, a tile `[tile, tiles]`, unused words 0.
+    /// parts, unit]`, token rows `[b0, b1]`, a tile `[tile, tiles]`, unused
+    /// words 0.
     pub fn words(self) -> [u32; 4] {
         match self {
             TaskArgs::Whole => [0; 4],
@@ -164,6 +172,7 @@ impl TaskArgs {
             TaskArgs::KvSplit { group, split } => [group, split, 0, 0],
             TaskArgs::Heads { h0, h1 } => [h0, h1, 0, 0],
             TaskArgs::ExpertRows { part, parts, unit, .. } => [part, parts, unit, 0],
+            TaskArgs::Tokens { b0, b1 } => [b0, b1, 0, 0],
             TaskArgs::Tile { tile, tiles } => [tile, tiles, 0, 0],
         }
     }
@@ -481,7 +490,9 @@ impl Builder<'_> {
     /// MLA decode as three stages: the queries absorbed (a head per task, or
     /// a few where the heads outnumber the SMs: W_UK once a step), the
     /// attention over (head group, KV split) tasks, and the combine with W_UV.
-    fn mla(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>) -> (usize, usize, usize) {
+    /// MLA's three stages; `gate_reads`: the stages whose values the combine
+    /// reads for the output gate the planner put there (`head-gate`).
+    fn mla(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>, gate_reads: Vec<usize>) -> (usize, usize, usize) {
         let g = self.g;
         let n = nodes.iter().copied().find(|n| op_of(g, *n) == Some(OpKind::MlaDecode)).expect("mla anchor");
         let NodeKind::Op { attrs, .. } = &g.node(node(g, n)).kind else { unreachable!("an op") };
@@ -538,7 +549,7 @@ impl Builder<'_> {
         let parts = head_parts(&|n| {
             (n * v_dim * per_row, splits * n * (c + 2) * 4 * b + out * n / heads, 2 * n * v_dim * c * b)
         });
-        let combine = self.add_stage(op, TaskKind::MlaCombine, vec![split], parts);
+        let combine = self.add_stage(op, TaskKind::MlaCombine, [vec![split], gate_reads].concat(), parts);
         for s in [absorb, split, combine] {
             self.stages[s].mla_split = Some((groups, hpt, splits));
         }
@@ -566,6 +577,21 @@ impl Builder<'_> {
             })
             .collect();
         self.add_stage(op, TaskKind::Kda, reads, parts)
+    }
+
+    /// The attention-residual mix: a task a token row. Each row's scores and
+    /// mix read only its own bank rows, so the rows spread over SMs (one task
+    /// for the batch was 51 us at batch 8 on the H100, one SM's read rate).
+    fn attn_res(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>) -> usize {
+        let act = self.external_inputs(nodes) + self.external_outputs(nodes);
+        let w = self.weights_of(nodes);
+        let parts = (0..self.b())
+            .map(|b| {
+                let args = TaskArgs::Tokens { b0: b as u32, b1: b as u32 + 1 };
+                (format!("token {b}"), w, act, 0, 4 * self.external_inputs(nodes), args)
+            })
+            .collect();
+        self.add_stage(op, TaskKind::AttnRes, reads, parts)
     }
 
     fn moe(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>) -> (usize, usize, usize) {
@@ -682,17 +708,28 @@ pub fn tile(v: &Validated, fusion: &Fusion, target: &Target, opts: Options) -> R
                 bld.out_bytes[rows] = tiles * 8 * bld.b();
                 bld.single(op.id, &[], vec![rows], TaskKind::Argmax, 0, tiles * bld.b())
             }
-            FusedKind::MlaDecode => bld.mla(op.id, nodes, reads).2,
+            FusedKind::MlaDecode => {
+                // The output gate's operands (the nodes past the MLA node), by their producers' last stages.
+                let anchor = nodes.iter().copied().find(|n| op_of(g, *n) == Some(OpKind::MlaDecode));
+                let mut gate_reads: Vec<usize> = nodes
+                    .iter()
+                    .filter(|n| Some(**n) > anchor)
+                    .flat_map(|n| g.operands(node(g, *n)))
+                    .filter_map(|v| fusion.op_of.get(&v.node.index()))
+                    .filter(|p| **p != op.id)
+                    .map(|p| last_stage[*p])
+                    .collect();
+                gate_reads.sort_unstable();
+                gate_reads.dedup();
+                bld.mla(op.id, nodes, reads, gate_reads).2
+            }
             FusedKind::KdaDecode => bld.kda(op.id, nodes, reads),
             FusedKind::Moe => bld.moe(op.id, nodes, reads).2,
             FusedKind::Router => {
                 let e = nodes.iter().map(|n| g.value_type(g.operands(node(g, *n))[0]).elements()).max().unwrap_or(1);
                 bld.single(op.id, nodes, reads, TaskKind::Router, 0, 8 * e * bld.b())
             }
-            FusedKind::AttnRes => {
-                let flops = 4 * bld.external_inputs(nodes) * bld.b();
-                bld.single(op.id, nodes, reads, TaskKind::AttnRes, 0, flops)
-            }
+            FusedKind::AttnRes => bld.attn_res(op.id, nodes, reads),
             FusedKind::Embedding => bld.single(op.id, nodes, reads, TaskKind::Embedding, 0, 0),
             FusedKind::Elementwise => {
                 let flops = 4 * bld.external_outputs(nodes) * bld.b();

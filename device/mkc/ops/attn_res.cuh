@@ -12,7 +12,8 @@ namespace mkc {
 //   rows r_0..r_{n-1} = bank[j][b], r_n = u[b]
 //   s_j = (sum_d r_j[d] gamma[d] w[d]) rsqrt(mean_d r_j[d]^2 + eps)
 //   out[b, d] = sum_j softmax(s)_j r_j[d]            (fp32)
-// for output columns [d0, d1) (the scores always cover the whole row). The
+// for token rows [b0, b1) (a task each: a row reads only its own bank rows)
+// and output columns [d0, d1) (the scores always cover the whole row). The
 // bank is [B][n][hidden] (a value of n rows per token), hidden a multiple of
 // 4. Every warp takes a share of every row's columns, four at a time, so all
 // of the SM's loads are in flight together (a warp per row left most warps
@@ -29,6 +30,7 @@ struct AttnResMix {
   float eps;
   uint32_t hidden;             // a row's width, a multiple of 4
   uint32_t d0, d1;             // output columns [d0, d1), multiples of 4
+  uint32_t b0, b1;             // token rows [b0, b1)
   float* out;                  // [B][hidden]
 };
 
@@ -44,10 +46,15 @@ __device__ void attn_res_mix(AttnResMix<T> a) {
   __shared__ float p[B][kMaxBankRows + 1];
   static_assert(kConsumerWarps * B * (kMaxBankRows + 1) * 2 * sizeof(float) <= size_t(kScratchBytes),
                 "the mix's partial sums fit in scratch");
-  if (n > kMaxBankRows || hidden % 4 != 0 || d0 % 4 != 0 || d1 % 4 != 0) __trap();
-  const uint32_t rows = uint32_t(B) * (n + 1);
+  if (n > kMaxBankRows || hidden % 4 != 0 || d0 % 4 != 0 || d1 % 4 != 0 || a.b1 > uint32_t(B) || a.b0 >= a.b1) {
+    __trap();
+  }
+  const uint32_t b0 = a.b0, tokens = a.b1 - a.b0, rows = tokens * (n + 1);
   float* part = reinterpret_cast<float*>(scratch_ptr());  // [warp][row][dot, sum of squares]
-  auto row = [&](uint32_t j, int b) { return j < n ? bank + (size_t(b) * n + j) * hidden : u + size_t(b) * hidden; };
+  // Token row b0 + b's bank row j (j = n: its current row).
+  auto row = [&](uint32_t j, uint32_t b) {
+    return j < n ? bank + (size_t(b0 + b) * n + j) * hidden : u + size_t(b0 + b) * hidden;
+  };
   // The rows kMixRowsInFlight at a time: their loads in flight together, not
   // a reduction's round trip a row (batch 8's 24 rows, 51 us a mix on the H100).
   for (uint32_t i0 = 0; i0 < rows; i0 += kMixRowsInFlight) {
@@ -58,7 +65,7 @@ __device__ void attn_res_mix(AttnResMix<T> a) {
       for (uint32_t k = 0; k < kMixRowsInFlight; ++k) {
         const uint32_t i = i0 + k;
         if (i >= rows) break;
-        const float4 x = load_four(row(i % (n + 1), int(i / (n + 1))) + d);
+        const float4 x = load_four(row(i % (n + 1), i / (n + 1)) + d);
         dot[k] = fmaf(x.x, g.x * v.x, fmaf(x.y, g.y * v.y, fmaf(x.z, g.z * v.z, fmaf(x.w, g.w * v.w, dot[k]))));
         ss[k] = fmaf(x.x, x.x, fmaf(x.y, x.y, fmaf(x.z, x.z, fmaf(x.w, x.w, ss[k]))));
       }
@@ -77,7 +84,7 @@ __device__ void attn_res_mix(AttnResMix<T> a) {
     p[threadIdx.x / (n + 1)][threadIdx.x % (n + 1)] = dot * rsqrtf(ss / float(hidden) + eps);
   }
   consumer_sync();
-  if (threadIdx.x < B) {
+  if (threadIdx.x < tokens) {
     const int b = threadIdx.x;
     float m = -INFINITY;
     for (uint32_t j = 0; j <= n; ++j) m = fmaxf(m, p[b][j]);
@@ -87,8 +94,8 @@ __device__ void attn_res_mix(AttnResMix<T> a) {
   }
   consumer_sync();
   const uint32_t quads = (d1 - d0) / 4;
-  for (uint32_t i = threadIdx.x; i < B * quads; i += kConsumerThreads) {
-    const int b = int(i / quads);
+  for (uint32_t i = threadIdx.x; i < tokens * quads; i += kConsumerThreads) {
+    const uint32_t b = i / quads;
     const uint32_t d = d0 + (i % quads) * 4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (uint32_t j = 0; j <= n; ++j) {
@@ -96,7 +103,7 @@ __device__ void attn_res_mix(AttnResMix<T> a) {
       const float pj = p[b][j];
       acc = make_float4(fmaf(pj, x.x, acc.x), fmaf(pj, x.y, acc.y), fmaf(pj, x.z, acc.z), fmaf(pj, x.w, acc.w));
     }
-    *reinterpret_cast<float4*>(out + size_t(b) * hidden + d) = acc;
+    *reinterpret_cast<float4*>(out + size_t(b0 + b) * hidden + d) = acc;
   }
   consumer_sync();
 }

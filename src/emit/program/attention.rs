@@ -272,7 +272,8 @@ impl Gen<'_> {
         Ok(())
     }
 
-    /// The attention-residual mix (K3): one task, the whole row.
+    /// The attention-residual mix (K3): a task per range of token rows
+    /// (`t.a[0]..t.a[1]`), the whole row.
     pub(super) fn attn_res(&mut self, op: &FusedOp) -> Result<()> {
         let g = self.g;
         let stage = self.last_stage(op);
@@ -305,13 +306,16 @@ impl Gen<'_> {
             hidden = hidden,
             d0 = 0,
             d1 = hidden,
+            b0 = "t.a[0]",
+            b1 = "t.a[1]",
             out = out,
         );
         let _ = writeln!(
             self.code,
-            "__device__ inline void {f}(const Memory& m, const @K@_params& p) {{\n  attn_res_mix<kBatch>({args});\n}}"
+            "__device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
+             attn_res_mix<kBatch>({args});\n}}"
         );
-        self.role(stage, format!("{f}(m, p);"), None);
+        self.role(stage, format!("{f}(t, m, p);"), None);
         Ok(())
     }
 }
