@@ -869,7 +869,7 @@ struct KdaCase {
   const float* conv_w;
   __nv_bfloat16* conv_state;
   mkc::KdaShape shape;
-  uint32_t h0, h1;
+  uint32_t h0, h1, s0, s1;
   const float *q, *k, *v, *f, *b, *a_log, *dt_bias, *gate;
   float* state;
   float* out;
@@ -894,6 +894,8 @@ __global__ void kda_kernel() {
   mkc::kda_decode<kKB>(mkc::KdaDecode{.shape = c.shape,
                                       .h0 = c.h0,
                                       .h1 = c.h1,
+                                      .s0 = c.s0,
+                                      .s1 = c.s1,
                                       .q = c.q,
                                       .k = c.k,
                                       .v = c.v,
@@ -910,6 +912,8 @@ __global__ void kda_gated_kernel() {
   mkc::kda_decode<kKB>(mkc::KdaDecode{.shape = c.shape,
                                       .h0 = c.h0,
                                       .h1 = c.h1,
+                                      .s0 = c.s0,
+                                      .s1 = c.s1,
                                       .q = c.q,
                                       .k = c.k,
                                       .v = c.v,
@@ -1010,9 +1014,9 @@ static void test_kda(std::mt19937& rng, uint32_t heads, uint32_t d, bool safe) {
   c.state = upload(state);
   c.out = upload(std::vector<float>(kKB * p, NAN));
   c.norm_w = upload(norm_w);
-  // Two tasks: heads [0, h/2) and [h/2, h).
+  // Two tasks: heads [0, h/2) and [h/2, h) of both sequences.
   for (uint32_t part = 0; part < 2; ++part) {
-    c.h0 = part * heads / 2, c.h1 = (part + 1) * heads / 2;
+    c.h0 = part * heads / 2, c.h1 = (part + 1) * heads / 2, c.s0 = 0, c.s1 = kKB;
     CHECK(cudaMemcpyToSymbol(g_kda, &c, sizeof c));
     launch(kda_kernel, "kda_decode");
   }
@@ -1023,8 +1027,9 @@ static void test_kda(std::mt19937& rng, uint32_t heads, uint32_t d, bool safe) {
   // Again from the same state, the gated norm in the stage (out rewritten, state stepped as before).
   CHECK(cudaMemcpy(c.state, state.data(), state.size() * sizeof(float), cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(c.out, std::vector<float>(kKB * p, NAN).data(), kKB * p * sizeof(float), cudaMemcpyHostToDevice));
-  for (uint32_t part = 0; part < 2; ++part) {
-    c.h0 = part * heads / 2, c.h1 = (part + 1) * heads / 2;
+  // Four tasks: each half of the heads of each sequence.
+  for (uint32_t part = 0; part < 4; ++part) {
+    c.h0 = part % 2 * heads / 2, c.h1 = (part % 2 + 1) * heads / 2, c.s0 = part / 2, c.s1 = part / 2 + 1;
     CHECK(cudaMemcpyToSymbol(g_kda, &c, sizeof c));
     launch(kda_gated_kernel, "kda_decode with the gated norm");
   }
@@ -1140,7 +1145,7 @@ static void test_kda_positions(std::mt19937& rng, uint32_t heads, uint32_t d) {
   // Plain decoding, a position at a time: row t of each sequence as a batch of kSeqs (kda_kernel, batch kKB).
   KdaCase c{};
   c.shape = mkc::KdaShape{.heads = heads, .d = d, .safe_gate = true, .lower_bound = -5.f};
-  c.h0 = 0, c.h1 = heads;
+  c.h0 = 0, c.h1 = heads, c.s0 = 0, c.s1 = kKB;
   c.a_log = upload(a_log), c.dt_bias = upload(dt);
   c.state = upload(state);
   std::vector<float> want_out(kRowsV * p);
@@ -1169,7 +1174,7 @@ static void test_kda_positions(std::mt19937& rng, uint32_t heads, uint32_t d) {
   const uint32_t keeps[2][kSeqs] = {{3, 1}, {kPos, 2}};
   for (const auto& keep : keeps) {
     VerifyCase vc{};
-    vc.kda = mkc::KdaDecode<float>{.shape = c.shape, .h0 = 0, .h1 = heads, .q = upload(q), .k = upload(k),
+    vc.kda = mkc::KdaDecode<float>{.shape = c.shape, .h0 = 0, .h1 = heads, .s0 = 0, .s1 = kSeqs, .q = upload(q), .k = upload(k),
                                    .v = upload(v), .f = upload(f), .b_logit = upload(bl), .a_log = c.a_log,
                                    .dt_bias = c.dt_bias, .state = upload(state),
                                    .out = upload(std::vector<float>(kRowsV * p, NAN)),

@@ -2,7 +2,7 @@
 // (batch 8, context 4096). Do not edit: run `mkc codegen`.
 //
 // The code of one decode step: one device function per kind of stage. The
-// 80 stages and 475 tasks of this model are data in plan.mkcplan (format
+// 80 stages and 483 tasks of this model are data in plan.mkcplan (format
 // 1, runtime/include/mkc/plan_file.h): per stage, its kind's role here and
 // its parameters (weights, arena offsets, states); per SM, its instructions.
 // What is the same for every stage of a kind (widths, epsilons, shapes) is
@@ -292,6 +292,8 @@ __device__ inline auto kda0_args(const TaskArgs& t, const Memory& m, const kda0_
   return KdaDecode{.shape = KdaShape{.heads = 2, .d = 16, .safe_gate = true, .lower_bound = -5e0f},
                    .h0 = t.a[0],
                    .h1 = t.a[1],
+                   .s0 = t.a[2],
+                   .s1 = t.a[3],
                    .q = reinterpret_cast<float*>(m.arena + p.in),
                    .k = reinterpret_cast<float*>(m.arena + p.in_2),
                    .v = reinterpret_cast<float*>(m.arena + p.in_3),

@@ -294,6 +294,8 @@ __device__ inline void kda0(const TaskArgs& t, const Memory& m, const kda0_param
   kda_decode<kBatch>(KdaDecode{.shape = KdaShape{.heads = 2, .d = 16, .safe_gate = false, .lower_bound = 0e0f},
                                .h0 = t.a[0],
                                .h1 = t.a[1],
+                               .s0 = t.a[2],
+                               .s1 = t.a[3],
                                .q = reinterpret_cast<float*>(m.arena + p.in),
                                .k = reinterpret_cast<float*>(m.arena + p.in_2),
                                .v = reinterpret_cast<float*>(m.arena + p.in_3),

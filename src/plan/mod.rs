@@ -66,6 +66,13 @@ pub struct Options {
     pub positions: u32,
 }
 
+impl Options {
+    /// Sequences of the batch: `batch / positions`.
+    pub fn sequences(&self) -> u32 {
+        self.batch / self.positions.max(1)
+    }
+}
+
 fn is_one(n: &u32) -> bool {
     *n == 1
 }

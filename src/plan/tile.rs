@@ -131,6 +131,18 @@ pub enum TaskArgs {
         /// One past the last head.
         h1: u32,
     },
+    /// A range of heads of a range of sequences (KDA: its state is per
+    /// sequence and head).
+    SequenceHeads {
+        /// First head.
+        h0: u32,
+        /// One past the last head.
+        h1: u32,
+        /// First sequence.
+        s0: u32,
+        /// One past the last sequence.
+        s1: u32,
+    },
     /// A part of the stage's expert rows: the step's distinct experts'
     /// rows shared over the stage's tasks at run time.
     ExpertRows {
@@ -162,7 +174,8 @@ pub enum TaskArgs {
 impl TaskArgs {
     /// The four words the device reads (`TaskArgs::a` of
     /// `device/mkc/plan_types.h`): rows `[linear, up or u32::MAX, r0, r1]`,
-    /// a KV split `[group, split]`, heads `[h0, h1]`, expert rows `[part,
+    /// a KV split `[group, split]`, heads `[h0, h1]`, heads of sequences
+    /// `[h0, h1, s0, s1]`, expert rows `[part,
     /// parts, unit]`, token rows `[b0, b1]`, a tile `[tile, tiles]`, unused
     /// words 0.
     pub fn words(self) -> [u32; 4] {
@@ -171,6 +184,7 @@ impl TaskArgs {
             TaskArgs::Rows { linear, up, r0, r1 } => [linear, up.unwrap_or(u32::MAX), r0, r1],
             TaskArgs::KvSplit { group, split } => [group, split, 0, 0],
             TaskArgs::Heads { h0, h1 } => [h0, h1, 0, 0],
+            TaskArgs::SequenceHeads { h0, h1, s0, s1 } => [h0, h1, s0, s1],
             TaskArgs::ExpertRows { part, parts, unit, .. } => [part, parts, unit, 0],
             TaskArgs::Tokens { b0, b1 } => [b0, b1, 0, 0],
             TaskArgs::Tile { tile, tiles } => [tile, tiles, 0, 0],
@@ -563,19 +577,33 @@ impl Builder<'_> {
         let NodeKind::Op { attrs, .. } = &g.node(node(g, n)).kind else { unreachable!("an op") };
         let heads = attrs.int("heads") as u64;
         let d = attrs.int("head_dim") as u64;
-        let tasks = heads.min(u64::from(self.target.sms));
+        let sms = u64::from(self.target.sms);
+        let tasks = heads.min(sms);
         let hpt = heads.div_ceil(tasks);
         let tasks = heads.div_ceil(hpt);
+        // The state is per (sequence, head): the sequences split too, into
+        // runs of `spt`, the longest that gives the busiest SM the fewest
+        // (sequence, head) states (K3's 96 heads at batch 8: 2 sequences a
+        // task, 6 states on the busiest of 132 SMs, not 8 on 96 of them).
+        let seqs = u64::from(self.opts.sequences());
+        let busiest = |spt: u64| (tasks * seqs.div_ceil(spt)).div_ceil(sms) * spt;
+        let spt = (1..=seqs).rev().min_by_key(|spt| busiest(*spt)).unwrap_or(1);
         let b = self.b();
-        let act = (self.external_inputs(nodes) + self.external_outputs(nodes)) * b / tasks;
-        let w = self.weights_of(nodes) / tasks;
-        let parts = (0..tasks)
-            .map(|t| {
-                let h = hpt.min(heads - t * hpt);
-                let args = TaskArgs::Heads { h0: (t * hpt) as u32, h1: (t * hpt + h) as u32 };
-                (format!("heads[{}..{}]", t * hpt, t * hpt + h), w, act, 2 * h * d * d * 4 * b, 8 * h * d * d * b, args)
-            })
-            .collect();
+        let per_seq = b / seqs.max(1);  // a sequence's rows (its positions)
+        let mut parts = vec![];
+        for s0 in (0..seqs).step_by(spt as usize) {
+            let s1 = (s0 + spt).min(seqs);
+            let rows = (s1 - s0) * per_seq;
+            let act = (self.external_inputs(nodes) + self.external_outputs(nodes)) * rows / tasks;
+            let w = self.weights_of(nodes) / tasks;
+            for t in 0..tasks {
+                let (h0, h1) = (t * hpt, (t * hpt + hpt).min(heads));
+                let h = h1 - h0;
+                let args = TaskArgs::SequenceHeads { h0: h0 as u32, h1: h1 as u32, s0: s0 as u32, s1: s1 as u32 };
+                let label = format!("heads[{h0}..{h1}] of sequences [{s0}..{s1})");
+                parts.push((label, w, act, 2 * h * d * d * 4 * (s1 - s0), 8 * h * d * d * rows, args));
+            }
+        }
         self.add_stage(op, TaskKind::Kda, reads, parts)
     }
 

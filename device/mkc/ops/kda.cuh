@@ -39,12 +39,14 @@ struct KdaLog {
   float* beta;
 };
 
-// One task's work: heads [h0, h1) of the layer's shape, its inputs [B,
-// heads d] (q, k, v, the gate's f, beta's logits [B, heads]) and its state.
+// One task's work: heads [h0, h1) of sequences [s0, s1) of the layer's
+// shape, its inputs [B, heads d] (q, k, v, the gate's f, beta's logits [B,
+// heads]) and its state.
 template <class T>
 struct KdaDecode {
   KdaShape shape;
   uint32_t h0, h1;        // the task's heads [h0, h1)
+  uint32_t s0, s1;        // of sequences [s0, s1)
   const T* q;             // [B, heads d], L2-normalised
   const T* k;             // [B, heads d], L2-normalised
   const T* v;             // [B, heads d]
@@ -194,8 +196,9 @@ __device__ __forceinline__ void kda_row_logged_step(KdaLane& sv, const KdaShape&
 // commit): their loads issued together, then each stepped. A row's step
 // waits on its own load, so one row at a time cost a memory round trip per
 // row (K3's 128 rows a head, 16 a warp: 109 us a KDA stage at batch 8 on the
-// H100, a third of the bandwidth).
-constexpr uint32_t kKdaRowsInFlight = 4;
+// H100, a third of the bandwidth); four at a time, 94 us (`0a797a6`).
+// Eight: K3's 16 rows a warp in two round trips.
+constexpr uint32_t kKdaRowsInFlight = 8;
 // Each of this warp's state rows r of a head's state sh, kKdaRowsInFlight at
 // a time: their loads (and value(r), a number the step reads with the row)
 // issued together, then step(sv, r, value) for each in order.
@@ -260,7 +263,8 @@ __device__ void kda_decode(KdaDecode<T> a) {
   const uint32_t d = s.d, p = s.heads * d;
   const bool gated = a.gate != nullptr;
   float* o_rows = activation_ptr();  // [P][d] with the gated norm: the head's outputs before it
-  for (int sq = 0; sq < B / P; ++sq) {
+  if (a.s1 > uint32_t(B / P) || a.s0 >= a.s1) __trap();
+  for (uint32_t sq = a.s0; sq < a.s1; ++sq) {
     for (uint32_t h = a.h0; h < a.h1; ++h) {
       float* sh = a.state + (size_t(sq) * s.heads + h) * d * d;
       if constexpr (P == 1) {
@@ -327,7 +331,7 @@ template <int B, int P, class T>
 __device__ void kda_commit(const KdaDecode<T>& a, const uint32_t* keep) {
   const KdaShape& s = a.shape;
   const uint32_t d = s.d;
-  for (int sq = 0; sq < B / P; ++sq) {
+  for (uint32_t sq = a.s0; sq < a.s1; ++sq) {
     for (uint32_t h = a.h0; h < a.h1; ++h) {
       float* sh = a.state + (size_t(sq) * s.heads + h) * d * d;
       if (keep[sq] == 0) continue;  // the state as it was

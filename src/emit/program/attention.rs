@@ -146,7 +146,8 @@ impl Gen<'_> {
         Ok(())
     }
 
-    /// KDA decode: a task per range of heads (`t.a[0]..t.a[1]`); the beta
+    /// KDA decode: a task per range of heads (`t.a[0]..t.a[1]`) of a range
+    /// of sequences (`t.a[2]..t.a[3]`); the beta
     /// sigmoid (its prologue) is applied inside.
     pub(super) fn kda(&mut self, op: &FusedOp) -> Result<()> {
         let g = self.g;
@@ -224,6 +225,8 @@ impl Gen<'_> {
             shape = shape,
             h0 = "t.a[0]",
             h1 = "t.a[1]",
+            s0 = "t.a[2]",
+            s1 = "t.a[3]",
             q = ptrs[0],
             k = ptrs[1],
             v = ptrs[2],
