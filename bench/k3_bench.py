@@ -61,7 +61,12 @@ def situ(gate, up, c):
 class Peer(CapturedStep):
     """The PyTorch K3 decode step (bf16 activations, fp32 where the spec
     keeps fp32), captured in a CUDA graph. `state` holds its KV caches, conv
-    windows and recurrent state, which the step updates in place."""
+    windows and recurrent state, which the step updates in place. `forced`: per MoE layer, expert ids
+    [rows, top_k] to take instead of its own top-k (tests/gpu/k3_rows.py routes it as the reference did:
+    with bf16 activations its router scores sit some 1e-3 to 1e-2 from the fp32 reference's, and a
+    near-tie at that scale picks other experts, which moves that row's logits by tenths)."""
+
+    forced = None
 
     def __init__(self, c, w, batch, ctx, pos, state, positions=1):
         # A verify step (positions T > 1): batch rows, batch / T sequences of T consecutive positions from
@@ -183,7 +188,7 @@ class Peer(CapturedStep):
         # near-tied scores would pick other experts than the kernel at random.
         scores = torch.sigmoid(x.float() @ L["w_gate"].T)
         top = (scores + L["bias"]).topk(c.top_k + 1, dim=-1)  # num_expert_group 1 in K3
-        ids = top[1][:, : c.top_k]
+        ids = top[1][:, : c.top_k] if self.forced is None else self.forced[l]
         # The routing gap (k2_bench.Peer.route): a near-tie explains a difference in the logits.
         self.gaps[l] = (top[0][:, c.top_k - 1] - top[0][:, c.top_k]).min()
         wts = scores.gather(1, ids)

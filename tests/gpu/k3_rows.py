@@ -8,7 +8,10 @@ for each --lib (a plain library of batch B, or a verify library of S sequences o
   single     the batch-1 library (--single) through each sequence's positions, one step at a time
   reference  tests/gpu/k3_reference.py in fp32 through the same positions, the sequences in lockstep
   peer       bench/k3_bench.py's PyTorch step at the library's shape (its verify for T > 1), its routed
-             experts through torch._grouped_mm and, apart, gathered (bmm)
+             experts through torch._grouped_mm and, apart, gathered (bmm); and through grouped_mm routed as
+             the reference (forced_peer): the peer keeps bf16 activations, its router scores 1e-3 to 1e-2
+             from the reference's, so its own routing flips the reference's near-ties and those rows part
+             by tenths (peer_flipped_rows), which is not a fault of its step
 and prints the largest relative L2 over rows of lib against single, and of each against the reference.
 Exits 1 if a library's row is further than compare's bound (2e-2) from its own single steps, unless the
 reference's routing is a near-tie there (compare.routing_tie: a gap under 2e-3 between the k-th and
@@ -76,8 +79,9 @@ def single_rows(model, c, state, tokens, seqs, t):
 
 
 def reference_rows(ckpt, c, state, tokens, seqs, t):
-    """The fp32 reference through the T positions, all sequences in lockstep: logits [S * T, vocab] and each
-    row's routing gap (the smallest over the MoE layers, at its position and the earlier ones) [S * T]."""
+    """The fp32 reference through the T positions, all sequences in lockstep: logits [S * T, vocab], each
+    row's routing gap (the smallest over the MoE layers, at its position and the earlier ones) [S * T] and
+    its expert ids per MoE layer [S * T, top_k]."""
     pos, kv, conv, ssm = state
     ref = K3Reference(ckpt, batch=seqs, max_ctx=pos + t + 1, device="cuda")
     full = {}
@@ -86,19 +90,22 @@ def reference_rows(ckpt, c, state, tokens, seqs, t):
         full[l][:, :pos] = x[:, :pos].float()
     ref.restore({"seq_len": pos, "kv": full, "conv": {l: x.float() for l, x in conv.items()},
                  "ssm": {l: x.float() for l, x in ssm.items()}})
-    steps, gaps = [], []
+    steps, gaps, ids = [], [], []
     with torch.no_grad():
         for i in range(t):
             steps.append(ref.step(torch.as_tensor(tokens.reshape(seqs, t)[:, i], device="cuda")).float())
             gap = ref.routing_gap.float().cpu()
             gaps.append(gap if not gaps else torch.minimum(gaps[-1], gap))
+            ids.append(dict(ref.expert_ids))
     del ref
-    return torch.stack(steps, 1).reshape(seqs * t, -1), torch.stack(gaps, 1).reshape(-1).tolist()
+    ids = {l: torch.stack([d[l] for d in ids], 1).reshape(seqs * t, -1) for l in ids[0]}
+    return torch.stack(steps, 1).reshape(seqs * t, -1), torch.stack(gaps, 1).reshape(-1).tolist(), ids
 
 
-def peer_rows(c, w, state, tokens, seqs, t, grouped):
+def peer_rows(c, w, state, tokens, seqs, t, grouped, forced=None):
     """bench/k3_bench.py's step at the library's shape from the same state (uncaptured), the routed experts
-    through torch._grouped_mm or gathered: [S * T, vocab]."""
+    through torch._grouped_mm or gathered, its own routing or `forced` (Peer.forced): [S * T, vocab] and
+    its expert ids per MoE layer."""
     pos, kv, conv, ssm = state
     ctx = pos + t + 1
     cache = {}
@@ -108,10 +115,11 @@ def peer_rows(c, w, state, tokens, seqs, t, grouped):
     st = (cache, {l: x.clone() for l, x in conv.items()}, {l: x.clone() for l, x in ssm.items()})
     peer = Peer(c, w, seqs * t, ctx, pos, st, t)
     peer.grouped = grouped
+    peer.forced = forced
     peer.tokens.copy_(torch.as_tensor(tokens, device="cuda"))
     with torch.no_grad():
         logits = peer.step()[0]
-    return logits
+    return logits, peer.ids
 
 
 def main():
@@ -141,16 +149,19 @@ def main():
         mine = library_rows(model, c, state, tokens)
         model.close()
         single = single_rows(one, c, state, tokens, seqs, t)
-        ref, gaps = reference_rows(ckpt, c, state, tokens, seqs, t)
+        ref, gaps, ref_ids = reference_rows(ckpt, c, state, tokens, seqs, t)
         row = {"lib": os.path.basename(lib), "sequences": seqs, "positions": t, "pos": args.pos,
                "lib_vs_single": rel(mine, single), "lib_vs_reference": rel(mine, ref),
                "single_vs_reference": rel(single, ref), "rows_lib_vs_single": per_row(mine, single),
                "rows_lib_vs_reference": per_row(mine, ref), "rows_routing_gap": gaps}
         if w is not None:
-            peer = peer_rows(c, w, state, tokens, seqs, t, True)
+            peer, peer_ids = peer_rows(c, w, state, tokens, seqs, t, True)
             row["peer_vs_reference"] = rel(peer, ref)
             row["lib_vs_peer"] = rel(mine, peer)
-            row["gathered_peer_vs_reference"] = rel(peer_rows(c, w, state, tokens, seqs, t, False), ref)
+            row["gathered_peer_vs_reference"] = rel(peer_rows(c, w, state, tokens, seqs, t, False)[0], ref)
+            row["forced_peer_vs_reference"] = rel(peer_rows(c, w, state, tokens, seqs, t, True, ref_ids)[0], ref)
+            row["peer_flipped_rows"] = [i for i in range(seqs * t) if any(
+                set(peer_ids[l][i].tolist()) != set(ref_ids[l][i].tolist()) for l in ref_ids)]
         # Rows past the bound, each excused only by a routing near-tie of the reference there.
         far = row["rows_lib_vs_single"]
         row["ties"] = [i for i, (d, g) in enumerate(zip(far, gaps)) if d > MAX_REL_L2 and routing_tie(g, None)]
@@ -162,13 +173,14 @@ def main():
     one.close()
     shutil.rmtree(work, ignore_errors=True)
     keys = ["lib_vs_single", "lib_vs_reference", "single_vs_reference", "peer_vs_reference", "lib_vs_peer",
-            "gathered_peer_vs_reference"]
+            "gathered_peer_vs_reference", "forced_peer_vs_reference"]
     print(f"{'library':38} {'S':>2} {'T':>2} " + " ".join(f"{k:>19}" for k in keys) + "  check")
     for r in rows:
         print(f"{r['lib']:38} {r['sequences']:2d} {r['positions']:2d} "
               + " ".join(f"{r[k]:19.2e}" if k in r else f"{'-':>19}" for k in keys)
               + ("  pass" if r["pass"] else "  FAIL")
-              + (f" (routing near-tie at rows {r['ties']})" if r["ties"] else ""))
+              + (f" (routing near-tie at rows {r['ties']})" if r["ties"] else "")
+              + (f" (peer routed otherwise at rows {r['peer_flipped_rows']})" if r.get("peer_flipped_rows") else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
