@@ -589,7 +589,7 @@ impl Builder<'_> {
         let busiest = |spt: u64| (tasks * seqs.div_ceil(spt)).div_ceil(sms) * spt;
         let spt = (1..=seqs).rev().min_by_key(|spt| busiest(*spt)).unwrap_or(1);
         let b = self.b();
-        let per_seq = b / seqs.max(1);  // a sequence's rows (its positions)
+        let per_seq = b / seqs.max(1); // a sequence's rows (its positions)
         let mut parts = vec![];
         for s0 in (0..seqs).step_by(spt as usize) {
             let s1 = (s0 + spt).min(seqs);
