@@ -889,44 +889,30 @@ __global__ void conv_l2_kernel() {
   mkc::consumer_sync();
   mkc::ep_l2_norm<kKB>(c.st, c.n, span, mkc::EpL2Norm{.group = c.group, .eps = 1e-6f});
 }
-__global__ void kda_kernel() {
-  const KdaCase c = g_kda;
-  mkc::kda_decode<kKB>(mkc::KdaDecode{.shape = c.shape,
-                                      .h0 = c.h0,
-                                      .h1 = c.h1,
-                                      .s0 = c.s0,
-                                      .s1 = c.s1,
-                                      .q = c.q,
-                                      .k = c.k,
-                                      .v = c.v,
-                                      .f = c.f,
-                                      .b_logit = c.b,
-                                      .a_log = c.a_log,
-                                      .dt_bias = c.dt_bias,
-                                      .state = c.state,
-                                      .out = c.out});
+// The KDA step's arguments of a case (no gated norm in the stage).
+__device__ mkc::KdaDecode<float> kda_args(const KdaCase& c) {
+  return mkc::KdaDecode{.shape = c.shape,
+                        .h0 = c.h0,
+                        .h1 = c.h1,
+                        .s0 = c.s0,
+                        .s1 = c.s1,
+                        .q = c.q,
+                        .k = c.k,
+                        .v = c.v,
+                        .f = c.f,
+                        .b_logit = c.b,
+                        .a_log = c.a_log,
+                        .dt_bias = c.dt_bias,
+                        .state = c.state,
+                        .out = c.out};
 }
+__global__ void kda_kernel() { mkc::kda_decode<kKB>(kda_args(g_kda)); }
 // The same step with the gated output norm applied in the stage (the planner's head-gate rule).
 __global__ void kda_gated_kernel() {
   const KdaCase c = g_kda;
-  mkc::kda_decode<kKB>(mkc::KdaDecode{.shape = c.shape,
-                                      .h0 = c.h0,
-                                      .h1 = c.h1,
-                                      .s0 = c.s0,
-                                      .s1 = c.s1,
-                                      .q = c.q,
-                                      .k = c.k,
-                                      .v = c.v,
-                                      .f = c.f,
-                                      .b_logit = c.b,
-                                      .a_log = c.a_log,
-                                      .dt_bias = c.dt_bias,
-                                      .state = c.state,
-                                      .out = c.out,
-                                      .gate = c.gate,
-                                      .norm_w = c.norm_w,
-                                      .norm_eps = 1e-5f,
-                                      .sigmoid_act = 1});
+  mkc::KdaDecode<float> a = kda_args(c);
+  a.gate = c.gate, a.norm_w = c.norm_w, a.norm_eps = 1e-5f, a.sigmoid_act = 1;
+  mkc::kda_decode<kKB>(a);
 }
 __global__ void gated_norm_kernel() {
   const KdaCase c = g_kda;
