@@ -175,9 +175,8 @@ impl TaskArgs {
     /// The four words the device reads (`TaskArgs::a` of
     /// `device/mkc/plan_types.h`): rows `[linear, up or u32::MAX, r0, r1]`,
     /// a KV split `[group, split]`, heads `[h0, h1]`, heads of sequences
-    /// `[h0, h1, s0, s1]`, expert rows `[part,
-    /// parts, unit]`, token rows `[b0, b1]`, a tile `[tile, tiles]`, unused
-    /// words 0.
+    /// `[h0, h1, s0, s1]`, expert rows `[part, parts, unit]`, token rows
+    /// `[b0, b1]`, a tile `[tile, tiles]`, unused words 0.
     pub fn words(self) -> [u32; 4] {
         match self {
             TaskArgs::Whole => [0; 4],
@@ -503,9 +502,9 @@ impl Builder<'_> {
 
     /// MLA decode as three stages: the queries absorbed (a head per task, or
     /// a few where the heads outnumber the SMs: W_UK once a step), the
-    /// attention over (head group, KV split) tasks, and the combine with W_UV.
-    /// MLA's three stages; `gate_reads`: the stages whose values the combine
-    /// reads for the output gate the planner put there (`head-gate`).
+    /// attention over (head group, KV split) tasks, and the combine with W_UV,
+    /// which also waits for `gate_reads`: the stages whose values it reads for
+    /// the output gate the planner put there (`head-gate`).
     fn mla(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>, gate_reads: Vec<usize>) -> (usize, usize, usize) {
         let g = self.g;
         let n = nodes.iter().copied().find(|n| op_of(g, *n) == Some(OpKind::MlaDecode)).expect("mla anchor");
