@@ -103,14 +103,21 @@ def run_verify(model, start, source, ref, margins, prompt, rng):
 
 
 def first_difference(got, ref, margins):
-    """The first token (in sequence order) where got [n, sequences] parts from ref, with the reference's
-    top-2 margin there (a near-tie below compare.NEAR_TIE), or None."""
+    """Where got [n, sequences] parts from ref: each sequence's first differing token with the reference's
+    top-2 margin there (a near-tie below compare.NEAR_TIE); of those, the first that is not a near-tie,
+    else the first (every sequence is looked at: one sequence's excused near-tie must not hide another's
+    difference), with all of them under "sequences"; or None."""
+    firsts = []
     for s in range(ref.shape[1]):
         for i in range(ref.shape[0]):
             if got[i, s] != ref[i, s]:
-                return {"sequence": s, "token": i, "margin": float(margins[i, s]),
-                        "near_tie": bool(margins[i, s] < NEAR_TIE)}
-    return None
+                firsts.append({"sequence": s, "token": i, "margin": float(margins[i, s]),
+                               "near_tie": bool(margins[i, s] < NEAR_TIE)})
+                break
+    if not firsts:
+        return None
+    worst = next((d for d in firsts if not d["near_tie"]), firsts[0])
+    return dict(worst, sequences=firsts)
 
 
 def bench(plain, verify, start, prompt, n, rng):
