@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::diag::{Error, ErrorKind, Result};
+use crate::plan::schedule::TASK_OVERHEAD_NS;
 
 /// HBM bandwidth in bytes per second.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
@@ -76,6 +77,15 @@ pub struct Target {
     pub flops: Flops,
     /// Latency of one dependency hand-off through a global counter.
     pub sync_latency_ns: f64,
+    /// Fixed cost of one task (its waits, first pages, prologue and epilogue
+    /// barriers, publish), fitted to the card's per-stage traces; default
+    /// [`TASK_OVERHEAD_NS`].
+    #[serde(default = "task_overhead")]
+    pub task_overhead_ns: f64,
+}
+
+fn task_overhead() -> f64 {
+    TASK_OVERHEAD_NS
 }
 
 fn one() -> u32 {
@@ -185,7 +195,7 @@ type RealBound = (&'static str, fn(&Target) -> Option<f64>, f64, f64);
 
 /// The ranges of the real-valued fields: finite, and positive where the cost
 /// model divides by them (a zero `fp4_tensor` means no native FP4 MMA).
-const REAL_BOUNDS: [RealBound; 10] = [
+const REAL_BOUNDS: [RealBound; 11] = [
     ("clock_ghz", |t| Some(t.clock_ghz), 0.1, 10.0),
     ("hbm_bandwidth.datasheet", |t| Some(t.hbm_bandwidth.datasheet), 1e9, 1e15),
     ("hbm_bandwidth.measured", |t| t.hbm_bandwidth.measured, 1e9, 1e15),
@@ -196,6 +206,7 @@ const REAL_BOUNDS: [RealBound; 10] = [
     ("flops.fp4_tensor", |t| Some(t.flops.fp4_tensor), 0.0, 1e18),
     ("flops.fp32_cuda_core", |t| Some(t.flops.fp32_cuda_core), 1e9, 1e18),
     ("sync_latency_ns", |t| Some(t.sync_latency_ns), 0.0, 1e6),
+    ("task_overhead_ns", |t| Some(t.task_overhead_ns), 0.0, 1e6),
 ];
 
 /// A number as a target file would write it: whole numbers under a million

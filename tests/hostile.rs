@@ -234,6 +234,11 @@ fn target_fields_are_bounded() {
         ("datasheet", "datasheet: 1e-300", "`hbm_bandwidth.datasheet` is 1e-300; it must be a number in"),
         ("smem_per_sm", "smem_per_sm: 18446744073709551615", "`smem_per_sm` is 18446744073709551615; it must be in"),
         ("clock_ghz", "clock_ghz: .inf", "`clock_ghz` is inf; it must be a number in"),
+        (
+            "sync_latency_ns",
+            "sync_latency_ns: 1000\ntask_overhead_ns: .nan",
+            "`task_overhead_ns` is NaN; it must be a number in 0..=1e6",
+        ),
     ];
     for (key, line, want) in cases {
         let (_dir, target) = temp_file("bad.yaml", &h200_with(key, line));

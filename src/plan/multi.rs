@@ -28,7 +28,6 @@ use serde::Serialize;
 
 use super::estimate::{estimate, Estimate};
 use super::fuse::FusedKind;
-use super::schedule::TASK_OVERHEAD_NS;
 use super::tile::TaskKind;
 use super::{plan, Options, Plan};
 use crate::diag::{Error, ErrorKind, Result};
@@ -218,7 +217,7 @@ fn tensor_parallel(per_gpu: &Estimate, target: &Target, s: Shape) -> TensorParal
     let g = u64::from(s.gpus.max(1));
     let bytes = s.routed + s.other.div_ceil(g) + per_gpu.state_bytes.div_ceil(g);
     let efficiency = per_gpu.fraction_of_floor.clamp(0.01, 1.0);
-    let chain_us = s.stages as f64 * (TASK_OVERHEAD_NS + target.sync_latency_ns) / 1e3;
+    let chain_us = s.stages as f64 * (target.task_overhead_ns + target.sync_latency_ns) / 1e3;
     let compute_us = (bytes as f64 / target.read_bandwidth() * 1e6 / efficiency).max(chain_us);
     let reduce = all_reduce(target, s.gpus, u64::from(per_gpu.batch) * s.hidden * 4);
     let comm_us = 2.0 * s.layers as f64 * reduce.ns / 1e3;

@@ -5,7 +5,8 @@
 //! `read_bandwidth / sms`; math runs at the faster of CUDA-core fp32 and
 //! tensor cores at `round_up(batch, 8) / 64` of their peak (the weight operand
 //! read from shared memory bounds narrow MMAs); each task costs a
-//! fixed [`TASK_OVERHEAD_NS`]; each dependency hand-off costs the target's
+//! fixed `task_overhead_ns` of the target ([`TASK_OVERHEAD_NS`] unless its
+//! file fits one to the card); each dependency hand-off costs the target's
 //! `sync_latency_ns`. A task's weights (and state) do not depend on
 //! activations, so the loader streams them as soon as the previous task's
 //! weights are in, before the task's dependencies are met, but at most a
@@ -43,10 +44,12 @@ use super::Options;
 use crate::diag::{Error, ErrorKind, Result};
 use crate::target::Target;
 
-/// Fixed cost of one task: decode, waits, the first pages' latency,
-/// prologue and epilogue barriers, publish. Small tasks on the H200 reach
-/// about half the streaming rate of large ones (docs/PERFORMANCE.md,
-/// per-stage profile): several microseconds each.
+/// Fixed cost of one task where the target file gives none
+/// (`task_overhead_ns`): decode, waits, the first pages' latency, prologue
+/// and epilogue barriers, publish. Small tasks on the H200 reach about half
+/// the streaming rate of large ones (docs/PERFORMANCE.md, per-stage
+/// profile): several microseconds each. The H100's traces fit 14 us
+/// (bench/h100.yaml, docs/PLANNER.md).
 pub const TASK_OVERHEAD_NS: f64 = 5000.0;
 
 /// The MXFP4 consumers' cost per decoded weight element on one SM, in SM
@@ -198,6 +201,7 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     let tensor = target.flops.bf16_tensor * (width / 64.0).min(1.0);
     let rate = target.flops.fp32_cuda_core.max(tensor) / f64::from(target.sms) / 1e9;
     let sync = target.sync_latency_ns;
+    let overhead = target.task_overhead_ns;
     let ring = (MAX_PAGES * PAGE_BYTES) as f64 / bw_sm; // how far ahead the loader may stream, in ns
     let need = needs(tiling);
 
@@ -207,7 +211,7 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     let mx_ns = mx_decode_cycles(opts.batch) / target.clock_ghz;
     let compute = |t: usize| {
         let task = &tiling.tasks[t];
-        TASK_OVERHEAD_NS + task.act_bytes as f64 / bw_sm + task.flops as f64 / rate
+        overhead + task.act_bytes as f64 / bw_sm + task.flops as f64 / rate
     };
     let mla_rate = MLA_SPLIT_FLOPS_PER_CYCLE * target.clock_ghz; // FLOPs per ns
     let predicted = |t: usize| {
@@ -219,7 +223,7 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
         } else {
             task.flops as f64 / rate
         };
-        TASK_OVERHEAD_NS + task.act_bytes as f64 / bw_sm + math
+        overhead + task.act_bytes as f64 / bw_sm + math
     };
     let load = |t: usize| {
         let task = &tiling.tasks[t];
