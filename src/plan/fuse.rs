@@ -204,10 +204,12 @@ const HEAD_GATE_REASON: &str =
 
 /// The attention node whose output `n` gates, where `n` is a head gate the
 /// attention stage applies itself: KDA's gated RMSNorm over groups of KDA's
-/// head size, or an element-wise multiply of the MLA output by a gate.
+/// head size, or an element-wise multiply of the MLA output by a gate; the
+/// gate the attention output's only user (the stage writes the gated value
+/// instead of its own).
 fn head_gate_producer(g: &Graph, n: NodeId) -> Option<NodeId> {
     let ops = g.operands(n);
-    match g.op(n)?.0 {
+    let producer = match g.op(n)?.0 {
         OpKind::GatedRmsNorm => {
             let (OpKind::KdaDecode, attrs) = g.op(ops[0].node)? else { return None };
             let group = g.value_type(*ops.get(2)?).elements();
@@ -219,7 +221,8 @@ fn head_gate_producer(g: &Graph, n: NodeId) -> Option<NodeId> {
             (g.value_type(*gate) == g.value_type(*mla)).then_some(mla.node)
         }
         _ => None,
-    }
+    }?;
+    (g.users(producer).as_slice() == [n]).then_some(producer)
 }
 
 fn is_row_local(op: OpKind) -> bool {
