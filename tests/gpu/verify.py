@@ -14,16 +14,24 @@ random checkpoint. For each seed:
        mixed   the reference's tokens, each replaced by a random one with probability 1/2
        ngram   prompt lookup over the sequence's history (device/mkc/speculative.h's ngram_draft)
      Its tokens must equal the reference's, or part from them only at a near-tie of the reference's logits
-     (compare.NEAR_TIE); the drafts that stood are counted.
+     (compare.NEAR_TIE) or after a routing flip (below); the drafts that stood are counted.
+     Routing: every row whose inputs are the reference's (a sequence's last token and the drafts that
+     stood) routes as PLAIN's step of that token did (both libraries' routing logs, expert sets per
+     router), or its first difference is a flip of the last pick alone (one expert out, one in, each the
+     last of its top-k: a near-tie of the (k)-th and (k+1)-th choices, which the two programs' numerics --
+     a verify step has positions x sequences rows, and the MXFP4 experts round 5 to 8 rows' inputs to one
+     fp16 part -- may order either way). After such a flip the sequence's tokens and state may part.
   3. After the `wrong` run (every step rejects T - 1 rows), VERIFY's state against PLAIN's after as many
      tokens, through save_state: PLAIN's next step from each gives the same logits (within compare's bound
      of 2e-2 relative), the positions are equal, and so is every part of the state within 2e-2 of its
      largest value: K2's MLA cache rows before the positions; K3's too, its conv windows and KDA's
      recurrent state whole (cache rows past the positions hold rejected drafts, which no later step reads);
-     Kimi Linear's through the next step alone.
-  4. mkc_model_generate_speculative (prompt lookup, one launch) from the same start: the
-     reference's tokens and, after them, PLAIN's state; on the first seed, tokens/s per user over --bench
-     tokens against PLAIN's single steps, from a repetitive prompt and from a random one.
+     Kimi Linear's through the next step alone. A sequence whose routing flipped is compared before the
+     flip's row (its cache rows) or not at all (its next step, windows and recurrent state).
+  4. mkc_model_generate_speculative (prompt lookup, one launch) from the same start: the reference's tokens
+     and, after them, PLAIN's state (step 2's routing flips excused as there); on the first seed, tokens/s
+     per user over --bench tokens against PLAIN's single steps, from a repetitive prompt and from a random
+     one.
   5. mkc_model_step on VERIFY, and a verify step that would pass the context, refused by name.
 
     python3 tests/gpu/verify.py --plain LIB --verify LIB --config CONFIG [--arch deepseek_v3|k3|kimi_linear]
@@ -78,12 +86,27 @@ def drafts(source, ref, done, history, count, vocab, rng):
     return got + [int(x) for x in rng.integers(0, vocab, count - len(got))]
 
 
-def run_verify(model, start, source, ref, margins, prompt, rng):
-    """Decodes with VERIFY from `start` until every sequence has len(ref) tokens. Returns (tokens per
-    sequence, drafts accepted, verify steps, the first unexplained difference or None)."""
+def routing_flip(want, got):
+    """PLAIN's routing of a token [routers, top_k] against VERIFY's of the same token: None where every
+    router chose the same experts, else the first router that did not, with its picks and whether the
+    difference is the last pick's alone (one expert out, one in, each ranked last)."""
+    for router, (w, g) in enumerate(zip(want, got)):
+        if set(w.tolist()) == set(g.tolist()):
+            continue
+        out, came = set(w.tolist()) - set(g.tolist()), set(g.tolist()) - set(w.tolist())
+        last = len(out) == 1 and len(came) == 1 and int(w[-1]) in out and int(g[-1]) in came
+        return {"router": router, "plain": w.tolist(), "verify": g.tolist(), "last_pick": last}
+    return None
+
+
+def run_verify(model, start, source, ref, margins, routes, prompt, rng):
+    """Decodes with VERIFY from `start` until every sequence has len(ref) tokens; `routes` [n, routers, b,
+    top_k] is PLAIN's routing at each reference step. Returns (tokens per sequence, drafts accepted, verify
+    steps, the first unexplained difference or None, each sequence's first routing flip or None)."""
     model.load_state(start)
     b, t, n = model.sequences, model.positions, ref.shape[0]
     out = [[] for _ in range(b)]
+    flips = [None] * b
     last = [int(x) for x in prompt[-1]]
     accepted_total, steps = 0, 0
     while min(len(o) for o in out) < n:
@@ -92,32 +115,56 @@ def run_verify(model, start, source, ref, margins, prompt, rng):
             history = [int(x) for x in prompt[:, s]] + out[s]
             tokens[s] = [last[s]] + drafts(source, ref[:, s], len(out[s]) - 1, history, t - 1, model.vocab, rng)
         accepted, nxt, _, _ = model.verify(tokens)
+        got_routes = model.routing().reshape(routes.shape[1], b, t, -1) if routes is not None else None
         steps += 1
         for s in range(b):
+            done = len(out[s])
+            # Rows 0..accepted[s] had the reference's inputs while the sequence still follows it.
+            if routes is not None and flips[s] is None and [int(x) for x in ref[:done, s]] == out[s][:n]:
+                for j in range(int(accepted[s]) + 1):
+                    if done + j >= n:
+                        break
+                    flip = routing_flip(routes[done + j, :, s], got_routes[:, s, j])
+                    if flip:
+                        flips[s] = dict(flip, token=done + j)
+                        break
             got = [int(x) for x in tokens[s, 1:1 + accepted[s]]] + [int(nxt[s])]
             out[s] += got
             last[s] = int(nxt[s])
             accepted_total += int(accepted[s])
     got = np.array([o[:n] for o in out], dtype=np.int32).T
-    return out, accepted_total, steps, first_difference(got, ref, margins)
+    return out, accepted_total, steps, first_difference(got, ref, margins, flips), flips
 
 
-def first_difference(got, ref, margins):
+def first_difference(got, ref, margins, flips):
     """Where got [n, sequences] parts from ref: each sequence's first differing token with the reference's
-    top-2 margin there (a near-tie below compare.NEAR_TIE); of those, the first that is not a near-tie,
-    else the first (every sequence is looked at: one sequence's excused near-tie must not hide another's
-    difference), with all of them under "sequences"; or None."""
+    top-2 margin there, excused at a near-tie (below compare.NEAR_TIE) or at or after the sequence's routing
+    flip of the last pick (`flips[s]`, see routing_flip); of those, the first that is not excused, else the
+    first (every sequence is looked at: one sequence's excused difference must not hide another's), with
+    all of them under "sequences"; or None."""
     firsts = []
     for s in range(ref.shape[1]):
         for i in range(ref.shape[0]):
             if got[i, s] != ref[i, s]:
-                firsts.append({"sequence": s, "token": i, "margin": float(margins[i, s]),
-                               "near_tie": bool(margins[i, s] < NEAR_TIE)})
+                flip = flips[s]
+                after_flip = flip is not None and flip["last_pick"] and flip["token"] <= i
+                near_tie = bool(margins[i, s] < NEAR_TIE)
+                firsts.append({"sequence": s, "token": i, "margin": float(margins[i, s]), "near_tie": near_tie,
+                               "after_routing_flip": after_flip, "excused": near_tie or after_flip})
                 break
     if not firsts:
         return None
-    worst = next((d for d in firsts if not d["near_tie"]), firsts[0])
+    worst = next((d for d in firsts if not d["excused"]), firsts[0])
     return dict(worst, sequences=firsts)
+
+
+def earliest_flips(runs):
+    """Per sequence, the earliest of the runs' first routing flips (or None)."""
+    out = []
+    for per_run in zip(*runs):
+        found = [f for f in per_run if f is not None]
+        out.append(min(found, key=lambda f: f["token"]) if found else None)
+    return out
 
 
 def bench(plain, verify, start, prompt, n, rng):
@@ -151,9 +198,10 @@ def bench(plain, verify, start, prompt, n, rng):
     return out
 
 
-def cache_rows_equal(model, a, b, layers, ctx):
-    """Positions equal, and every state byte row before them equal to bf16 rounding: the state is positions
-    [sequences] int32, then per layer [sequences][ctx][row] bf16 (K2: the MLA caches)."""
+def cache_rows_equal(model, a, b, layers, ctx, limit):
+    """Positions equal, and every state byte row before them (and before limit[s]: a routing flip's row)
+    equal to bf16 rounding: the state is positions [sequences] int32, then per layer [sequences][ctx][row]
+    bf16 (K2: the MLA caches)."""
     seqs = model.sequences
     pa, pb = a[: 4 * seqs].view(np.int32), b[: 4 * seqs].view(np.int32)
     if not (pa == pb).all():
@@ -164,16 +212,21 @@ def cache_rows_equal(model, a, b, layers, ctx):
     cb = b[4 * seqs:].view(np.uint16).reshape(layers, seqs, ctx, row)
     worst = 0.0
     for s in range(seqs):
-        fa = (ca[:, s, : pa[s]].astype(np.uint32) << 16).view(np.float32)
-        fb = (cb[:, s, : pa[s]].astype(np.uint32) << 16).view(np.float32)
+        rows = min(int(pa[s]), limit[s])
+        if rows == 0:
+            continue
+        fa = (ca[:, s, :rows].astype(np.uint32) << 16).view(np.float32)
+        fb = (cb[:, s, :rows].astype(np.uint32) << 16).view(np.float32)
         worst = max(worst, float(np.abs(fa - fb).max() / max(np.abs(fb).max(), 1e-6)))
     return worst < 2e-2, f"cache rows before the positions: max difference {worst:.2e} of the largest value"
 
 
-def k3_state_equal(c, seqs, a, b):
+def k3_state_equal(c, seqs, a, b, limit):
     """A K3 state (k3_reference.pack_state's layout) against another: positions equal; per KDA layer the
     conv windows and the recurrent state whole, per MLA layer the cache rows before the positions, each
-    within 2e-2 of its largest value (rows past the positions hold rejected drafts, which no step reads)."""
+    within 2e-2 of its largest value (rows past the positions hold rejected drafts, which no step reads).
+    A sequence whose routing flipped (limit[s] below its position: the flip's row) is compared before the
+    flip in its cache rows only: its windows and recurrent state hold every token since."""
     from k3_reference import state_context
 
     pa, pb = a[: 4 * seqs].view(np.int32), b[: 4 * seqs].view(np.int32)
@@ -194,39 +247,56 @@ def k3_state_equal(c, seqs, a, b):
             n = seqs * ctx * (c.kv_lora + c.rope) * 2
             ca, cb = (bf16(x[at:at + n], (seqs, ctx, c.kv_lora + c.rope)) for x in (a, b))
             for s in range(seqs):
-                worst["cache"] = max(worst["cache"], rel(ca[s, : pa[s]], cb[s, : pa[s]]))
+                rows = min(int(pa[s]), limit[s])
+                worst["cache"] = max(worst["cache"], rel(ca[s, :rows], cb[s, :rows]))
             at += n
         else:
+            whole = [s for s in range(seqs) if limit[s] >= pa[s]]
             for _ in range(3):  # q, k, v windows
                 n = seqs * (c.conv - 1) * p * 2
-                worst["conv"] = max(worst["conv"], rel(bf16(a[at:at + n], (-1,)), bf16(b[at:at + n], (-1,))))
+                wa, wb = (bf16(x[at:at + n], (seqs, -1))[whole] for x in (a, b))
+                worst["conv"] = max(worst["conv"], rel(wa, wb))
                 at += n
             n = seqs * c.kda_heads * c.kda_dim * c.kda_dim * 4
-            worst["recurrent"] = max(worst["recurrent"], rel(a[at:at + n].view(np.float32), b[at:at + n].view(np.float32)))
+            ra, rb = (x[at:at + n].view(np.float32).reshape(seqs, -1)[whole] for x in (a, b))
+            worst["recurrent"] = max(worst["recurrent"], rel(ra, rb))
             at += n
     ok = max(worst.values()) < 2e-2
     return ok, "state: max difference of the largest value: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
 
 
-def state_parts_equal(args, verify, got, want):
+def flip_rows(start, flips):
+    """Per sequence, the cache row its routing flip wrote (its position at `start` plus the flip's token),
+    or a bound past every row where its routing did not flip."""
+    pos = start[: 4 * len(flips)].view(np.int32)
+    return [int(pos[s]) + f["token"] if f is not None else 1 << 30 for s, f in enumerate(flips)]
+
+
+def state_parts_equal(args, verify, got, want, limit):
     """The state part by part where its layout is known here: K2's MLA cache rows, K3's windows, recurrent
-    states and cache rows; (what, ok, message), or None (Kimi Linear: the next step's check alone)."""
+    states and cache rows (each sequence's before limit[s]); (what, ok, message), or None (Kimi Linear: the
+    next step's check alone)."""
     if args.arch == "deepseek_v3":
-        return ("cache rows",) + cache_rows_equal(verify, got, want, args.layers, verify.context)
+        return ("cache rows",) + cache_rows_equal(verify, got, want, args.layers, verify.context, limit)
     if args.arch == "k3":
-        return ("conv windows, recurrent state, cache rows",) + k3_state_equal(args.k3, verify.sequences, got, want)
+        return ("conv windows, recurrent state, cache rows",) + k3_state_equal(args.k3, verify.sequences, got, want,
+                                                                               limit)
     return None
 
 
-def same_next_step(plain, state, want, token):
+def same_next_step(plain, state, want, token, flips):
     """PLAIN's next step (token) from `state` (another program's, through save_state) against its step from
-    its own state `want`: logits within 2e-2 of the largest."""
+    its own state `want`: logits within 2e-2 of the largest, in the sequences whose routing did not flip."""
     plain.load_state(state)
     _, got = plain.step(token)
     plain.load_state(want)
     _, ref = plain.step(token)
+    kept = [s for s, f in enumerate(flips) if f is None]
+    if not kept:
+        return True, "the next step's logits from it: every sequence's routing flipped, none compared"
+    got, ref = got[kept], ref[kept]
     worst = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
-    return worst < 2e-2, f"the next step's logits from it: max difference {worst:.2e} of the largest"
+    return worst < 2e-2, f"the next step's logits from it ({len(kept)} sequences): max difference {worst:.2e} of the largest"
 
 
 def run_seed(args, seed, work):
@@ -247,16 +317,19 @@ def run_seed(args, seed, work):
     for tok in prompt[:-1]:
         plain.step(tok)
     start = plain.save_state()
-    ref, margins, states, first = [], [], [], []
+    ref, margins, states, first, routes = [], [], [], [], []
     tok = prompt[-1]
     for i in range(args.steps):
         tok, logits = plain.step(tok)
+        if plain.router_top_k:
+            routes.append(plain.routing())
         ref.append(tok.copy())
         margins.append([margin(logits[s]) for s in range(b)])
         states.append(plain.save_state())
         if i < verify.positions:
             first.append(logits)
     ref, margins = np.stack(ref), np.array(margins)
+    routes = np.stack(routes) if routes else None  # [steps, routers, b, top_k]
     # The first verify step with the reference's tokens as drafts: each position's logits against the plain
     # step's at that position (every row, not only its argmax).
     verify.load_state(start)
@@ -267,35 +340,41 @@ def run_seed(args, seed, work):
     worst = float(np.abs(logits - want).max() / max(np.abs(want).max(), 1e-6))
     checks["every position's logits"] = worst < 2e-2
     row["logits"] = f"the first verify step's logits against the plain steps': max difference {worst:.2e} of the largest"
+    runs = []
     for source in SOURCES:
-        out, accepted, steps, diff = run_verify(verify, start, source, ref, margins, prompt, rng)
-        ok = diff is None or diff["near_tie"]
-        checks[f"{source}: tokens equal"] = ok
+        out, accepted, steps, diff, flips = run_verify(verify, start, source, ref, margins, routes, prompt, rng)
+        runs.append(flips)
+        checks[f"{source}: tokens equal"] = diff is None or diff["excused"]
+        checks[f"{source}: routing as plain's, or a flip of the last pick"] = all(
+            f is None or f["last_pick"] for f in flips)
         row["sources"][source] = {"verify_steps": steps, "drafts_accepted": accepted, "difference": diff,
+                                  "routing_flips": flips,
                                   "tokens_per_step": sum(min(len(o), args.steps) for o in out) / (steps * b)}
-        if source == "wrong" and diff is None:
+        if source == "wrong" and (diff is None or diff["excused"]):
             # Every sequence advanced one token a step: the state after `steps` tokens.
             after = verify.save_state()
-            ok, msg = same_next_step(plain, after, states[steps - 1], ref[steps - 1])
+            ok, msg = same_next_step(plain, after, states[steps - 1], ref[steps - 1], flips)
             checks["state after rejections: next step"] = ok
             row["state"] = msg
-            parts = state_parts_equal(args, verify, after, states[steps - 1])
+            parts = state_parts_equal(args, verify, after, states[steps - 1], flip_rows(start, flips))
             if parts:
                 what, ok, msg = parts
                 checks[f"state after rejections: {what}"] = ok
                 row["state"] += "; " + msg
     # Generation with prompt-lookup drafts (mkc_model_generate_speculative) from the same start.
     verify.load_state(start)
+    # One launch logs no step's routing: the runs' flips stand for it (the same reference, the same program).
     got, steps = verify.generate_speculative(prompt.T, args.steps)
-    diff = first_difference(got.T, ref, margins)
-    checks["generate_speculative: tokens equal"] = diff is None or diff["near_tie"]
+    flips = earliest_flips(runs)
+    diff = first_difference(got.T, ref, margins, flips)
+    checks["generate_speculative: tokens equal"] = diff is None or diff["excused"]
     row["generate_speculative"] = {"verify_steps": steps, "tokens_per_step": args.steps / steps, "difference": diff}
-    if diff is None:
+    if diff is None or diff["excused"]:
         after = verify.save_state()
-        ok, msg = same_next_step(plain, after, states[-1], ref[-1])
+        ok, msg = same_next_step(plain, after, states[-1], ref[-1], flips)
         checks["generate_speculative: state"] = ok
         row["generate_speculative"]["state"] = msg
-        parts = state_parts_equal(args, verify, after, states[-1])
+        parts = state_parts_equal(args, verify, after, states[-1], flip_rows(start, flips))
         if parts:
             what, ok, msg = parts
             checks[f"generate_speculative: {what}"] = ok
@@ -349,6 +428,13 @@ def main():
         print(f"{r['seed']:>4} {r['positions']:>2} {per}  {'all pass' if not bad else 'FAIL: ' + '; '.join(bad)}")
     for r in rows:
         print(f"seed {r['seed']}: {r['logits']}")
+    for r in rows:
+        for source, m in r["sources"].items():
+            for s, f in enumerate(m["routing_flips"]):
+                if f is not None:
+                    print(f"seed {r['seed']} {source}: sequence {s}'s routing flipped at token {f['token']}, router "
+                          f"{f['router']}: plain {f['plain']}, verify {f['verify']}"
+                          f"{'' if f['last_pick'] else ' (NOT the last pick alone)'}")
     for r in rows:
         for kind, m in r.get("bench", {}).items():
             print(f"seed {r['seed']} {kind} prompt: {m['tokens']} tokens, single steps "
