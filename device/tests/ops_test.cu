@@ -206,6 +206,7 @@ struct MxCase {
   const __nv_bfloat16* norm;
   float* out;
   float* spill;  // the input's global staging when [B, k] does not fit in shared memory
+  uint32_t tokens;  // the tokens whose rows are computed (a routed expert's), bit b for token b
 };
 __device__ MxCase g_mx;
 
@@ -221,15 +222,20 @@ struct RowsShape {
 // W's element given by weight(tile column, matrix row, column); reports the
 // worst error over the sum of the terms' magnitudes (at most `tol`: 1e-5 where
 // the activations go in at fp32's precision or near it; 2^-11 = 4.9e-4, one
-// fp16 rounding of each, for MXFP4's one-part consumer at batch 5 to 8).
+// fp16 rounding of each, for MXFP4's one-part consumer at batch 5 to 8). Only
+// the rows of `tokens` are computed; the others must be exactly zero.
 template <int B, class W>
 static void coded_rows_report(const char* name, const std::vector<float>& out, const std::vector<float>& x,
                               const std::vector<__nv_bfloat16>& g, bool norm, RowsShape s, bool spill, W weight,
-                              double tol = 1e-5) {
+                              double tol = 1e-5, uint32_t tokens = ~0u) {
   const uint32_t k = s.k, n = s.r1 - s.r0, cols = n * (s.pair ? 2 : 1);
   double worst = 0;
-  bool finite = true;
+  bool finite = true, zeros = true;
   for (int b = 0; b < B; ++b) {
+    if (!(tokens >> b & 1)) {
+      for (uint32_t j = 0; j < cols; ++j) zeros &= out[size_t(b) * cols + j] == 0.f;
+      continue;
+    }
     double sc = 1;
     if (norm) {
       double ss = 0;
@@ -250,11 +256,14 @@ static void coded_rows_report(const char* name, const std::vector<float>& out, c
       worst = std::max(worst, std::abs(got - ref) / (mag + 1e-30));
     }
   }
-  char detail[192];
-  std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s%s: max error / sum|terms| %.2e (at most %.1e)",
+  char detail[256], picked[64] = "";
+  if ((tokens & ((1u << B) - 1)) != (1u << B) - 1)
+    std::snprintf(picked, sizeof picked, ", tokens 0x%02x (the others %s)", tokens & ((1u << B) - 1),
+                  zeros ? "zero" : "NOT zero");
+  std::snprintf(detail, sizeof detail, "B %d rows [%u, %u) of %u, k %u%s%s%s%s: max error / sum|terms| %.2e (at most %.1e)",
                 B, s.r0, s.r1, s.n_rows, k, s.pair ? ", gate/up pair" : "", norm ? ", RMS prologue" : "",
-                spill ? ", input staged in global memory" : "", worst, tol);
-  report(name, finite && worst < tol, detail);
+                spill ? ", input staged in global memory" : "", picked, worst, tol);
+  report(name, finite && zeros && worst < tol, detail);
 }
 
 template <int B>
@@ -269,8 +278,8 @@ __global__ void __launch_bounds__(mkc::kConsumerThreads + 32, 1) mx_kernel() {
       mkc::mx_rows_load(c.rows, it);
     } else {
       mkc::mx_rows_compute<B>(
-          mkc::MxRowsCompute{.rows = c.rows, .x = c.x, .norm = c.norm, .eps = 1e-6f, .spill = c.spill}, it,
-          threadIdx.x / 32, c.out);
+          mkc::MxRowsCompute{.rows = c.rows, .x = c.x, .norm = c.norm, .eps = 1e-6f, .spill = c.spill, .tokens = c.tokens},
+          it, threadIdx.x / 32, c.out);
       mkc::consumer_sync();
     }
   }
@@ -282,7 +291,8 @@ static double e2m1_ref(int c) {
 }
 
 template <int B>
-static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1, uint32_t k, bool pair, bool norm) {
+static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1, uint32_t k, bool pair, bool norm,
+                    uint32_t tokens = ~0u) {
   std::normal_distribution<float> nd(0.f, 1.f);
   std::uniform_int_distribution<int> byte(0, 255), sbyte(118, 126);
   auto codes = [&] {
@@ -318,7 +328,7 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
   };
   MxCase c{mkc::MxRows{tiled(c0, s0, true), tiled(s0, s0, false), pair ? tiled(c1, s1, true) : nullptr,
                        pair ? tiled(s1, s1, false) : nullptr, r0, r1, k},
-           upload(x), norm ? upload(g) : nullptr, upload(std::vector<float>(size_t(B) * cols, NAN)), nullptr};
+           upload(x), norm ? upload(g) : nullptr, upload(std::vector<float>(size_t(B) * cols, NAN)), nullptr, tokens};
   const bool spill = size_t(B) * k * sizeof(float) > size_t(mkc::kActivationBytes);
   if (spill) c.spill = upload(std::vector<float>(size_t(B) * k, NAN));
   CHECK(cudaMemcpyToSymbol(g_mx, &c, sizeof c));
@@ -326,8 +336,9 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
   const auto out = download(c.out, size_t(B) * cols);
   const RowsShape rows{n_rows, r0, r1, k, pair};
   // Batch 5 to 8 on the tensor cores: one fp16 part a token (rows.cuh, MxHalfFrags), where its fragments
-  // fit shared memory.
-  const bool one_part = B >= 5 && size_t((k / 32 + 1) / 2) * ((B + 3) / 4) * 512 <= size_t(mkc::kActivationBytes);
+  // fit shared memory; the batch is the picked tokens' (all where none or all are picked).
+  const uint32_t picked = tokens & ((1u << B) - 1), batch = picked == 0 ? B : __builtin_popcount(picked);
+  const bool one_part = batch >= 5 && size_t((k / 32 + 1) / 2) * ((batch + 3) / 4) * 512 <= size_t(mkc::kActivationBytes);
   coded_rows_report<B>("MXFP4 rows through the page ring", out, x, g, norm, rows, spill,
                        [&](uint32_t j, size_t row, uint32_t e) {
     const auto& cv = j < n ? c0 : c1;
@@ -335,7 +346,7 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
     const int code = (cv[row * k / 2 + e / 2] >> (4 * (e % 2))) & 15;
     const int sb = sv[row * k / 32 + e / 32];
     return e2m1_ref(code) * (sb == 255 ? 0.0 : std::ldexp(1.0, sb - 127));
-  }, one_part ? 4.9e-4 : 1e-5);
+  }, one_part ? 4.9e-4 : 1e-5, picked == 0 ? ~0u : picked);
   for (const void* p : {(const void*)c.rows.c0, (const void*)c.rows.s0, (const void*)c.rows.c1,
                         (const void*)c.rows.s1, (const void*)c.x, (const void*)c.norm, (const void*)c.out,
                         (const void*)c.spill})
@@ -1512,6 +1523,13 @@ int main(int argc, char** argv) {
   if (want("mx")) test_mx<5>(rng, 40, 8, 40, 1024, false, true);    // batch 5: two n-tiles, the last with one token
   if (want("mx")) test_mx<7>(rng, 16, 0, 16, 3584, false, true);    // batch 7: one fp16 part a token, in shared memory
   if (want("mx")) test_mx<1>(rng, 12, 0, 12, 10240, false, true);   // batch 1 past the fragments' room: the CUDA-core consumer
+  // A routed expert's tokens (mx_rows_compute's `tokens`): the consumer at the picked tokens' batch, their
+  // rows gathered and spread back, the others zero.
+  if (want("mx")) test_mx<8>(rng, 96, 0, 88, 3072, true, true, 0x40);    // one token of eight: the int8 parts
+  if (want("mx")) test_mx<8>(rng, 40, 8, 40, 3584, false, true, 0xA5);   // four: two fp16 parts
+  if (want("mx")) test_mx<8>(rng, 16, 0, 16, 3584, true, false, 0x7E);   // six: one fp16 part, in shared memory
+  if (want("mx")) test_mx<4>(rng, 24, 8, 24, 3072, false, true, 0x9);    // two of four
+  if (want("mx")) test_mx<8>(rng, 12, 0, 12, 10240, false, true, 0x11);  // two of eight past the fragments' room
   if (want("mx")) test_mx<8>(rng, 16, 0, 16, 10240, true, false);   // batch 8 past them: the CUDA cores, the input spilled
   if (want("fp8")) test_fp8<1>(rng, 300, 3, 261, 7168, false, true);   // K2's hidden width: 4 pages a row, rows across 128-row blocks
   if (want("fp8")) test_fp8<1>(rng, 256, 128, 192, 2048, true, false); // a gate/up pair, one full page

@@ -682,10 +682,13 @@ __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const 
   const MxRows r = expert_mx_rows<kBatch>(a, q);
   float* st = staging(m);
   const uint32_t n = r.cols();
-  mx_rows_compute<kBatch>(
-      MxRowsCompute{
-          .rows = r, .x = reinterpret_cast<float*>(m.arena + p.in), .norm = nullptr, .eps = 1e-6f, .spill = nullptr},
-      it, warp, st);
+  mx_rows_compute<kBatch>(MxRowsCompute{.rows = r,
+                                        .x = reinterpret_cast<float*>(m.arena + p.in),
+                                        .norm = nullptr,
+                                        .eps = 1e-6f,
+                                        .spill = nullptr,
+                                        .tokens = expert_tokens<kBatch>(a, q)},
+                          it, warp, st);
   consumer_sync();
   const Span s = Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0};
   ep_situ_and_mul<kBatch>(st, n, s, EpSituAndMul{.beta = 4e0f, .lin = 2.5e1f});
@@ -718,7 +721,8 @@ __device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, cons
                                         .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 32,
                                         .norm = nullptr,
                                         .eps = 1e-6f,
-                                        .spill = nullptr},
+                                        .spill = nullptr,
+                                        .tokens = expert_tokens<kBatch>(a, q)},
                           it, warp, st);
   consumer_sync();
   ep_store<kBatch>(st, n, Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0},

@@ -254,6 +254,20 @@ __device__ inline ExpertPart expert_part(const ExpertRows& a) {
   return ExpertPart{r0 < r1 ? expert : -1, slot, r0, r1};
 }
 
+// The tokens that chose the part's expert, bit b for token b (none for a part
+// without rows): the rows its MXFP4 consumer computes (mx_rows_compute's
+// `tokens`). Every lane of the warp calls it.
+template <int B>
+__device__ inline uint32_t expert_tokens(const ExpertRows& a, const ExpertPart& q) {
+  static_assert(B < 32, "a token a bit");
+  if (q.expert < 0) return 0u;
+  const uint32_t k = a.shape.top_k;
+  uint32_t bits = 0;
+  for (uint32_t i = threadIdx.x % 32; i < B * k; i += 32)
+    if (a.ids[i] == q.expert) bits |= 1u << (i / k);
+  return __reduce_or_sync(~0u, bits);
+}
+
 // The bf16 rows of an expert task's part (as expert_part found it).
 template <int B>
 __device__ inline Rows expert_rows(const ExpertRows& a, const ExpertPart& q) {

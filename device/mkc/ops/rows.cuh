@@ -5,6 +5,8 @@
 
 #include <cuda_fp16.h>
 
+#include <utility>
+
 #include <cute/arch/mma_sm80.hpp>
 
 #include "../mx_layout.h"
@@ -414,15 +416,20 @@ __device__ void rms_scales(const T* x, uint32_t k, float eps, float* scale) {
   consumer_sync();
 }
 
-// Copies x [B, k] into xs (input_area) as fp32, RMS-normed there (x *
-// rsqrt(mean(x^2) + eps) * norm, per token) when `norm` is given; returns
-// it, complete for every consumer.
+// Token b's row of an input [*, k]: rows[b] where a caller picked some of
+// the batch's tokens (a routed expert's: mx_rows_compute), else b.
+__device__ __forceinline__ size_t token_row(const uint8_t* rows, int b) { return rows != nullptr ? rows[b] : b; }
+
+// Copies x [B, k] (token b's row token_row(rows, b)) into xs (input_area) as
+// fp32, RMS-normed there (x * rsqrt(mean(x^2) + eps) * norm, per token) when
+// `norm` is given; returns it, complete for every consumer.
 template <int B, class T>
-__device__ float* stage_input(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, float* xs) {
+__device__ float* stage_input(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, float* xs,
+                              const uint8_t* rows = nullptr) {
   __shared__ float scale[B];
   const uint32_t n = uint32_t(B) * k;
   for (uint32_t i = threadIdx.x * 4; i < n; i += kConsumerThreads * 4) {
-    *reinterpret_cast<float4*>(xs + i) = load_four(x + i);
+    *reinterpret_cast<float4*>(xs + i) = load_four(x + token_row(rows, int(i / k)) * k + i % k);
   }
   if (norm != nullptr) {
     consumer_sync();
@@ -643,12 +650,13 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
 // power of two that brings its largest |x'| under 2^top.
 template <int B, class T>
 __device__ void token_scales(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, int top, float* rs,
-                                float* scale) {
+                             float* scale, const uint8_t* rows = nullptr) {
   for (int b = 0; b < B; ++b) {
+    const T* xb = x + token_row(rows, b) * k;
     float ss = 0.f;
     if (norm != nullptr) {
       for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) {
-        const float v = to_float(x[size_t(b) * k + e]);
+        const float v = to_float(xb[e]);
         ss = fmaf(v, v, ss);
       }
       ss = block_sum(ss);
@@ -656,7 +664,7 @@ __device__ void token_scales(const T* x, uint32_t k, const __nv_bfloat16* norm, 
     const float r = norm != nullptr ? rsqrtf(ss / float(k) + eps) : 1.f;
     float m = 0.f;
     for (uint32_t e = threadIdx.x; e < k; e += kConsumerThreads) {
-      m = fmaxf(m, fabsf(to_float(x[size_t(b) * k + e]) * r * (norm != nullptr ? bf(norm[e]) : 1.f)));
+      m = fmaxf(m, fabsf(to_float(xb[e]) * r * (norm != nullptr ? bf(norm[e]) : 1.f)));
     }
     m = block_max(m);
     if (threadIdx.x == 0) {
@@ -725,10 +733,10 @@ struct MxFrags {
 
 template <int B, class T>
 __device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, float* area,
-                               MxFrags<B>& out) {
+                               MxFrags<B>& out, const uint8_t* rows = nullptr) {
   using F = MxFrags<B>;
   __shared__ float rs[B], scale[B];
-  token_scales<B>(x, k, norm, eps, 7, rs, scale);
+  token_scales<B>(x, k, norm, eps, 7, rs, scale, rows);
   auto* frags = reinterpret_cast<uint4*>(area);
   const uint32_t pairs = (k / 32 + 1) / 2;
   // A thread per (pair, token, block of the pair, t): eight elements, their parts to four lanes.
@@ -738,7 +746,8 @@ __device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const uint32_t e = e0 + u;
-      r[u] = e < k ? to_float(x[size_t(b) * k + e]) * rs[b] * (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b] : 0.f;
+      r[u] = e < k ? to_float(x[token_row(rows, b) * k + e]) * rs[b] * (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b]
+                   : 0.f;
     }
 #pragma unroll
     for (int j = 0; j < F::kParts; ++j) {  // part j, then what it leaves, times 128
@@ -870,10 +879,10 @@ struct MxHalfFrags {
 
 template <int B, int kParts, class T>
 __device__ void stage_mx_half_frags(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, float* area,
-                                    MxHalfFrags<B, kParts>& out) {
+                                    MxHalfFrags<B, kParts>& out, const uint8_t* rows = nullptr) {
   constexpr int kTiles = MxHalfFrags<B, kParts>::kTiles;
   __shared__ float rs[B], scale[B];
-  token_scales<B>(x, k, norm, eps, 14, rs, scale);
+  token_scales<B>(x, k, norm, eps, 14, rs, scale, rows);
   uint4* frags = reinterpret_cast<uint4*>(area);
   const uint32_t pairs = (k / 32 + 1) / 2;
   for (uint32_t i = threadIdx.x; i < pairs * kTiles * 32; i += kConsumerThreads) {
@@ -886,7 +895,8 @@ __device__ void stage_mx_half_frags(const T* x, uint32_t k, const __nv_bfloat16*
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const uint32_t e = e0 + u;
-      v[u] = e < k ? to_float(x[size_t(b) * k + e]) * rs[b] * (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b] : 0.f;
+      v[u] = e < k ? to_float(x[token_row(rows, b) * k + e]) * rs[b] * (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b]
+                   : 0.f;
       const float hi = __half2float(__float2half_rn(v[u]));
       v[u] = l == 0 ? hi : v[u] - hi;
     }
@@ -977,6 +987,13 @@ __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B, kParts>
 // parts) when the fragments fit the input's area, and 5 to 8 (fp16, one part)
 // when they fit shared memory; otherwise on the CUDA cores (staged as fp32),
 // in shared memory, or in `spill` when it does not fit (input_area).
+//
+// `tokens` picks the batch's tokens whose rows are computed (a routed
+// expert's: those that chose it): the consumer runs at the batch of the
+// picked tokens, their rows gathered as it stages the input, so an expert
+// chosen by one token of eight costs one token's work (and gets the int8
+// parts' precision), and its sums are moved to their tokens' rows of st after;
+// the other rows of st are zero.
 template <class T>
 struct MxRowsCompute {
   MxRows rows;                // the task's weight rows (mx_rows_load streams them)
@@ -984,9 +1001,11 @@ struct MxRowsCompute {
   const __nv_bfloat16* norm;  // [rows.k] the RMSNorm prologue's weight, or null: no prologue
   float eps;                  // the prologue's epsilon
   float* spill;               // where the input is staged when it does not fit shared memory (or null)
+  uint32_t tokens = ~0u;      // bit b: token b's row is computed (the others are zero)
 };
 template <int B, class T>
-__device__ void mx_rows_compute(MxRowsCompute<T> a, uint32_t& it, int warp, float* st) {
+__device__ void mx_rows_compute_picked(const MxRowsCompute<T>& a, const uint8_t* rows, uint32_t& it, int warp,
+                                       float* st) {
   const MxRows& r = a.rows;
   // The tensor cores' fragments take (k / 64) pairs x 32 lanes x 16 bytes an
   // n-tile: a token at batch 1 and 2 (twice the fp32 input's size), two from
@@ -998,14 +1017,14 @@ __device__ void mx_rows_compute(MxRowsCompute<T> a, uint32_t& it, int warp, floa
   if constexpr (B <= 2) {
     if (pairs * B * 512 <= area) {
       MxFrags<B> frags;
-      stage_mx_frags<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill), frags);
+      stage_mx_frags<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill), frags, rows);
       mx_rows_pages_mma<B>(r, frags, it, warp, st);
       return;
     }
   } else if constexpr (B <= 4) {
     if (pairs * MxHalfFrags<B>::kTiles * 512 <= area) {
       MxHalfFrags<B> frags;
-      stage_mx_half_frags<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill), frags);
+      stage_mx_half_frags<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill), frags, rows);
       mx_rows_pages_hmma<B>(r, frags, it, warp, st);
       return;
     }
@@ -1013,12 +1032,47 @@ __device__ void mx_rows_compute(MxRowsCompute<T> a, uint32_t& it, int warp, floa
     // One fp16 part a token, in shared memory (the activation area) where it fits.
     if (pairs * MxHalfFrags<B, 1>::kTiles * 512 <= size_t(kActivationBytes)) {
       MxHalfFrags<B, 1> frags;
-      stage_mx_half_frags<B>(a.x, r.k, a.norm, a.eps, activation_ptr(), frags);
+      stage_mx_half_frags<B>(a.x, r.k, a.norm, a.eps, activation_ptr(), frags, rows);
       mx_rows_pages_hmma<B>(r, frags, it, warp, st);
       return;
     }
   }
-  mx_rows_pages<B>(r, stage_input<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill)), it, warp, st);
+  mx_rows_pages<B>(r, stage_input<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill), rows), it, warp, st);
+}
+
+// The picked tokens' rows of st [B, cols], computed into its first n rows, moved
+// to their tokens' rows (the last first: a token's row is at or past its
+// place among the picked), the rest zeroed; a thread a column.
+template <int B>
+__device__ void spread_picked_rows(uint32_t tokens, const uint8_t* rows, uint32_t n, uint32_t cols, float* st) {
+  consumer_sync();
+  for (uint32_t c = threadIdx.x; c < cols; c += kConsumerThreads) {
+    for (int j = int(n) - 1; j >= 0; --j) st[size_t(rows[j]) * cols + c] = st[size_t(j) * cols + c];
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+      if (!(tokens >> b & 1)) st[size_t(b) * cols + c] = 0.f;
+  }
+}
+
+template <int B, class T>
+__device__ void mx_rows_compute(MxRowsCompute<T> a, uint32_t& it, int warp, float* st) {
+  static_assert(B < 32, "a token a bit of `tokens`");
+  constexpr uint32_t kAll = (1u << B) - 1;
+  const uint32_t tokens = a.tokens & kAll;
+  if (tokens == kAll || tokens == 0) {  // every token (none: a task without rows, which streams no page)
+    mx_rows_compute_picked<B>(a, nullptr, it, warp, st);
+    return;
+  }
+  __shared__ uint8_t rows[B];
+  const uint32_t n = __popc(tokens);
+  if (threadIdx.x < uint32_t(B) && (tokens >> threadIdx.x & 1))
+    rows[__popc(tokens & ((1u << threadIdx.x) - 1))] = uint8_t(threadIdx.x);
+  consumer_sync();
+  // The consumer at the picked tokens' batch: n < B here.
+  [&]<int... N>(std::integer_sequence<int, N...>) {
+    ((n == uint32_t(N + 1) ? mx_rows_compute_picked<N + 1>(a, rows, it, warp, st) : void()), ...);
+  }(std::make_integer_sequence<int, B - 1>{});
+  spread_picked_rows<B>(tokens, rows, n, a.rows.cols(), st);
 }
 
 }  // namespace mkc

@@ -134,7 +134,14 @@ impl Gen<'_> {
         // where an MXFP4 stage's input spills).
         let compute = |x: &str, norm: &str, eps: f64, spill: &str| {
             if mx {
-                init!("MxRowsCompute"; rows = "r", x = x, norm = norm, eps = float(eps), spill = spill)
+                init!("MxRowsCompute";
+                    rows = "r",
+                    x = x,
+                    norm = norm,
+                    eps = float(eps),
+                    spill = spill,
+                    tokens = "expert_tokens<kBatch>(a, q)",
+                )
             } else if fp8 {
                 init!("Fp8RowsCompute"; rows = "r", x = x, norm = norm, eps = float(eps), spill = spill)
             } else {
