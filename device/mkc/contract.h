@@ -26,6 +26,10 @@ constexpr int kPages = 8;
 // projections' staged activations.
 constexpr int kScratchBytes = 24 << 10;
 constexpr int kActivationBytes = 64 << 10;
+// The kernel's static shared memory (the device library's __shared__ arrays)
+// is at most this much beside the dynamic ring, scratch and activations: the
+// planner leaves it out of the target's shared memory, the runtime checks it.
+constexpr int kStaticSmemBytes = 10 << 10;
 
 // Sequences per step the projections' accumulators hold without the wider
 // register budget.

@@ -49,6 +49,27 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// The warps' row-block sums of rows_pages_fma and mx_rows_pages, [2][warps]
+// [kPageRows * B] by row block parity. A function's __shared__ array is one
+// per template instance, and the static shared memory of them all adds up
+// (mx_rows_compute runs the consumers of every batch up to its own): one
+// buffer serves every batch up to kMaxBatch, so that the kernel's static
+// shared memory stays within kStaticSmemBytes.
+__device__ __forceinline__ float* row_block_parts_shared() {
+  __shared__ float parts[2 * kConsumerWarps * kPageRows * kMaxBatch];
+  return parts;
+}
+template <int B>
+__device__ __forceinline__ auto row_block_parts() {
+  using Parts = float(*)[kConsumerWarps][kPageRows * B];
+  if constexpr (B <= kMaxBatch) {
+    return reinterpret_cast<Parts>(row_block_parts_shared());
+  } else {
+    __shared__ float parts[2][kConsumerWarps][kPageRows * B];
+    return static_cast<Parts>(parts);
+  }
+}
+
 // The end of a row block: the lanes' partial sums acc[j][b] reduced over the
 // warp (a reduce-scatter, warp_sum_scatter: 9 shuffles for 8 rows, not 40,
 // and no branch per row), then over the warps through `part` [warps][kPageRows
@@ -118,7 +139,7 @@ __device__ void rows_pages_fma(const Rows& r, const T* x, const __nv_bfloat16* n
   static_assert(kPageK == kConsumerWarps * 128, "a warp covers 128 columns of a page");
   static_assert(!kAhead || 2 * B * kPageK * sizeof(T) <= size_t(kActivationBytes), "two pages of x fit");
   const int lane = threadIdx.x % 32;
-  __shared__ float part[2][kConsumerWarps][kPageRows * B];  // per row block parity
+  const auto part = row_block_parts<B>();  // per row block parity
   const uint32_t cols = r.cols();
   const uint32_t e = uint32_t(warp) * 128 + uint32_t(lane) * 4;  // this lane's columns within a page
   T* xb = reinterpret_cast<T*>(activation_ptr());                // kAhead: [2][B][kPageK], by page parity
@@ -568,7 +589,7 @@ __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
 template <int B>
 __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int warp, float* st) {
   const int lane = threadIdx.x % 32;
-  __shared__ float part[2][kConsumerWarps][kPageRows * B];
+  const auto part = row_block_parts<B>();  // per row block parity
   const uint32_t cols = r.cols();
   const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
   const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;

@@ -504,6 +504,20 @@ class Engine {
     report_ = nullptr;
   }
 
+  // The dynamic shared memory (ring, scratch, activations) granted to `fn`,
+  // after checking its static shared memory against the budget the planner
+  // left for it (an excess would fail the grant with "invalid argument").
+  static void allow_shared_memory(const void* fn, const char* what) {
+    cudaFuncAttributes at{};
+    MKC_CUDA(cudaFuncGetAttributes(&at, fn));
+    if (at.sharedSizeBytes > size_t(kStaticSmemBytes)) {
+      throw Failure{std::string(what) + " has " + std::to_string(at.sharedSizeBytes) +
+                    " bytes of static shared memory, more than the " + std::to_string(kStaticSmemBytes) +
+                    " the plan leaves beside its " + std::to_string(kSmemBytes) +
+                    " dynamic bytes (kStaticSmemBytes, device/mkc/contract.h)"};
+    }
+    MKC_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+  }
   template <bool kDebug>
   static const void* kernel() {
     return reinterpret_cast<const void*>(&megakernel<typename P::Step, kDebug>);
@@ -691,12 +705,10 @@ class Engine {
     std::memset(report_, 0, sizeof(HangReport));
     MKC_CUDA(cudaHostGetDevicePointer(&schedule_.report, report_, 0));
     pos_.assign(kSequences, 0);
-    MKC_CUDA(cudaFuncSetAttribute(kernel<false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
-    MKC_CUDA(cudaFuncSetAttribute(kernel<true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
-    MKC_CUDA(cudaFuncSetAttribute(generate_fn(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
-    if constexpr (kPositions > 1) {
-      MKC_CUDA(cudaFuncSetAttribute(speculate_fn(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
-    }
+    allow_shared_memory(kernel<false>(), "the step kernel");
+    allow_shared_memory(kernel<true>(), "the traced step kernel");
+    allow_shared_memory(generate_fn(), "the generation kernel");
+    if constexpr (kPositions > 1) allow_shared_memory(speculate_fn(), "the speculative generation kernel");
   }
 
   template <class T>
