@@ -445,24 +445,30 @@ def print_table(rows):
     print(f"{'library':36} {'B':>2} {'T':>2} {'mkc ms':>8} {'peer ms':>8} {'floor ms':>8} {'mkc %floor':>10} "
           f"{'peer %floor':>11} {'mkc tok/s/u':>11} {'rel L2':>8} {'route gap':>9} next=")
     for r in rows:
+        # Where the peer's router parted from the kernel's at a near-tie: the peer on the kernel's routing.
+        same = r.get("logits_rel_l2_vs_peer_same_routing")
         print(f"{r['lib']:36} {r['batch']:>2} {r.get('positions', 1):>2} {r['mkc_ms']:>8.3f} {r['peer_ms']:>8.3f} "
               f"{r['floor_ms']:>8.3f} "
               f"{100 * r['mkc_floor_fraction']:>9.1f}% {100 * r['peer_floor_fraction']:>10.1f}% "
               f"{r['mkc_tokens_per_s_per_user']:>11.1f} {r['logits_rel_l2_vs_peer']:>8.2e} "
-              f"{r.get('routing_gap_min', float('nan')):>9.1e} {r['next_equal']}")
+              f"{r.get('routing_gap_min', float('nan')):>9.1e} {r['next_equal']}"
+              + ("" if same is None else f"  (routing parted in {r['rows_routed_apart']} rows; the peer on "
+                                         f"mkc's routing: rel L2 {same:.2e}, next= {r['next_equal_same_routing']})"))
 
 
 def measure(model, lib, state, tokens, trace):
     """The megakernel from `state`: one step's next tokens and logits, then
     milliseconds per step twice (back to back at the same position), then
     (with a trace folder) one profiled step and its per-stage table; closes
-    the model. Returns (next, logits, ms, ms_repeat)."""
+    the model. Returns (next, logits, ms, ms_repeat, routes): routes the
+    step's expert ids [routers, rows, top_k] (Model.routing), or None."""
     model.load_state(state)
     if getattr(model, "positions", 1) > 1:  # a verify step: every row's choice and logits
         _, _, nxt, logits = model.verify(tokens)
         nxt, logits = nxt.reshape(-1), logits.reshape(model.batch, -1)
     else:
         nxt, logits = model.step(tokens)
+    routes = model.routing() if getattr(model, "router_top_k", 0) else None
     model.load_state(state)  # time at the same position
     ms = model.time_steps(tokens, warmup=10, n=100)
     ms2 = model.time_steps(tokens, warmup=5, n=100)
@@ -475,7 +481,7 @@ def measure(model, lib, state, tokens, trace):
         model.profile_step(tokens, path)
         print_trace_summary(path)
     model.close()
-    return nxt, logits, ms, ms2
+    return nxt, logits, ms, ms2, routes
 
 
 def result_row(lib, batch, pos, load_s, mkc_ms, mkc_ms_repeat, peer, peer_ms, nbytes, bw, nxt, p_next, rel, gap=None,
@@ -533,7 +539,7 @@ def main():
         state = np.concatenate([np.full(b, args.pos, dtype=np.int32).view(np.uint8)]
                                + [c.cpu().view(torch.int16).numpy().view(np.uint8).ravel() for c in caches])
         tokens = torch.randint(0, d.vocab, (b,), generator=g, device="cuda")
-        nxt, logits, ours_ms, ours_ms2 = measure(model, lib, state, tokens.cpu().numpy(), args.trace)
+        nxt, logits, ours_ms, ours_ms2, _ = measure(model, lib, state, tokens.cpu().numpy(), args.trace)
         peer = Peer(d, w, merged, b, args.ctx, caches, args.pos)
         peer.tokens.copy_(tokens)
         peer.capture()

@@ -334,6 +334,19 @@ def random_state(c, batch, ctx, pos, seed):
     return kv, conv, ssm
 
 
+def routed_apart(routes, ids):
+    """The rows whose experts differ between the kernel's routing `routes` [routers, rows, top_k] and the
+    peer's `ids` (per MoE layer [rows, top_k], the routers in layer order): how many, 0 where either is
+    missing."""
+    if routes is None or len(routes) != len(ids):
+        return 0
+    rows = set()
+    for i, l in enumerate(sorted(ids)):
+        theirs = ids[l].tolist()
+        rows |= {r for r, mine in enumerate(routes[i].tolist()) if set(mine) != set(theirs[r])}
+    return len(rows)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
@@ -367,7 +380,7 @@ def main():
         state = np.frombuffer(pack_state(c, seqs, args.pos, kv0, conv0, ssm0, model.state_bytes), dtype=np.uint8)
         g = torch.Generator(device="cuda").manual_seed(args.seed + 2)
         tokens = torch.randint(0, c.vocab, (b,), generator=g, device="cuda")
-        nxt, logits, ours_ms, ours_ms2 = measure(model, lib, state, tokens.cpu().numpy(), args.trace)
+        nxt, logits, ours_ms, ours_ms2, routes = measure(model, lib, state, tokens.cpu().numpy(), args.trace)
         st = ({l: t.clone() for l, t in kv0.items()}, {l: t.clone() for l, t in conv0.items()},
               {l: t.clone() for l, t in ssm0.items()})
         peer = Peer(c, w, b, ctx, args.pos, st, t)
@@ -382,6 +395,17 @@ def main():
         rel = float((torch.from_numpy(logits).cuda() - p_logits).norm() / p_logits.norm())
         ids = {l: t.cpu() for l, t in peer.ids.items()}
         gap = min((float(g) for g in peer.gaps.values()), default=float("inf"))
+        apart, same = routed_apart(routes, ids), None
+        if apart:
+            # The peer's bf16 router parted from the kernel's fp32 one at a near-tie (a tenth of the logits
+            # moves with it): the peer again, eagerly, on the kernel's routing.
+            reset(st, (kv0, conv0, ssm0))
+            peer.forced = {l: torch.from_numpy(routes[i]).long().cuda() for i, l in enumerate(sorted(ids))}
+            with torch.no_grad():
+                f_logits = peer.step()[0].float()
+            peer.forced = None
+            same = (float((torch.from_numpy(logits).cuda() - f_logits).norm() / f_logits.norm()),
+                    bool((torch.from_numpy(nxt).cuda() == f_logits.argmax(-1)).all()))
         peer_ms = peer.time()
         if t > 1:
             # The peer's verify against its own single steps through the same positions (one row of each
@@ -406,6 +430,9 @@ def main():
         nbytes = step_bytes(c, raw, ids, seqs, args.pos)
         rows.append(result_row(lib, b, args.pos, load_s, ours_ms, ours_ms2, peer, peer_ms, nbytes, bw, nxt, p_next, rel,
                                gap, t))
+        if same is not None:
+            rows[-1].update(rows_routed_apart=apart, logits_rel_l2_vs_peer_same_routing=same[0],
+                            next_equal_same_routing=same[1])
         del peer, st, kv0, conv0, ssm0
         torch.cuda.empty_cache()
     shutil.rmtree(work, ignore_errors=True)

@@ -350,8 +350,9 @@ static void test_mx(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1
   const auto out = download(c.out, size_t(B) * cols);
   const RowsShape rows{n_rows, r0, r1, k, pair};
   // Batch 5 to 8 on the tensor cores: one fp16 part a token (rows.cuh, MxHalfFrags), where its fragments
-  // fit shared memory; the batch is the picked tokens' (all where none or all are picked).
-  const uint32_t picked = tokens & ((1u << B) - 1), batch = picked == 0 ? B : __builtin_popcount(picked);
+  // fit shared memory; the batch is the picked tokens' up to kMaxPicked of them, else the whole batch's.
+  const uint32_t picked = tokens & ((1u << B) - 1), count = __builtin_popcount(picked);
+  const uint32_t batch = picked == 0 || count > uint32_t(mkc::kMaxPicked) ? B : count;
   const bool one_part = batch >= 5 && size_t((k / 32 + 1) / 2) * ((batch + 3) / 4) * 512 <= size_t(mkc::kActivationBytes);
   coded_rows_report<B>("MXFP4 rows through the page ring", out, x, g, norm, rows, spill,
                        [&](uint32_t j, size_t row, uint32_t e) {
@@ -1540,8 +1541,8 @@ int main(int argc, char** argv) {
   // A routed expert's tokens (mx_rows_compute's `tokens`): the consumer at the picked tokens' batch, their
   // rows gathered and spread back, the others zero.
   if (want("mx")) test_mx<8>(rng, 96, 0, 88, 3072, true, true, 0x40);    // one token of eight: the int8 parts
-  if (want("mx")) test_mx<8>(rng, 40, 8, 40, 3584, false, true, 0xA5);   // four: two fp16 parts
-  if (want("mx")) test_mx<8>(rng, 16, 0, 16, 3584, true, false, 0x7E);   // six: one fp16 part, in shared memory
+  if (want("mx")) test_mx<8>(rng, 40, 8, 40, 3584, false, true, 0xA5);   // four: past kMaxPicked, the whole batch, the others zeroed
+  if (want("mx")) test_mx<8>(rng, 16, 0, 16, 3584, true, false, 0x7E);   // six: the same, in shared memory
   if (want("mx")) test_mx<4>(rng, 24, 8, 24, 3072, false, true, 0x9);    // two of four
   if (want("mx")) test_mx<8>(rng, 12, 0, 12, 10240, false, true, 0x11);  // two of eight past the fragments' room
   if (want("mx")) test_mx<8>(rng, 16, 0, 16, 10240, true, false);   // batch 8 past them: the CUDA cores, the input spilled

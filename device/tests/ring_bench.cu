@@ -18,7 +18,11 @@
 //   mx:          mx_rows_load + mx_rows_compute (the routed experts' consumer: tensor cores), batch 1
 //   mx-b4:       the same at batch 4
 //   mx-fma:      mx_rows_load + mx_rows_pages (the CUDA-core consumer), batch 1
-//   mx-fma-b8:   the same at batch 8 (where the megakernel uses it)
+//   mx-b8:       mx_rows_compute at batch 8, every token
+//   mx-b8-picked-N: the same, N tokens of the 8 picked (an expert's: the consumer at batch N up to
+//                kMaxPicked, the whole batch past it)
+//   mx-b3:       mx_rows_compute at batch 3
+//   mx-fma-b8:   mx_rows_load + mx_rows_pages at batch 8
 //   mx-idle:     mx_rows_load, consumers only wait for and release each page
 // and the FP8 variants, 2 GiB of e4m3 codes of rows [n, 7168] (K2's hidden width) and their fp32
 // block scales (one per 128 x 128; GB/s counts codes and scales):
@@ -204,9 +208,11 @@ static void run_batch(const char* name, const __nv_bfloat16* w, size_t bytes, fl
 
 // MXFP4 rows [n, kMxK]: this SM's contiguous share through mx_rows_load and
 // either the consumer (B tokens of ones) or idle consumers.
-template <int B, int kMode>  // kMode: 0 the consumer, 1 the CUDA-core consumer, 2 idle
+// kMode: 0 the consumer (`tokens`: the tokens computed, an expert's picked ones), 1 the CUDA-core
+// consumer, 2 idle.
+template <int B, int kMode>
 __global__ void __launch_bounds__(mkc::kThreads, 1) mx_stream(const uint8_t* codes, const uint8_t* scales, uint32_t rows,
-                                                             const float* ones, float* out) {
+                                                             const float* ones, float* out, uint32_t tokens) {
   if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
   __syncthreads();
   const uint32_t per_sm = rows / gridDim.x, r0 = blockIdx.x * per_sm;
@@ -234,7 +240,8 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) mx_stream(const uint8_t* cod
     for (uint32_t j0 = r.r0; j0 < r.r1; j0 += 512) {
       const mkc::MxRows part{codes, scales, nullptr, nullptr, j0, min(j0 + 512, r.r1), mkc::kMxK};
       if (kMode == 0) {
-        mkc::mx_rows_compute<B>(mkc::MxRowsCompute{.rows = part, .x = ones, .norm = nullptr, .eps = 0.f, .spill = nullptr},
+        mkc::mx_rows_compute<B>(mkc::MxRowsCompute{.rows = part, .x = ones, .norm = nullptr, .eps = 0.f, .spill = nullptr,
+                                                   .tokens = tokens},
                                 it, warp, st);
       } else {
         mkc::mx_rows_pages<B>(part, xs, it, warp, st);
@@ -384,12 +391,19 @@ int main() {
   const auto* codes = reinterpret_cast<const uint8_t*>(w);
   const uint8_t* scales = codes + size_t(mx_rows) * (mkc::kMxK / 2);
   const double mx_bytes = double(mx_rows) * mx_row;
-  timed("mx", mx_stream<1, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
-  timed("mx-b2", mx_stream<2, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
-  timed("mx-b4", mx_stream<4, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
-  timed("mx-fma", mx_stream<1, 1>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
-  timed("mx-fma-b8", mx_stream<8, 1>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
-  timed("mx-idle", mx_stream<1, 2>, mx_bytes, sms, codes, scales, mx_rows, ones, out);
+  timed("mx", mx_stream<1, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out, ~0u);
+  timed("mx-b2", mx_stream<2, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out, ~0u);
+  timed("mx-b4", mx_stream<4, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out, ~0u);
+  timed("mx-b8", mx_stream<8, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out, ~0u);
+  // An expert's picked tokens of batch 8: the consumer at their batch (mx_rows_compute's `tokens`).
+  timed("mx-b8-picked-1", mx_stream<8, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out, 0x40);
+  timed("mx-b8-picked-2", mx_stream<8, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out, 0x11);
+  timed("mx-b8-picked-3", mx_stream<8, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out, 0x25);
+  timed("mx-b8-picked-4", mx_stream<8, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out, 0x55);
+  timed("mx-b3", mx_stream<3, 0>, mx_bytes, sms, codes, scales, mx_rows, ones, out, ~0u);
+  timed("mx-fma", mx_stream<1, 1>, mx_bytes, sms, codes, scales, mx_rows, ones, out, ~0u);
+  timed("mx-fma-b8", mx_stream<8, 1>, mx_bytes, sms, codes, scales, mx_rows, ones, out, ~0u);
+  timed("mx-idle", mx_stream<1, 2>, mx_bytes, sms, codes, scales, mx_rows, ones, out, ~0u);
   // FP8: the same 2 GiB as e4m3 codes (0x3C: 1.5), the scales apart.
   const uint32_t fp8_rows = uint32_t(size_t(rows) * kK * 2 / kK) / (1024 * sms) * (1024 * sms);
   const double fp8_bytes = double(fp8_rows) * kK + double(fp8_rows / 128) * (kK / 128) * sizeof(float);

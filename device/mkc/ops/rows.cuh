@@ -1010,11 +1010,11 @@ __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B, kParts>
 // in shared memory, or in `spill` when it does not fit (input_area).
 //
 // `tokens` picks the batch's tokens whose rows are computed (a routed
-// expert's: those that chose it): the consumer runs at the batch of the
-// picked tokens, their rows gathered as it stages the input, so an expert
-// chosen by one token of eight costs one token's work (and gets the int8
-// parts' precision), and its sums are moved to their tokens' rows of st after;
-// the other rows of st are zero.
+// expert's: those that chose it): up to kMaxPicked of them, the consumer runs
+// at the batch of the picked tokens, their rows gathered as it stages the
+// input, so an expert chosen by one token of eight costs one token's work (and
+// gets the int8 parts' precision), and its sums are moved to their tokens'
+// rows of st after; the other rows of st are zero.
 template <class T>
 struct MxRowsCompute {
   MxRows rows;                // the task's weight rows (mx_rows_load streams them)
@@ -1063,7 +1063,16 @@ __device__ void mx_rows_compute_picked(const MxRowsCompute<T>& a, const uint8_t*
 
 // The picked tokens' rows of st [B, cols], computed into its first n rows, moved
 // to their tokens' rows (the last first: a token's row is at or past its
-// place among the picked), the rest zeroed; a thread a column.
+// place among the picked), the rest zeroed; a thread a column. n = 0: the rows
+// are in place, the others are zeroed.
+//
+// The consumer runs at the picked tokens' batch up to kMaxPicked of them, at
+// the whole batch above: on an H100 (device/tests/ring_bench.cu, 2026-12-07)
+// the consumer at batch 8 streams 1.50 TB/s, one picked token 2.63 and two
+// 2.13, but three and four (1.68, 1.64) gained nothing inside the
+// megakernel, whose code and stack every batch's consumer adds to. Real K3's
+// 896 experts take one or two tokens each at batch 8.
+constexpr int kMaxPicked = 2;
 template <int B>
 __device__ void spread_picked_rows(uint32_t tokens, const uint8_t* rows, uint32_t n, uint32_t cols, float* st) {
   consumer_sync();
@@ -1084,15 +1093,21 @@ __device__ void mx_rows_compute(MxRowsCompute<T> a, uint32_t& it, int warp, floa
     mx_rows_compute_picked<B>(a, nullptr, it, warp, st);
     return;
   }
-  __shared__ uint8_t rows[B];
   const uint32_t n = __popc(tokens);
+  constexpr int kPicked = B - 1 < kMaxPicked ? B - 1 : kMaxPicked;
+  if (n > uint32_t(kPicked)) {  // the consumer at the whole batch, the others' rows zeroed after
+    mx_rows_compute_picked<B>(a, nullptr, it, warp, st);
+    spread_picked_rows<B>(tokens, nullptr, 0, a.rows.cols(), st);
+    return;
+  }
+  __shared__ uint8_t rows[B];
   if (threadIdx.x < uint32_t(B) && (tokens >> threadIdx.x & 1))
     rows[__popc(tokens & ((1u << threadIdx.x) - 1))] = uint8_t(threadIdx.x);
   consumer_sync();
-  // The consumer at the picked tokens' batch: n < B here.
+  // The consumer at the picked tokens' batch: n <= kPicked here.
   [&]<int... N>(std::integer_sequence<int, N...>) {
     ((n == uint32_t(N + 1) ? mx_rows_compute_picked<N + 1>(a, rows, it, warp, st) : void()), ...);
-  }(std::make_integer_sequence<int, B - 1>{});
+  }(std::make_integer_sequence<int, kPicked>{});
   spread_picked_rows<B>(tokens, rows, n, a.rows.cols(), st);
 }
 
