@@ -1067,11 +1067,13 @@ __device__ void mx_rows_compute_picked(const MxRowsCompute<T>& a, const uint8_t*
 // are in place, the others are zeroed.
 //
 // The consumer runs at the picked tokens' batch up to kMaxPicked of them, at
-// the whole batch above: on an H100 (device/tests/ring_bench.cu, 2026-12-07)
-// the consumer at batch 8 streams 1.50 TB/s, one picked token 2.63 and two
-// 2.13, but three and four (1.68, 1.64) gained nothing inside the
-// megakernel, whose code and stack every batch's consumer adds to. Real K3's
-// 896 experts take one or two tokens each at batch 8.
+// the whole batch above. On an H100 (2026-12-07) in isolation
+// (device/tests/ring_bench.cu) the consumer at batch 8 streams 1.50 TB/s, one
+// picked token 2.63, two 2.13, three and four 1.68 and 1.64; but inside the
+// megakernel, with a consumer for every picked count, K3 per-layer dims'
+// expert stages at batch 8 ran 16% slower than at the whole batch (each
+// consumer adds code and stack), and with two no slower. Real K3's 896
+// experts take one or two tokens each at batch 8.
 constexpr int kMaxPicked = 2;
 template <int B>
 __device__ void spread_picked_rows(uint32_t tokens, const uint8_t* rows, uint32_t n, uint32_t cols, float* st) {
