@@ -411,21 +411,10 @@ impl Layout<'_> {
                     self.size(split, "the MLA partials", &[self.batch, heads, splits, c.saturating_add(2), 4])?;
                 self.reserve(split, Block::MlaPartials, bytes)?;
                 // The combine reads the output gate where the planner put it
-                // there (`head-gate`: the operands of the op's nodes past the
-                // MLA node, its gate and the gate's sigmoid).
-                let gate_reads: Vec<ValueRef> = reads
-                    .iter()
-                    .copied()
-                    .filter(|v| {
-                        op.nodes.iter().any(|m| {
-                            let m = NodeId::at(*m);
-                            m.index() > n.index() && g.operands(m).contains(v)
-                        })
-                    })
-                    .collect();
+                // there (`head-gate`).
                 self.reads[absorb] = reads.clone();
                 self.reads[split] = reads;
-                self.reads[combine] = gate_reads;
+                self.reads[combine] = op.mla_gate_reads(g);
             }
             FusedKind::Moe => {
                 let n = op

@@ -30,7 +30,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use serde::Serialize;
 
 use crate::diag::{Error, ErrorKind, Result};
-use crate::ir::{Graph, NodeId, NodeKind};
+use crate::ir::{Graph, NodeId, NodeKind, ValueRef};
 use crate::ops::OpKind;
 use crate::valid::Validated;
 
@@ -99,6 +99,29 @@ pub struct FusedOp {
     pub nodes: Vec<usize>,
     /// The rules that joined nodes to the anchor.
     pub applied: Vec<Applied>,
+}
+
+impl FusedOp {
+    /// What an MLA operation's combine reads for the output gate the planner
+    /// put there (`head-gate`): the operands of the operation's nodes past the
+    /// MLA node that other operations produce, each once, in graph order (none
+    /// for another kind of operation). The arena's reads and the stage
+    /// dependencies both come from here.
+    pub fn mla_gate_reads(&self, g: &Graph) -> Vec<ValueRef> {
+        let Some(at) = self.nodes.iter().position(|n| op_kind(g, NodeId::at(*n)) == Some(OpKind::MlaDecode)) else {
+            return vec![];
+        };
+        let mut out: Vec<ValueRef> = vec![];
+        for &n in &self.nodes[at + 1..] {
+            for v in g.operands(NodeId::at(n)) {
+                let produced = matches!(g.node(v.node).kind, NodeKind::Op { .. });
+                if produced && !self.nodes.contains(&v.node.index()) && !out.contains(&v) {
+                    out.push(v);
+                }
+            }
+        }
+        out
+    }
 }
 
 /// The fusion plan.

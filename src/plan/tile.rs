@@ -736,14 +736,11 @@ pub fn tile(v: &Validated, fusion: &Fusion, target: &Target, opts: Options) -> R
                 bld.single(op.id, &[], vec![rows], TaskKind::Argmax, 0, tiles * bld.b())
             }
             FusedKind::MlaDecode => {
-                // The output gate's operands (the nodes past the MLA node), by their producers' last stages.
-                let anchor = nodes.iter().copied().find(|n| op_of(g, *n) == Some(OpKind::MlaDecode));
-                let mut gate_reads: Vec<usize> = nodes
+                // The output gate's operands (FusedOp::mla_gate_reads), by their producers' last stages.
+                let mut gate_reads: Vec<usize> = op
+                    .mla_gate_reads(g)
                     .iter()
-                    .filter(|n| Some(**n) > anchor)
-                    .flat_map(|n| g.operands(node(g, *n)))
                     .filter_map(|v| fusion.op_of.get(&v.node.index()))
-                    .filter(|p| **p != op.id)
                     .map(|p| last_stage[*p])
                     .collect();
                 gate_reads.sort_unstable();
