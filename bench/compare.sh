@@ -5,7 +5,8 @@
 # library, each pair measured in one process on the same
 # weights against the same PyTorch peer (bench/k2_bench.py, bench/k3_bench.py):
 #   bench/compare.sh OLD_MODELS_DIR [k2|k3|fp8|verify|all]   (fp8, verify: this checkout's libraries and the
-#   peer only; verify: K3 per-layer dims' verify steps at T = 1, 2, 4, 8)
+#   peer only; verify: K3 per-layer dims' verify steps at T = 1, 2, 4, 8; OLD_MODELS_DIR none: k2 and k3
+#   with this checkout's libraries alone)
 # Writes $OUT/compare_k2.json and $OUT/compare_k3.json and prints their tables; MKC_BENCH_TRACE=DIR
 # adds one profiled step per library (Chrome trace JSON, for `mkc plan --estimate --trace`).
 set -uo pipefail
@@ -14,9 +15,11 @@ old=${1:?usage: bench/compare.sh OLD_MODELS_DIR [k2|k3|fp8|all]}
 which=${2:-all}
 out=${OUT:-/tmp/mkc_out}
 mkdir -p "$out"
-libs() {  # names...: --lib OLD --lib NEW for each that exists in both
+libs() {  # names...: --lib OLD --lib NEW for each that exists in both (OLD none: --lib NEW for each here)
   for name in "$@"; do
-    if [ -f "$old/$name/lib$name.so" ] && [ -f "target/models/$name/lib$name.so" ]; then
+    if [ "$old" = none ] && [ -f "target/models/$name/lib$name.so" ]; then
+      printf -- '--lib\n%s\n' "target/models/$name/lib$name.so"
+    elif [ -f "$old/$name/lib$name.so" ] && [ -f "target/models/$name/lib$name.so" ]; then
       printf -- '--lib\n%s\n--lib\n%s\n' "$old/$name/lib$name.so" "target/models/$name/lib$name.so"
     fi
   done
@@ -31,10 +34,11 @@ fi
 if [ "$which" = k3 ] || [ "$which" = all ]; then
   # K3's per-layer dimensions with 96 experts: two libraries and the peer's bf16 experts need more than
   # an 80 GB card holds; there, the same layers with 48 experts (the same bytes a step at batch 1).
-  # MKC_K3_DIMS=8l48e picks the 48-expert libraries on any card.
+  # MKC_K3_DIMS picks another config's libraries on any card: 8l48e, or 3l256e (3 layers, 256 experts:
+  # at batch 8 most experts are picked by one token, as K3's 896 are).
   dims=${MKC_K3_DIMS:-8l96e}
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
-  if [ -n "$mem" ] && [ "$mem" -lt 100000 ]; then dims=8l48e; fi
+  if [ -z "${MKC_K3_DIMS:-}" ] && [ -n "$mem" ] && [ "$mem" -lt 100000 ]; then dims=8l48e; fi
   echo "K3 per-layer dimensions: test_$dims.json (card memory ${mem:-unknown} MiB)"
   mapfile -t args < <(libs "kimi_k3_dims_${dims}_h200" "kimi_k3_dims_${dims}_b2_h200" "kimi_k3_dims_${dims}_b4_h200" \
     "kimi_k3_dims_${dims}_b8_h200")
