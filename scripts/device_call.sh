@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# On the device, in one call of under ten minutes: build what scripts/device_sources.sh carried
+# (scripts/device_build.sh), then the checks and benchmarks named, in order, each under its own
+# time limit; every log packed into $OUT/logs.tgz (the device returns a few files, not a tree),
+# the summary lines printed last.
+#   scripts/device_call.sh STEP...
+# STEPs:
+#   quick          tests/gpu/run_all.sh quick (ops_test and seed 0 of every tiny library built)
+#   verify         tests/gpu/run_all.sh verify (the verify libraries against plain greedy decoding)
+#   compare[=DIMS] bench/compare.sh against the carried baseline (.carry/old, built into target/old;
+#                  none where there is none) for K3 per-layer dims, DIMS as MKC_K3_DIMS (8l48e,
+#                  3l256e; the card's default where none), one profiled step a library into $OUT/trace
+#   ring           device/tests/ring_bench.cu (the page ring's and the consumers' streaming rates)
+# e.g. here: scripts/device_sources.sh --old 0a797a6 'kimi_k3_tiny_*' 'kimi_k3_dims_3l256e_*', then
+# run(command="scripts/device_call.sh quick verify compare=3l256e", carry=[".carry"]).
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/mkc_out}
+logs=$out/logs
+mkdir -p "$logs"
+t0=$(date +%s)
+summary=()
+note() { summary+=("[+$(($(date +%s) - t0)) s] $*"); echo "${summary[-1]}"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+OUT=$logs scripts/device_build.sh > "$logs/build.txt" 2>&1
+note "built: $(grep -c 'rc=0' "$logs/build.txt") ok, failed: $(grep 'rc=[1-9]' "$logs/build.txt" | tr '\n' ' ')"
+for step in "$@"; do
+  case "$step" in
+    quick)
+      OUT=$logs timeout 240 tests/gpu/run_all.sh quick > "$logs/quick.txt" 2>&1
+      note "quick rc=$? $(grep -c FAIL "$logs/quick.txt") FAIL lines"
+      grep -hE "FAIL|rc=[1-9]" "$logs/quick.txt" "$logs/quick/ops_test.txt" 2>/dev/null | head -8
+      ;;
+    verify)
+      OUT=$logs MKC_LIB_TIMEOUT=150 timeout 330 tests/gpu/run_all.sh verify > "$logs/verify.txt" 2>&1
+      note "verify rc=$?"
+      grep -hE "FAIL|rc=[1-9]|flipped" "$logs/verify.txt" | head -8
+      ;;
+    compare | compare=*)
+      dims=${step#compare}
+      dims=${dims#=}
+      base=target/old
+      [ -d .carry/old ] || base=none
+      mkdir -p "$out/trace"
+      OUT=$out MKC_K3_DIMS=$dims MKC_BENCH_TRACE=$out/trace timeout 400 bench/compare.sh "$base" k3 \
+        > "$logs/compare.txt" 2>&1
+      note "compare ${dims:-default} against $base rc=$?"
+      grep -A12 "^library " "$logs/compare.txt"
+      ;;
+    ring)
+      timeout 120 target/device/ring_bench_sm90a > "$logs/ring_bench.txt" 2>&1
+      note "ring_bench rc=$?"
+      ;;
+    *) note "unknown step $step (quick, verify, compare[=DIMS], ring)" ;;
+  esac
+done
+tar -czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs"
+printf '%s\n' "${summary[@]}"
