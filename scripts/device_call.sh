@@ -9,8 +9,11 @@
 #   verify         tests/gpu/run_all.sh verify (the verify libraries against plain greedy decoding)
 #   compare[=DIMS] bench/compare.sh against the carried baseline (.carry/old, built into target/old;
 #                  none where there is none) for K3 per-layer dims, DIMS as MKC_K3_DIMS (8l48e,
-#                  3l256e; the card's default where none), one profiled step a library into $OUT/trace
+#                  3l256e; the card's default where none), one profiled step a library (its Chrome
+#                  trace, packed with the logs under logs/trace)
 #   ring           device/tests/ring_bench.cu (the page ring's and the consumers' streaming rates)
+#   sass=NAME      cuobjdump of library NAME (this checkout's): each function's registers, stack and
+#                  shared memory, and the SASS (gzipped), into the logs
 # e.g. here: scripts/device_sources.sh --old 0a797a6 'kimi_k3_tiny_*' 'kimi_k3_dims_3l256e_*', then
 # run(command="scripts/device_call.sh quick verify compare=3l256e", carry=[".carry"]).
 set -u
@@ -42,8 +45,8 @@ for step in "$@"; do
       dims=${dims#=}
       base=target/old
       [ -d .carry/old ] || base=none
-      mkdir -p "$out/trace"
-      OUT=$out MKC_K3_DIMS=$dims MKC_BENCH_TRACE=$out/trace timeout 400 bench/compare.sh "$base" k3 \
+      mkdir -p "$logs/trace"
+      OUT=$out MKC_K3_DIMS=$dims MKC_BENCH_TRACE=$logs/trace timeout 400 bench/compare.sh "$base" k3 \
         > "$logs/compare.txt" 2>&1
       note "compare ${dims:-default} against $base rc=$?"
       grep -A12 "^library " "$logs/compare.txt"
@@ -52,7 +55,15 @@ for step in "$@"; do
       timeout 120 target/device/ring_bench_sm90a > "$logs/ring_bench.txt" 2>&1
       note "ring_bench rc=$?"
       ;;
-    *) note "unknown step $step (quick, verify, compare[=DIMS], ring)" ;;
+    sass=*)
+      name=${step#sass=}
+      lib=target/models/$name/lib$name.so
+      cuobjdump=$(dirname "$(readlink -f "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")/cuobjdump
+      "$cuobjdump" -res-usage "$lib" > "$logs/sass_${name}_res.txt" 2>&1
+      "$cuobjdump" -sass "$lib" 2> "$logs/sass_$name.err" | gzip > "$logs/sass_$name.txt.gz"
+      note "sass $name rc=$? ($(wc -l < "$logs/sass_${name}_res.txt") lines of resource usage)"
+      ;;
+    *) note "unknown step $step (quick, verify, compare[=DIMS], ring, sass=NAME)" ;;
   esac
 done
 tar -czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs"

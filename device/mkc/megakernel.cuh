@@ -31,6 +31,8 @@
 #include "projection.cuh"
 #include "speculative.h"
 
+#include <string>
+
 namespace mkc {
 
 constexpr int kLoaderWarp = kConsumerWarps;
@@ -43,6 +45,26 @@ constexpr int kThreads = (kConsumerWarps + 4) * 32;         // 384: the plan's l
 constexpr int kBarrierThreads = (kConsumerWarps + 1) * 32;  // consumers + controller, or consumers + storer
 // The page ring, then scratch, then the staged activations.
 constexpr size_t kSmemBytes = sizeof(Ring) + kScratchBytes + kActivationBytes;
+
+// Grants `fn` (a kernel of this layout) the dynamic shared memory the layout
+// takes (kSmemBytes), after checking its static shared memory against the
+// budget the planner leaves for it (kStaticSmemBytes; past it the grant fails
+// with "invalid argument", naming nothing). Returns "" when granted, else what
+// went wrong, naming `what`. The runtime and the device tests all grant
+// through here.
+inline std::string grant_shared_memory(const void* fn, const char* what) {
+  cudaFuncAttributes at{};
+  cudaError_t e = cudaFuncGetAttributes(&at, fn);
+  if (e == cudaSuccess && at.sharedSizeBytes > size_t(kStaticSmemBytes)) {
+    return std::string(what) + " has " + std::to_string(at.sharedSizeBytes) +
+           " bytes of static shared memory, more than the " + std::to_string(kStaticSmemBytes) +
+           " the plan leaves beside its " + std::to_string(kSmemBytes) +
+           " dynamic bytes (kStaticSmemBytes, device/mkc/contract.h)";
+  }
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+  if (e != cudaSuccess) return std::string(what) + ": granting shared memory: " + cudaGetErrorString(e);
+  return {};
+}
 
 // The schedule of one step, as device pointers.
 struct Schedule {

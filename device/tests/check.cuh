@@ -1,5 +1,6 @@
 // What the device tests share: every CUDA call checked (exit 2 with the call
-// and the error), and host <-> device copies of vectors.
+// and the error), the megakernel layout's shared memory granted to a kernel,
+// and host <-> device copies of vectors.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,7 +8,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
+
+#include "mkc/megakernel.cuh"
 
 #define CHECK(call)                                                                               \
   do {                                                                                            \
@@ -17,6 +21,17 @@
       std::exit(2);                                                                               \
     }                                                                                             \
   } while (0)
+
+// The layout's dynamic shared memory granted to `kernel`, its static shared
+// memory checked against the planner's budget (mkc::grant_shared_memory, as
+// the runtime does); exit 2 naming `what` otherwise.
+template <class K>
+void grant_shared_memory(K kernel, const char* what) {
+  if (const std::string e = mkc::grant_shared_memory(reinterpret_cast<const void*>(kernel), what); !e.empty()) {
+    std::fprintf(stderr, "%s\n", e.c_str());
+    std::exit(2);
+  }
+}
 
 template <class T>
 T* upload(const std::vector<T>& v) {

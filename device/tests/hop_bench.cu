@@ -153,8 +153,7 @@ int main() {
     report(backoff ? "flag-backoff" : "flag-spin", run(1), run(kStages));
   }
 
-  CHECK(cudaFuncSetAttribute(mkc::megakernel<Hops, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(mkc::kSmemBytes)));
+  grant_shared_memory(mkc::megakernel<Hops, false>, "the hop megakernel");
   mkc::HangReport* report_buf = nullptr;
   CHECK(cudaMalloc(&report_buf, sizeof(mkc::HangReport)));
   struct Variant {

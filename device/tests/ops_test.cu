@@ -47,23 +47,9 @@ static void report(const char* name, bool ok, const char* detail) {
 
 static float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
-// The megakernel's dynamic shared memory granted to `kernel`, whose static
-// shared memory must stay within the budget the planner leaves for it.
-template <class K>
-static void allow_shared_memory(K kernel) {
-  cudaFuncAttributes at{};
-  CHECK(cudaFuncGetAttributes(&at, kernel));
-  if (at.sharedSizeBytes > size_t(mkc::kStaticSmemBytes)) {
-    std::fprintf(stderr, "a test kernel has %zu bytes of static shared memory, more than kStaticSmemBytes (%d)\n",
-                 at.sharedSizeBytes, mkc::kStaticSmemBytes);
-    std::exit(2);
-  }
-  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
-}
-
 template <class K>
 static void launch(K kernel, const char* name) {
-  allow_shared_memory(kernel);
+  grant_shared_memory(kernel, name);
   kernel<<<1, mkc::kConsumerThreads, mkc::kSmemBytes>>>();
   CHECK(cudaGetLastError());
   const cudaError_t e = cudaDeviceSynchronize();
@@ -77,7 +63,7 @@ static void launch(K kernel, const char* name) {
 // shared memory.
 template <class K>
 static void launch_with_loader(K kernel) {
-  allow_shared_memory(kernel);
+  grant_shared_memory(kernel, "a test kernel with the loader");
   kernel<<<1, mkc::kConsumerThreads + 32, mkc::kSmemBytes>>>();
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());

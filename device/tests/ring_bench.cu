@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) fp8_stream(const uint8_t* co
 
 template <class K, class... Args>
 static void timed(const char* name, K kernel, double bytes, int sms, Args... args) {
-  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
+  grant_shared_memory(kernel, name);
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));

@@ -134,8 +134,8 @@ int main(int argc, char** argv) {
   CHECK(cudaMemset(counters, 0, 2 * sizeof(uint32_t)));
   mkc::Schedule prog{upload(plan.instructions), upload(plan.sm_begin), upload(plan.waits), counters, d_report, nullptr};
   const mkc::ProjectionTask* d_tasks = upload(plan.tasks);
-  CHECK(cudaFuncSetAttribute(mkc::megakernel<Projections, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
-  CHECK(cudaFuncSetAttribute(mkc::megakernel<Projections, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mkc::kSmemBytes)));
+  grant_shared_memory(mkc::megakernel<Projections, false>, "the skeleton megakernel");
+  grant_shared_memory(mkc::megakernel<Projections, true>, "the debug skeleton megakernel");
 
   int failures = 0;
   for (uint32_t step = 1; step <= 3; ++step) {

@@ -504,19 +504,11 @@ class Engine {
     report_ = nullptr;
   }
 
-  // The dynamic shared memory (ring, scratch, activations) granted to `fn`,
-  // after checking its static shared memory against the budget the planner
-  // left for it (an excess would fail the grant with "invalid argument").
+  // The dynamic shared memory (ring, scratch, activations) granted to `fn`
+  // (grant_shared_memory: its static shared memory checked against the
+  // planner's budget first).
   static void allow_shared_memory(const void* fn, const char* what) {
-    cudaFuncAttributes at{};
-    MKC_CUDA(cudaFuncGetAttributes(&at, fn));
-    if (at.sharedSizeBytes > size_t(kStaticSmemBytes)) {
-      throw Failure{std::string(what) + " has " + std::to_string(at.sharedSizeBytes) +
-                    " bytes of static shared memory, more than the " + std::to_string(kStaticSmemBytes) +
-                    " the plan leaves beside its " + std::to_string(kSmemBytes) +
-                    " dynamic bytes (kStaticSmemBytes, device/mkc/contract.h)"};
-    }
-    MKC_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+    if (std::string e = grant_shared_memory(fn, what); !e.empty()) throw Failure{e};
   }
   template <bool kDebug>
   static const void* kernel() {
