@@ -14,6 +14,8 @@
 #   ring           device/tests/ring_bench.cu (the page ring's and the consumers' streaming rates)
 #   sass=NAME      cuobjdump of library NAME (this checkout's): each function's registers, stack and
 #                  shared memory, and the SASS (gzipped), into the logs
+# The call ends by MKC_CALL_SECONDS (default 570) after it starts: each step's limit is cut to what
+# is left of that, less 15 seconds to pack the logs, so they come back even when the steps overrun.
 # e.g. here: scripts/device_sources.sh --old 0a797a6 'kimi_k3_tiny_*' 'kimi_k3_dims_3l256e_*', then
 # run(command="scripts/device_call.sh quick verify compare=3l256e", carry=[".carry"]).
 set -u
@@ -25,18 +27,25 @@ mkdir -p "$logs"
 t0=$(date +%s)
 summary=()
 note() { summary+=("[+$(($(date +%s) - t0)) s] $*"); echo "${summary[-1]}"; }
+end=$((t0 + ${MKC_CALL_SECONDS:-570} - 15))
+limit() {  # seconds: the step's own limit, or what is left of the call's where less (at least 1)
+  local left=$((end - $(date +%s)))
+  [ "$left" -lt "$1" ] || left=$1
+  [ "$left" -gt 0 ] || left=1
+  echo "$left"
+}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 OUT=$logs scripts/device_build.sh > "$logs/build.txt" 2>&1
 note "built: $(grep -c 'rc=0' "$logs/build.txt") ok, failed: $(grep 'rc=[1-9]' "$logs/build.txt" | tr '\n' ' ')"
 for step in "$@"; do
   case "$step" in
     quick)
-      OUT=$logs timeout 240 tests/gpu/run_all.sh quick > "$logs/quick.txt" 2>&1
+      OUT=$logs timeout "$(limit 240)" tests/gpu/run_all.sh quick > "$logs/quick.txt" 2>&1
       note "quick rc=$? $(grep -c FAIL "$logs/quick.txt") FAIL lines"
       grep -hE "FAIL|rc=[1-9]" "$logs/quick.txt" "$logs/quick/ops_test.txt" 2>/dev/null | head -8
       ;;
     verify)
-      OUT=$logs MKC_LIB_TIMEOUT=150 timeout 330 tests/gpu/run_all.sh verify > "$logs/verify.txt" 2>&1
+      OUT=$logs MKC_LIB_TIMEOUT=150 timeout "$(limit 330)" tests/gpu/run_all.sh verify > "$logs/verify.txt" 2>&1
       note "verify rc=$?"
       grep -hE "FAIL|rc=[1-9]|flipped" "$logs/verify.txt" | head -8
       ;;
@@ -46,13 +55,13 @@ for step in "$@"; do
       base=target/old
       [ -d .carry/old ] || base=none
       mkdir -p "$logs/trace"
-      OUT=$out MKC_K3_DIMS=$dims MKC_BENCH_TRACE=$logs/trace timeout 400 bench/compare.sh "$base" k3 \
+      OUT=$out MKC_K3_DIMS=$dims MKC_BENCH_TRACE=$logs/trace timeout "$(limit 400)" bench/compare.sh "$base" k3 \
         > "$logs/compare.txt" 2>&1
       note "compare ${dims:-default} against $base rc=$?"
       grep -A12 "^library " "$logs/compare.txt"
       ;;
     ring)
-      timeout 120 target/device/ring_bench_sm90a > "$logs/ring_bench.txt" 2>&1
+      timeout "$(limit 120)" target/device/ring_bench_sm90a > "$logs/ring_bench.txt" 2>&1
       note "ring_bench rc=$?"
       ;;
     sass=*)
