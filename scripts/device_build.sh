@@ -33,6 +33,7 @@ for dir in .carry/gen/*/; do jobs+=("new $(basename "$dir")"); done
 if [ -d .carry/old ]; then
   toolchain .carry/old
   for dir in .carry/old/gen/*/; do jobs+=("old $(basename "$dir")"); done
+  [ "${MKC_DEVICE_TOOLS:-1}" = 0 ] || jobs+=("oldtool ring_bench")
 fi
 build() {  # new|old NAME
   if [ "$1" = tool ]; then
@@ -40,6 +41,11 @@ build() {  # new|old NAME
     .toolchain/site/nvidia/cu13/bin/nvcc -std=c++20 -O3 -Xcompiler -Wall -I device \
       -I .toolchain/site/cutlass_library/source/include -gencode=arch=compute_90a,code=sm_90a \
       -o "target/device/$2_sm90a" "device/tests/$2.cu" > "$out/$2.log" 2>&1
+  elif [ "$1" = oldtool ]; then  # the baseline's, beside this checkout's: target/device/old_NAME_sm90a
+    mkdir -p target/device
+    (cd .carry/old && .toolchain/site/nvidia/cu13/bin/nvcc -std=c++20 -O3 -Xcompiler -Wall -I device \
+      -I .toolchain/site/cutlass_library/source/include -gencode=arch=compute_90a,code=sm_90a \
+      -o "../../target/device/old_$2_sm90a" "device/tests/$2.cu") > "$out/old_$2.log" 2>&1
   elif [ "$1" = new ]; then
     scripts/build_model.sh ".carry/gen/$2" "target/models/$2" > "$out/$2.log" 2>&1
   else

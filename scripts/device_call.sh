@@ -11,7 +11,8 @@
 #                  none where there is none) for K3 per-layer dims, DIMS as MKC_K3_DIMS (8l48e,
 #                  3l256e; the card's default where none), one profiled step a library (its Chrome
 #                  trace, packed with the logs under logs/trace)
-#   ring           device/tests/ring_bench.cu (the page ring's and the consumers' streaming rates)
+#   ring           device/tests/ring_bench.cu (the page ring's and the consumers' streaming rates), then
+#                  the baseline's where one was carried
 #   sass=NAME      cuobjdump of library NAME (this checkout's): each function's registers, stack and
 #                  shared memory, and the SASS (gzipped), into the logs
 # The call ends by MKC_CALL_SECONDS (default 570) after it starts: each step's limit is cut to what
@@ -63,6 +64,11 @@ for step in "$@"; do
     ring)
       timeout "$(limit 120)" target/device/ring_bench_sm90a > "$logs/ring_bench.txt" 2>&1
       note "ring_bench rc=$?"
+      if [ -x target/device/old_ring_bench_sm90a ]; then  # the baseline's, right after, on the same card
+        timeout "$(limit 120)" target/device/old_ring_bench_sm90a > "$logs/old_ring_bench.txt" 2>&1
+        note "old ring_bench rc=$?"
+      fi
+      grep -h "^mx" "$logs/ring_bench.txt" | head -12
       ;;
     sass=*)
       name=${step#sass=}
