@@ -1521,8 +1521,10 @@ int main(int argc, char** argv) {
   if (want("mx")) test_mx<8>(rng, 24, 8, 24, 96, true, false);      // batch 8 at an odd number of blocks
   if (want("mx")) test_mx<8>(rng, 160, 0, 150, 3584, false, true);  // batch 8, 19 row blocks: groups of four partial sums
   if (want("mx")) test_mx<6>(rng, 96, 0, 88, 3072, true, false);    // batch 6, a gate/up pair (whole tiles, as the planner cuts them)
-  if (want("mx")) test_mx<5>(rng, 40, 8, 40, 1024, false, true);    // batch 5: two n-tiles, the last with one token
+  if (want("mx")) test_mx<5>(rng, 40, 8, 40, 1024, false, true);    // batch 5: three of the MMA's columns unused
   if (want("mx")) test_mx<7>(rng, 16, 0, 16, 3584, false, true);    // batch 7: one fp16 part a token, in shared memory
+  if (want("mx")) test_mx<8>(rng, 24, 0, 24, 4096, false, true);    // batch 8, two chunks: a pair of tiles' pages two apart, the third tile alone
+  if (want("mx")) test_mx<4>(rng, 40, 8, 40, 4096, true, false);    // batch 4, two chunks, four tiles
   if (want("mx")) test_mx<1>(rng, 12, 0, 12, 10240, false, true);   // batch 1 past the fragments' room: the CUDA-core consumer
   // A routed expert's tokens (mx_rows_compute's `tokens`): the consumer at the picked tokens' batch, their
   // rows gathered and spread back, the others zero.

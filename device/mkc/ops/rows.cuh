@@ -697,26 +697,89 @@ __device__ void token_scales(const T* x, uint32_t k, const __nv_bfloat16* norm, 
   consumer_sync();
 }
 
+// The page loop of the MXFP4 tensor-core consumers. Their MMAs take the
+// weights as A, 16 rows: rows g and g + 8 are row g of two of a task's row
+// tiles (2i and 2i + 1), one page each a chunk, at the same 32-element block,
+// so that every product of the result is wanted (A's rows g + 8 were once the
+// same tile's next block, half of each result that block against the other's
+// activations, discarded: at batch 8 the consumer streamed half the HBM rate
+// on an H100). A warp takes blocks q = warp, warp + 8, ... of a chunk (its 32
+// code words of a block, one a lane, are the block's 128 contiguous bytes in
+// the page); `block(page0, page1, two, q, acc)` adds block q's products into
+// the lane's acc[2][N] (tile 2i's, 2i + 1's; page1 is page0 when the tile
+// runs alone), and `sums(acc, h, mine)`, called by every lane, writes tile h's
+// into the warp's partial sums mine [row, token]. A task's last tile, when
+// their number is odd, runs alone, as every tile does when a tile takes
+// kPages chunks or more (its two pages of a chunk, a tile's chunks apart in
+// the ring, would not both fit it). The groups' sums over the warps follow
+// (sum_block_group).
+template <int B, int N, class Block, class Sums>
+__device__ __forceinline__ void mx_tile_pairs(const MxRows& r, uint32_t& it, int warp, float* st, Block block,
+                                              Sums sums) {
+  constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;  // one row block's partial sums
+  constexpr uint32_t G = kSumGroup<B>;
+  static_assert(G % 2 == 0, "a pair of tiles' sums in one group");
+  static_assert(2 * G * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
+  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][G][warp][row, token]
+  const uint32_t cols = r.cols();
+  const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
+  const uint32_t tiles = (cols + kPageRows - 1) / kPageRows;  // a page each a chunk
+  for (uint32_t tile = 0; tile < tiles;) {
+    const bool two = tile + 1 < tiles && chunks < uint32_t(kPages);
+    float acc[2][N] = {};
+    for (uint32_t ch = 0; ch < chunks; ++ch) {
+      const uint32_t k0 = ch * kMxK, n = min(kMxK, r.k - k0) / kMxBlock;  // the chunk's blocks
+      const uint32_t it0 = it + ch, it1 = it + chunks + ch;                // the two tiles' pages of the chunk
+      const int s0 = it0 % kPages, s1 = it1 % kPages;
+      Barrier::wait(&ring_ptr()->full[s0], (it0 / kPages) & 1);
+      if (two) Barrier::wait(&ring_ptr()->full[s1], (it1 / kPages) & 1);
+      const auto* page0 = reinterpret_cast<const uint8_t*>(ring_ptr()->page[s0]);
+      const auto* page1 = two ? reinterpret_cast<const uint8_t*>(ring_ptr()->page[s1]) : page0;
+#pragma unroll 4  // four blocks in flight
+      for (uint32_t q = warp; q < n; q += kConsumerWarps) block(page0, page1, two, k0 / kMxBlock + q, q, acc);
+      release_page(&ring_ptr()->empty[s0]);
+      if (two) release_page(&ring_ptr()->empty[s1]);
+    }
+    it += two ? 2 * chunks : chunks;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h == 1 && !two) break;
+      const uint32_t t = tile + h, group = t / G, in_group = t % G;
+      sums(acc, h, part + ((group & 1) * G + in_group) * kBlockSums + warp * kPageRows * B);
+    }
+    const uint32_t last = two ? tile + 1 : tile;  // the pair's tiles are in one group (G even, tile even)
+    tile = last + 1;
+    if (last % G + 1 < G && tile < tiles) continue;
+    sum_block_group<B, G>(part, last / G, last % G, cols, st);  // the group's sums over the warps, in a fixed order
+  }
+}
+
+// Lane (g, t)'s code word of row g of a page's tile in block q (elements 8t
+// .. 8t + 7 of the block), and that row's block scale.
+__device__ __forceinline__ uint32_t mx_word(const uint8_t* page, uint32_t q) {
+  const int lane = threadIdx.x % 32;
+  return *reinterpret_cast<const uint32_t*>(page + (lane / 4) * kMxBlockBytes + 4 * (lane % 4) + q * kMxTileBlockBytes);
+}
+__device__ __forceinline__ float mx_scale(const uint8_t* page, uint32_t q) {
+  return e8m0(page[kMxScales + q * kMxTileRows + (threadIdx.x % 32) / 4]);
+}
+
 // MXFP4 rows on the tensor cores at batch 1 and 2: mma.sync m16n8k32 with int8
-// inputs and exact int32 sums, the weights as A. Twice an e2m1 value is an
+// inputs and exact int32 sums, the weights as A (mx_tile_pairs: A's rows g and
+// g + 8 are row g of two tiles, k one block). Twice an e2m1 value is an
 // integer (0, 1, 2, 3, 4, 6, 8, 12 and their negatives), looked up by `prmt`
 // with the code as the selector, the positive and the negative codes apart
 // (A = A+ - A-, two MMAs, the second against the negated activations); the
 // activations go in as int8 parts, x' s = q0 + q1 / 128 + q2 / 128^2 + ...
 // (s a power of two per token that brings its largest under 128), four parts
-// (28 bits: exact for fp32 activations).
-// A warp takes pairs of 32-element scale blocks of a page (pair p: blocks 2p
-// and 2p + 1 of the chunk); A's rows g and g + 8 are page row g in block 2p
-// and in block 2p + 1, one code word each for lane (g, t): its k-slots
-// 4t..4t+3 are elements 8t..8t+3 and slots 16+4t..16+4t+3 elements
-// 8t+4..8t+7, so the warp's 32 words of a block are its 128 contiguous bytes
-// in the page. An n-tile is a token: B's eight columns are n = 4h + j, h which
-// block of the pair, j the part. Of the 16 x 8 result only the matched blocks
-// are wanted: lane (g, t) keeps row g's d0, d1 for t < 2 (block 2p) and d2, d3
-// for t >= 2 (block 2p + 1), parts j = 2 (t % 2) and j + 1, as 128 d_j +
-// d_j+1 (exact in an int32 and in an fp32), converts that once and multiplies
-// it by its block's scale. The negated parts are staged beside the parts, so
-// the second MMA adds to the first.
+// (28 bits: exact for fp32 activations). Lane (g, t)'s code word holds its
+// k-slots 4t..4t+3 (elements 8t..8t+3) and 16+4t..16+4t+3 (8t+4..8t+7). B's
+// eight columns are n = 4b + j, token b's part j (at batch 1 the last four
+// are zeros). Lane (g, t) holds row g of both tiles for columns 2t and 2t + 1,
+// token t / 2's parts j = 2 (t % 2) and j + 1, as 128 d_j + d_j+1 (exact in an
+// int32 and in an fp32), converts that once and multiplies it by its row's
+// block scale; lanes t and t ^ 1 add their parts at the end. The negated parts
+// are staged beside the parts, so the second MMA adds to the first.
 
 // prmt's table: 2 e2m1 for the magnitudes 0 to 7, a byte each.
 constexpr uint32_t kE2m1x2Lo = 0x03020100u, kE2m1x2Hi = 0x0C080604u;
@@ -740,14 +803,19 @@ __device__ __forceinline__ void e2m1x8_s8(uint32_t c, uint32_t (&pos)[2], uint32
   neg[1] = e2m1x2_lookup(n >> 16);
 }
 
-// The staged B fragments, for token b of pair p and lane (g, t): the k-slots
-// 4t.. and 16+4t.. of column g's part, then their negations, at
-// frags[(p * B + b) * 32 + lane]; mx_rows_compute checks that
-// they fit the input's area. `unscale[b]` undoes token b's power of two and
-// the decode's factor 2.
+// The staged B fragments, for block q of the input (k / 32 blocks) and lane
+// (g, t) whose column is a token's part (the first kLanes lanes): the k-slots
+// 4t.. and 16+4t.. of column g's part, then their negations, at frags[q *
+// kLanes + lane] (the other lanes read zeros, not memory); mx_rows_compute
+// checks that they fit the input's area. `unscale[b]` undoes token b's power
+// of two and the decode's factor 2.
 template <int B>
 struct MxFrags {
   static constexpr int kParts = 4;  // int8 parts of an activation
+  static constexpr uint32_t kLanes = 4 * B * kParts;
+  static_assert(B * kParts <= 8, "a column a token's part");
+  // The fragments' bytes for an input k wide (a multiple of 32).
+  __host__ __device__ static constexpr size_t bytes(uint32_t k) { return size_t(k / 32) * kLanes * sizeof(uint4); }
   const uint4* frags;
   float unscale[B];
 };
@@ -759,28 +827,26 @@ __device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm
   __shared__ float rs[B], scale[B];
   token_scales<B>(x, k, norm, eps, 7, rs, scale, rows);
   auto* frags = reinterpret_cast<uint4*>(area);
-  const uint32_t pairs = (k / 32 + 1) / 2;
-  // A thread per (pair, token, block of the pair, t): eight elements, their parts to four lanes.
-  for (uint32_t i = threadIdx.x; i < pairs * B * 8; i += kConsumerThreads) {
-    const uint32_t p = i / (B * 8), b = i / 8 % B, h = i / 4 % 2, t = i % 4, e0 = (2 * p + h) * 32 + 8 * t;
+  // A thread per (block, token, t): eight elements, their parts to four lanes.
+  for (uint32_t i = threadIdx.x; i < k / 32 * B * 4; i += kConsumerThreads) {
+    const uint32_t q = i / (B * 4), b = i / 4 % B, t = i % 4, e0 = q * 32 + 8 * t;
     float r[8];
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const uint32_t e = e0 + u;
-      r[u] = e < k ? to_float(x[token_row(rows, b) * k + e]) * rs[b] * (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b]
-                   : 0.f;
+      r[u] = to_float(x[token_row(rows, b) * k + e]) * rs[b] * (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b];
     }
 #pragma unroll
     for (int j = 0; j < F::kParts; ++j) {  // part j, then what it leaves, times 128
-      uint32_t q[2] = {0u, 0u}, nq[2] = {0u, 0u};
+      uint32_t p[2] = {0u, 0u}, np[2] = {0u, 0u};
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
         const int part = max(-127, min(127, __float2int_rn(r[u])));
         r[u] = (r[u] - float(part)) * 128.f;
-        q[u / 4] |= uint32_t(part & 0xFF) << (8 * (u % 4));
-        nq[u / 4] |= uint32_t(-part & 0xFF) << (8 * (u % 4));
+        p[u / 4] |= uint32_t(part & 0xFF) << (8 * (u % 4));
+        np[u / 4] |= uint32_t(-part & 0xFF) << (8 * (u % 4));
       }
-      frags[(p * B + b) * 32 + (4 * h + j) * 4 + t] = make_uint4(q[0], q[1], nq[0], nq[1]);
+      frags[q * F::kLanes + (4 * b + j) * 4 + t] = make_uint4(p[0], p[1], np[0], np[1]);
     }
   }
   consumer_sync();
@@ -793,76 +859,44 @@ __device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm
 // stage_mx_frags; the layout is described above e2m1x8_s8.
 template <int B>
 __device__ void mx_rows_pages_mma(const MxRows& r, const MxFrags<B>& a, uint32_t& it, int warp, float* st) {
-  constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;  // one row block's partial sums
   static_assert(B <= 2, "the int8 tensor-core consumer takes batch 1 and 2");
-  static_assert(2 * kBlockGroup * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   // The lane's parts j, j + 1 (j = 2 (t % 2)), summed as 128 d_j + d_j+1: 128^-(j+1) each.
   const float unit = t % 2 == 1 ? 1.f / (128.f * 128.f * 128.f) : 1.f / 128.f;
-  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][kBlockGroup][warp][row, token]
-  const uint32_t cols = r.cols();
-  const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
-  const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
-  for (uint32_t blk = 0; blk < blocks; ++blk) {
-    float acc[B] = {};  // row g, token b: this lane's block of each pair, its two parts
-    for (uint32_t ch = 0; ch < chunks; ++ch, ++it) {
-      const uint32_t k0 = ch * kMxK, pairs = (min(kMxK, r.k - k0) / 32 + 1) / 2;
-      const int slot = it % kPages;
-      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
-      const auto* page = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]);
-      const uint8_t* codes = page + g * kMxBlockBytes + 4 * t;           // + 2p x 128: block 2p's
-      const uint8_t* scales = page + kMxScales + (t / 2) * kMxTileRows + g;  // + 2p x 8: this lane's block's
-      const auto* frags = a.frags + (k0 / 64) * B * 32 + lane;
-#pragma unroll 2  // two pairs in flight
-      for (uint32_t p = warp; p < pairs; p += kConsumerWarps) {
-        uint32_t pos0[2], neg0[2], pos1[2], neg1[2];  // A: row g in block 2p, in block 2p + 1
-        e2m1x8_s8(*reinterpret_cast<const uint32_t*>(codes + 2 * p * kMxTileBlockBytes), pos0, neg0);
-        e2m1x8_s8(*reinterpret_cast<const uint32_t*>(codes + (2 * p + 1) * kMxTileBlockBytes), pos1, neg1);
-        const float sc = e8m0(scales[2 * p * kMxTileRows]);
-#pragma unroll
-        for (int b = 0; b < B; ++b) {
-          const uint4 f = frags[(p * B + b) * 32];
-          uint32_t d[4] = {};  // A+ x, then A- (-x) added
-          cute::SM80_16x8x32_S32S8S8S32_TN::fma(d[0], d[1], d[2], d[3], pos0[0], pos1[0], pos0[1], pos1[1], f.x, f.y,
-                                                d[0], d[1], d[2], d[3]);
-          cute::SM80_16x8x32_S32S8S8S32_TN::fma(d[0], d[1], d[2], d[3], neg0[0], neg1[0], neg0[1], neg1[1], f.z, f.w,
-                                                d[0], d[1], d[2], d[3]);
-          const int v = t < 2 ? int(d[0]) * 128 + int(d[1]) : int(d[2]) * 128 + int(d[3]);
-          acc[b] = fmaf(sc, float(v), acc[b]);
-        }
-      }
-      release_page(&ring_ptr()->empty[slot]);
-    }
-    // The four lanes of row g hold its two blocks (t / 2) and two halves of the parts (t % 2); the
-    // sums wait in scratch.
-    const uint32_t group = blk / kBlockGroup, in_group = blk % kBlockGroup;
-    float* mine = part + ((group & 1) * kBlockGroup + in_group) * kBlockSums + warp * kPageRows * B;
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      float v = acc[b] * unit;
-      v += __shfl_xor_sync(0xffffffffu, v, 1);
-      v += __shfl_xor_sync(0xffffffffu, v, 2);
-      if (t == 0) mine[g * B + b] = v * a.unscale[b];
-    }
-    if (in_group + 1 < kBlockGroup && blk + 1 < blocks) continue;
-    sum_block_group<B>(part, group, in_group, cols, st);  // the group's sums over the warps, in a fixed order
-  }
+  const bool has_b = uint32_t(lane) < MxFrags<B>::kLanes;  // whether this lane's B column is a token's part
+  const int b = t / 2;                                       // the token of this lane's columns
+  auto block = [&](const uint8_t* page0, const uint8_t* page1, bool two, uint32_t kb, uint32_t q, float (&acc)[2][1]) {
+    uint32_t pos0[2], neg0[2], pos1[2], neg1[2];  // A: row g of the first tile, of the second (zero when alone)
+    e2m1x8_s8(mx_word(page0, q), pos0, neg0);
+    e2m1x8_s8(two ? mx_word(page1, q) : 0u, pos1, neg1);
+    const uint4 f = has_b ? a.frags[kb * MxFrags<B>::kLanes + lane] : make_uint4(0u, 0u, 0u, 0u);
+    uint32_t d[4] = {};  // A+ x, then A- (-x) added
+    cute::SM80_16x8x32_S32S8S8S32_TN::fma(d[0], d[1], d[2], d[3], pos0[0], pos1[0], pos0[1], pos1[1], f.x, f.y, d[0],
+                                          d[1], d[2], d[3]);
+    cute::SM80_16x8x32_S32S8S8S32_TN::fma(d[0], d[1], d[2], d[3], neg0[0], neg1[0], neg0[1], neg1[1], f.z, f.w, d[0],
+                                          d[1], d[2], d[3]);
+    acc[0][0] = fmaf(mx_scale(page0, q), float(int(d[0]) * 128 + int(d[1])), acc[0][0]);
+    acc[1][0] = fmaf(mx_scale(page1, q), float(int(d[2]) * 128 + int(d[3])), acc[1][0]);
+  };
+  auto sums = [&](const float (&acc)[2][1], int h, float* mine) {
+    float v = acc[h][0] * unit;
+    v += __shfl_xor_sync(0xffffffffu, v, 1);  // the token's other two parts
+    if (t % 2 == 0 && b < B) mine[g * B + b] = v * a.unscale[b];
+  };
+  mx_tile_pairs<B, 1>(r, it, warp, st, block, sums);
 }
 
 // MXFP4 rows on the tensor cores at batch 3 to 8: mma.sync m16n8k16, fp16
-// inputs, fp32 accumulation, the weights as A. A warp takes pairs of
-// 32-element scale blocks of a page (pair p: blocks 2p and 2p + 1 of the
-// chunk); A's rows g and g + 8 are page row g in block 2p and in block 2p + 1,
-// and B's eight columns are (h, b, l) = (which block of the pair, token of the
-// n-tile's two, the activation's fp16 high or low part), n = 4h + 2b + l: the
-// products keep about 22 bits of the fp32 activation. Of the 16 x 8 result
-// only the matched blocks are wanted: lane (g, t) keeps row g's (d0 + d1) for
-// t < 2 (block 2p, token t) and (d2 + d3) for t >= 2 (block 2p + 1, token t -
-// 2), and multiplies it by that block's scale. Within a block, lane t's
-// k-slots (2t, 2t+1, 2t+8, 2t+9) of the first MMA are elements (8t, 8t+4,
-// 8t+1, 8t+5) and of the second (8t+2, 8t+6, 8t+3, 8t+7): the order
-// e2m1x8_half2's fp16 pairs come in, so A is one code word a row a block
-// (and the warp's 32 words of a block are its 128 contiguous bytes in the page).
+// inputs, fp32 accumulation, the weights as A (mx_tile_pairs: A's rows g and
+// g + 8 are row g of two tiles, a block two MMAs); B's eight columns are the
+// block's activations, a column a token's fp16 part (two parts, n = 2b + l:
+// batch 3 and 4, the products keep about 22 bits of the fp32 activation; one
+// part, n = b: batch 5 to 8, below). Lane (g, t) holds row g of both tiles
+// for columns 2t and 2t + 1 (d0 d1 and d2 d3), each times its row's block
+// scale. Within a block, lane t's k-slots (2t, 2t+1, 2t+8, 2t+9) of the first
+// MMA are elements (8t, 8t+4, 8t+1, 8t+5) and of the second (8t+2, 8t+6,
+// 8t+3, 8t+7): the order e2m1x8_half2's fp16 pairs come in, so A is one code
+// word a row a block.
 
 // Eight e2m1 codes as four fp16 pairs times 2^-14 (e2m1x8_scaled's bits):
 // pair i holds elements i and i + 4.
@@ -874,26 +908,26 @@ __device__ __forceinline__ void e2m1x8_half2(uint32_t c, uint32_t (&h)[4]) {
   }
 }
 
-// With two parts (kParts 2, batch 3 and 4) an n-tile is two tokens as above;
-// with one (kParts 1: batch 5 to 8, whose two-part fragments outgrow shared
-// memory at K3's widths and would be read from L2 at every page), an n-tile
-// is four tokens, n = 4h + j for token 4s + j, each the fp16 rounding of its
-// scaled activation (11 bits: 2-3e-4 of the largest output in
-// device/tests/mx_mma_layout.py, finer than bf16 activations), and lane (g, t)
-// keeps row g's d0 and d1 (tokens 4s + 2t and + 1) for t < 2, d2 and d3
-// (tokens 4s + 2(t - 2) and + 1) for t >= 2: half the fragments and the MMAs.
+// With one part (kParts 1: batch 5 to 8, whose two-part fragments outgrow
+// shared memory at K3's widths and would be read from L2 at every page) a
+// column is a token, the fp16 rounding of its scaled activation (11 bits:
+// 2-3e-4 of the largest output in device/tests/mx_mma_layout.py, finer than
+// bf16 activations): half the fragments a token.
 //
-// The staged B fragments, for n-tile s of pair p and the lanes whose token
-// exists: four words (the two MMAs' b0b1 and b2b3) at frags[(p * kTiles + s)
-// * 32 + lane] (absent tokens' lanes read zeros, not memory); mx_rows_compute
-// checks that they fit the input's area. Token b's values are scaled by the
-// power of two that brings its largest to [2^13, 2^14) (inside fp16's range);
-// `unscale[b]` undoes it and the decode's 2^-14.
+// The staged B fragments, for block q of the input (k / 32 blocks) and lane
+// (g, t) whose column is a token's part (the first kLanes lanes): four words
+// (the two MMAs' b0b1 and b2b3) at frags[q * kLanes + lane] (the other lanes
+// read zeros, not memory); mx_rows_compute checks that they fit the input's
+// area. Token b's
+// values are scaled by the power of two that brings its largest to [2^13,
+// 2^14) (inside fp16's range); `unscale[b]` undoes it and the decode's 2^-14.
 template <int B, int kParts = 2>
 struct MxHalfFrags {
   static_assert(kParts == 1 || kParts == 2, "an activation in one or two fp16 parts");
-  static constexpr int kTokens = 4 / kParts;  // tokens an n-tile
-  static constexpr int kTiles = (B + kTokens - 1) / kTokens;
+  static_assert(B * kParts <= 8, "a column a token's part");
+  static constexpr uint32_t kLanes = 4 * B * kParts;
+  // The fragments' bytes for an input k wide (a multiple of 32).
+  __host__ __device__ static constexpr size_t bytes(uint32_t k) { return size_t(k / 32) * kLanes * sizeof(uint4); }
   const uint4* frags;
   float unscale[B];
 };
@@ -901,23 +935,19 @@ struct MxHalfFrags {
 template <int B, int kParts, class T>
 __device__ void stage_mx_half_frags(const T* x, uint32_t k, const __nv_bfloat16* norm, float eps, float* area,
                                     MxHalfFrags<B, kParts>& out, const uint8_t* rows = nullptr) {
-  constexpr int kTiles = MxHalfFrags<B, kParts>::kTiles;
+  constexpr uint32_t kLanes = MxHalfFrags<B, kParts>::kLanes;
   __shared__ float rs[B], scale[B];
   token_scales<B>(x, k, norm, eps, 14, rs, scale, rows);
   uint4* frags = reinterpret_cast<uint4*>(area);
-  const uint32_t pairs = (k / 32 + 1) / 2;
-  for (uint32_t i = threadIdx.x; i < pairs * kTiles * 32; i += kConsumerThreads) {
-    const uint32_t p = i / (kTiles * 32), s = i / 32 % kTiles, lane = i % 32, g = lane / 4, t = lane % 4;
-    // Column g: block h of the pair, and token b's part l.
-    const uint32_t h = g / 4, b = kParts == 2 ? 2 * s + g / 2 % 2 : 4 * s + g % 4;
-    const uint32_t l = kParts == 2 ? g % 2 : 0, e0 = (2 * p + h) * 32 + 8 * t;
-    if (int(b) >= B) continue;
+  for (uint32_t i = threadIdx.x; i < k / 32 * kLanes; i += kConsumerThreads) {
+    const uint32_t q = i / kLanes, lane = i % kLanes, g = lane / 4, t = lane % 4;
+    // Column g: token b's part l.
+    const uint32_t b = kParts == 2 ? g / 2 : g, l = kParts == 2 ? g % 2 : 0, e0 = q * 32 + 8 * t;
     float v[8];
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const uint32_t e = e0 + u;
-      v[u] = e < k ? to_float(x[token_row(rows, b) * k + e]) * rs[b] * (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b]
-                   : 0.f;
+      v[u] = to_float(x[token_row(rows, b) * k + e]) * rs[b] * (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b];
       const float hi = __half2float(__float2half_rn(v[u]));
       v[u] = l == 0 ? hi : v[u] - hi;
     }
@@ -938,69 +968,38 @@ __device__ void stage_mx_half_frags(const T* x, uint32_t k, const __nv_bfloat16*
 template <int B, int kParts>
 __device__ void mx_rows_pages_hmma(const MxRows& r, const MxHalfFrags<B, kParts>& a, uint32_t& it, int warp,
                                    float* st) {
-  constexpr int kTiles = MxHalfFrags<B, kParts>::kTiles;
-  constexpr int kKept = 3 - kParts;  // the tokens a lane keeps of an n-tile: 1 (two parts) or 2
-  constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;  // one row block's partial sums
-  constexpr uint32_t G = kSumGroup<B>;
+  constexpr int kKept = 3 - kParts;  // tokens of a lane's two columns: 1 (two parts, summed) or 2
   static_assert(B >= 3 && B <= 8, "the fp16 tensor-core consumer takes batch 3 to 8");
-  static_assert(2 * G * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  float* part = reinterpret_cast<float*>(scratch_ptr());  // [2][G][warp][row, token]
-  const uint32_t cols = r.cols();
-  const uint32_t chunks = (r.k + kMxK - 1) / kMxK;
-  const uint32_t blocks = (cols + kPageRows - 1) / kPageRows;
-  bool has_b[kTiles];  // whether this lane's B column is a token of the batch
-#pragma unroll
-  for (int s = 0; s < kTiles; ++s) has_b[s] = (kParts == 2 ? 2 * s + g / 2 % 2 : 4 * s + g % 4) < B;
-  for (uint32_t blk = 0; blk < blocks; ++blk) {
-    // Row g, this lane's blocks (the pairs' t / 2 halves): token 2s + t % 2 (two parts), tokens 4s + 2 (t %
-    // 2) and + 1 (one part).
-    float acc[kTiles][kKept] = {};
-    for (uint32_t ch = 0; ch < chunks; ++ch, ++it) {
-      const uint32_t k0 = ch * kMxK, pairs = (min(kMxK, r.k - k0) / 32 + 1) / 2;
-      const int slot = it % kPages;
-      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
-      const auto* page = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]);
-      const uint8_t* codes = page + g * kMxBlockBytes + 4 * t;           // + 2p x 128: block 2p's
-      const uint8_t* scales = page + kMxScales + (t / 2) * kMxTileRows + g;  // + 2p x 8: this lane's block's
-      const uint4* frags = a.frags + (k0 / 64) * kTiles * 32 + lane;
-#pragma unroll 2  // two pairs in flight (the K3 step 5.52 -> 5.46 ms on the H200)
-      for (uint32_t p = warp; p < pairs; p += kConsumerWarps) {
-        uint32_t lo[4], hi[4];  // A: row g in block 2p, in block 2p + 1
-        e2m1x8_half2(*reinterpret_cast<const uint32_t*>(codes + 2 * p * kMxTileBlockBytes), lo);
-        e2m1x8_half2(*reinterpret_cast<const uint32_t*>(codes + (2 * p + 1) * kMxTileBlockBytes), hi);
-        const float sc = e8m0(scales[2 * p * kMxTileRows]);
-#pragma unroll
-        for (int s = 0; s < kTiles; ++s) {
-          const uint4 f = has_b[s] ? frags[(p * kTiles + s) * 32] : make_uint4(0u, 0u, 0u, 0u);
-          float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
-          cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, lo[0], hi[0], lo[1], hi[1], f.x, f.y, d0, d1, d2, d3);
-          cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, lo[2], hi[2], lo[3], hi[3], f.z, f.w, d0, d1, d2, d3);
-          if constexpr (kParts == 2) {
-            acc[s][0] = fmaf(sc, t < 2 ? d0 + d1 : d2 + d3, acc[s][0]);
-          } else {
-            acc[s][0] = fmaf(sc, t < 2 ? d0 : d2, acc[s][0]);
-            acc[s][1] = fmaf(sc, t < 2 ? d1 : d3, acc[s][1]);
-          }
-        }
-      }
-      release_page(&ring_ptr()->empty[slot]);
+  const int b0 = kParts == 2 ? t : 2 * t;               // the token of this lane's first column
+  constexpr uint32_t kLanes = MxHalfFrags<B, kParts>::kLanes;
+  const bool has_b = uint32_t(lane) < kLanes;  // whether this lane's B column is a token's part
+  auto block = [&](const uint8_t* page0, const uint8_t* page1, bool two, uint32_t kb, uint32_t q,
+                   float (&acc)[2][kKept]) {
+    uint32_t lo[4], hi[4];  // A: row g of the first tile, of the second (zero when alone)
+    e2m1x8_half2(mx_word(page0, q), lo);
+    e2m1x8_half2(two ? mx_word(page1, q) : 0u, hi);
+    const float sc0 = mx_scale(page0, q), sc1 = mx_scale(page1, q);
+    const uint4 f = has_b ? a.frags[kb * kLanes + lane] : make_uint4(0u, 0u, 0u, 0u);
+    float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+    cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, lo[0], hi[0], lo[1], hi[1], f.x, f.y, d0, d1, d2, d3);
+    cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, lo[2], hi[2], lo[3], hi[3], f.z, f.w, d0, d1, d2, d3);
+    if constexpr (kParts == 2) {  // columns 2t, 2t + 1: token t's two parts
+      acc[0][0] = fmaf(sc0, d0 + d1, acc[0][0]);
+      acc[1][0] = fmaf(sc1, d2 + d3, acc[1][0]);
+    } else {  // tokens 2t and 2t + 1
+      acc[0][0] = fmaf(sc0, d0, acc[0][0]);
+      acc[0][1] = fmaf(sc0, d1, acc[0][1]);
+      acc[1][0] = fmaf(sc1, d2, acc[1][0]);
+      acc[1][1] = fmaf(sc1, d3, acc[1][1]);
     }
-    // Lanes t and t ^ 2 hold the two blocks of each pair; the block's sums wait in scratch.
-    const uint32_t group = blk / G, in_group = blk % G;
-    float* mine = part + ((group & 1) * G + in_group) * kBlockSums + warp * kPageRows * B;
+  };
+  auto sums = [&](const float (&acc)[2][kKept], int h, float* mine) {
 #pragma unroll
-    for (int s = 0; s < kTiles; ++s) {
-#pragma unroll
-      for (int i = 0; i < kKept; ++i) {
-        const float v = acc[s][i] + __shfl_xor_sync(0xffffffffu, acc[s][i], 2);
-        const int b = kParts == 2 ? 2 * s + t : 4 * s + 2 * t + i;
-        if (t < 2 && b < B) mine[g * B + b] = v * a.unscale[b];
-      }
-    }
-    if (in_group + 1 < G && blk + 1 < blocks) continue;
-    sum_block_group<B, G>(part, group, in_group, cols, st);  // the group's sums over the warps, in a fixed order
-  }
+    for (int i = 0; i < kKept; ++i)
+      if (b0 + i < B) mine[g * B + b0 + i] = acc[h][i] * a.unscale[b0 + i];
+  };
+  mx_tile_pairs<B, kKept>(r, it, warp, st, block, sums);
 }
 
 // MXFP4 rows of y = x' W^T, x' = x or RMSNorm(x) * norm: on the tensor cores
@@ -1028,22 +1027,22 @@ template <int B, class T>
 __device__ void mx_rows_compute_picked(const MxRowsCompute<T>& a, const uint8_t* rows, uint32_t& it, int warp,
                                        float* st) {
   const MxRows& r = a.rows;
-  // The tensor cores' fragments take (k / 64) pairs x 32 lanes x 16 bytes an
-  // n-tile: a token at batch 1 and 2 (twice the fp32 input's size), two from
-  // batch 3 (the fp32 input's size at an even batch, (B + 1) / B of it at an
-  // odd one). At K3's widths (k <= 3584) they fit the input's area at batch 1
-  // to 6 and 8; at 7 where the input fits shared memory.
+  // The tensor cores' fragments take 64 bytes a 32-element block a column (a
+  // token's part: four at batch 1 and 2, two at 3 and 4, one from 5): twice
+  // the fp32 input's size at batch 1 and 2, its size at 3 and 4, half of it
+  // from 5 (in the activation area). At K3's widths (k <= 3584) they fit the
+  // input's area at batch 1 to 6 and 8; at 7 where the input fits shared
+  // memory.
   const size_t area = input_fits<B>(r.k) ? size_t(kActivationBytes) : size_t(B) * r.k * sizeof(float);
-  const size_t pairs = (r.k / 32 + 1) / 2;
   if constexpr (B <= 2) {
-    if (pairs * B * 512 <= area) {
+    if (MxFrags<B>::bytes(r.k) <= area) {
       MxFrags<B> frags;
       stage_mx_frags<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill), frags, rows);
       mx_rows_pages_mma<B>(r, frags, it, warp, st);
       return;
     }
   } else if constexpr (B <= 4) {
-    if (pairs * MxHalfFrags<B>::kTiles * 512 <= area) {
+    if (MxHalfFrags<B>::bytes(r.k) <= area) {
       MxHalfFrags<B> frags;
       stage_mx_half_frags<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill), frags, rows);
       mx_rows_pages_hmma<B>(r, frags, it, warp, st);
@@ -1051,7 +1050,7 @@ __device__ void mx_rows_compute_picked(const MxRowsCompute<T>& a, const uint8_t*
     }
   } else if constexpr (B <= 8) {
     // One fp16 part a token, in shared memory (the activation area) where it fits.
-    if (pairs * MxHalfFrags<B, 1>::kTiles * 512 <= size_t(kActivationBytes)) {
+    if (MxHalfFrags<B, 1>::bytes(r.k) <= size_t(kActivationBytes)) {
       MxHalfFrags<B, 1> frags;
       stage_mx_half_frags<B>(a.x, r.k, a.norm, a.eps, activation_ptr(), frags, rows);
       mx_rows_pages_hmma<B>(r, frags, it, warp, st);
