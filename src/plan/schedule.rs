@@ -53,22 +53,22 @@ use crate::target::Target;
 pub const TASK_OVERHEAD_NS: f64 = 5000.0;
 
 /// The MXFP4 consumers' cost per decoded weight element on one SM, in SM
-/// cycles, at `batch` tokens: a fixed part (the decode and the block scale)
+/// cycles, at `batch` tokens: a fixed part (the decode and the block scales)
 /// and a part per token multiplied. Batch 1 and 2 run on the int8 tensor
-/// cores (`mx_rows_pages_mma`: 0.0317 + 0.0174 x batch, fitted to
-/// `ring_bench`'s `mx` and `mx-b2`), 3 to 8 on the fp16 ones
-/// (`mx_rows_pages_hmma`: 0.051 + 0.0074 x batch, fitted to its `mx` and
-/// `mx-b4` when batch 1 ran there too; at 5 to 8 an extrapolation, not yet
-/// measured), larger batches on the CUDA cores (0.052 + 0.0333 x batch,
-/// fitted to its `mx-fma` at batch 1 and `mx-fma-b8`, whose input is read
-/// from global memory as an expert task's is at batch 8). Rates of the tiled
-/// layout on the H200 (docs/PERFORMANCE.md); cycles, so other targets scale
-/// by their clock (their consumers decode the same way until a native
-/// block-scaled path exists).
+/// cores (`mx_rows_pages_mma`: 0.0502 + 0.0019 x batch), 3 to 8 on the fp16
+/// ones (`mx_rows_pages_hmma`: 0.0522 + 0.0031 x batch), both taking two row
+/// tiles a block, fitted to `ring_bench`'s `mx`, `mx-b2`, `mx-b4` and `mx-b8`
+/// on the H100 at `0a7787e` (20.2, 19.5, 16.3 and 13.7 GB/s per SM; batch 1
+/// there is near the 23.5 GB/s the ring streams, so its decode may cost less);
+/// larger batches on the CUDA cores (0.052 + 0.0333 x batch, fitted to its
+/// `mx-fma` at batch 1 and `mx-fma-b8`, whose input is read from global
+/// memory as an expert task's is at batch 8, on the H200). Cycles, so other
+/// targets scale by their clock (their consumers decode the same way until a
+/// native block-scaled path exists).
 pub fn mx_decode_cycles(batch: u32) -> f64 {
     let (decode, token) = match batch {
-        0..=2 => (0.0317, 0.0174),
-        3..=8 => (0.051, 0.0074),
+        0..=2 => (0.0502, 0.0019),
+        3..=8 => (0.0522, 0.0031),
         _ => (0.052, 0.0333),
     };
     decode + token * f64::from(batch)
