@@ -168,21 +168,18 @@ fn timing(compute_free: f64, load_free: f64, ready: f64, load_t: f64, cost: f64,
 /// A vector clock: per SM, how many of its instructions are known complete.
 type Clock = Vec<u32>;
 
-/// The MLA split's FLOPs per SM cycle (scores a warp per cache row and
-/// weighted sums a thread per column pair, on the CUDA cores; about 16% of
-/// their fp32 peak of 256): K2 dims at batch 8 on the H100, 45.3 MFLOP a
-/// task in 571 us on average at 1.98 GHz (2026-12-06, commit `83f732f`,
-/// bench/results/2026-12-06_h100_83f732f_k2_dims_b8_estimate_vs_trace.txt).
-/// The tensor-core rate the rest of the model assumes predicted the stage
-/// eleven times too fast. The split's folds on the tensor cores
-/// (`Stage::mla_tensor_cores`, mla_fold_mma) reached the same rate at
-/// `ea003bf` (K2 dims on the H100: 42 FLOP per SM cycle at batch 1, 30 at
-/// batch 8, bench/results/2026-12-06_h100_ea003bf_stages.txt), bound there by
-/// each split's own pass of W_UK and, at batch 8, by absorbed queries read from
-/// global memory at every k-step, not by the MMAs; both are gone since (the
-/// absorption stage, queries in shared memory), and the rate is to be measured
-/// again.
-pub const MLA_SPLIT_FLOPS_PER_CYCLE: f64 = 40.0;
+/// The MLA split's FLOPs per SM cycle, on the tensor cores
+/// (`Stage::mla_tensor_cores`, mla_fold_mma) with the absorbed queries in
+/// shared memory (the absorption its own stage): K3 per-layer dims with 256
+/// experts on the H100 at `0a7787e`, 50, 191 and 373 us at batch 1, 4 and 8
+/// against 103, 368 and 722 predicted at 40 (bench/results/
+/// 2026-12-07_h100_0a7787e_k3_dims_3l256e_stages.txt). Far from the MMAs'
+/// peak: the folds' softmax and their two consumer barriers each. Before
+/// (`ea003bf`, each split its own pass of W_UK, the queries read from global
+/// memory at every k-step) it was 40, and on the CUDA cores 40 too (K2 dims at
+/// batch 8 on the H100, `83f732f`), when the tensor-core rate the rest of the
+/// model assumes predicted the stage eleven times too fast.
+pub const MLA_SPLIT_FLOPS_PER_CYCLE: f64 = 80.0;
 
 fn join(a: &mut Clock, b: &Clock) {
     for (x, y) in a.iter_mut().zip(b) {
