@@ -11,6 +11,8 @@
 #                  none where there is none) for K3 per-layer dims, DIMS as MKC_K3_DIMS (8l48e,
 #                  3l256e; the card's default where none), one profiled step a library (its Chrome
 #                  trace, packed with the logs under logs/trace)
+#   fp8            bench/compare.sh none fp8 (K2 dims in FP8 against the peer, batch 1 and 8), one
+#                  profiled step a library (traces packed with the logs)
 #   ring           device/tests/ring_bench.cu (the page ring's and the consumers' streaming rates), then
 #                  the baseline's where one was carried
 #   sass=NAME      cuobjdump of library NAME (this checkout's): each function's registers, stack and
@@ -61,6 +63,12 @@ for step in "$@"; do
       note "compare ${dims:-default} against $base rc=$?"
       grep -A12 "^library " "$logs/compare.txt"
       ;;
+    fp8)
+      mkdir -p "$logs/trace"
+      OUT=$out MKC_BENCH_TRACE=$logs/trace timeout "$(limit 300)" bench/compare.sh none fp8 > "$logs/fp8.txt" 2>&1
+      note "fp8 rc=$?"
+      grep -A4 "^library " "$logs/fp8.txt"
+      ;;
     ring)
       timeout "$(limit 120)" target/device/ring_bench_sm90a > "$logs/ring_bench.txt" 2>&1
       note "ring_bench rc=$?"
@@ -78,7 +86,7 @@ for step in "$@"; do
       "$cuobjdump" -sass "$lib" 2> "$logs/sass_$name.err" | gzip > "$logs/sass_$name.txt.gz"
       note "sass $name rc=$? ($(wc -l < "$logs/sass_${name}_res.txt") lines of resource usage)"
       ;;
-    *) note "unknown step $step (quick, verify, compare[=DIMS], ring, sass=NAME)" ;;
+    *) note "unknown step $step (quick, verify, compare[=DIMS], fp8, ring, sass=NAME)" ;;
   esac
 done
 tar -czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs"
