@@ -1066,13 +1066,15 @@ __device__ void mx_rows_compute_picked(const MxRowsCompute<T>& a, const uint8_t*
 // are in place, the others are zeroed.
 //
 // The consumer runs at the picked tokens' batch up to kMaxPicked of them, at
-// the whole batch above. On an H100 (2026-12-07) in isolation
-// (device/tests/ring_bench.cu) the consumer at batch 8 streams 1.50 TB/s, one
-// picked token 2.63, two 2.13, three and four 1.68 and 1.64; but inside the
-// megakernel, with a consumer for every picked count, K3 per-layer dims'
-// expert stages at batch 8 ran 16% slower than at the whole batch (each
-// consumer adds code and stack), and with two no slower. Real K3's 896
-// experts take one or two tokens each at batch 8.
+// the whole batch above. On an H100 (2026-12-07, `0a7787e`, two row tiles an
+// MMA) in isolation (device/tests/ring_bench.cu) the consumer at batch 8
+// streams 1.81 TB/s, one picked token 2.75, two 2.52; three and four take the
+// whole batch's path. Before the two-tile consumers, a consumer for every
+// picked count made K3 per-layer dims' expert stages at batch 8 16% slower
+// inside the megakernel than the whole batch (each consumer adds code and
+// stack; three and four picked then streamed 1.68 and 1.64 alone, against
+// 1.50 for the whole batch), and with two no slower. Real K3's 896 experts
+// take one or two tokens each at batch 8.
 constexpr int kMaxPicked = 2;
 template <int B>
 __device__ void spread_picked_rows(uint32_t tokens, const uint8_t* rows, uint32_t n, uint32_t cols, float* st) {
