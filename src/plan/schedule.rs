@@ -174,7 +174,7 @@ type Clock = Vec<u32>;
 /// experts on the H100 at `0a7787e`, 50, 191 and 373 us at batch 1, 4 and 8
 /// against 103, 368 and 722 predicted at 40 (bench/results/
 /// 2026-12-07_h100_0a7787e_k3_dims_3l256e_stages.txt). Far from the MMAs'
-/// peak: the folds' softmax and their two consumer barriers each. Before
+/// peak, for reasons not yet measured. Before
 /// (`ea003bf`, each split its own pass of W_UK, the queries read from global
 /// memory at every k-step) it was 40, and on the CUDA cores 40 too (K2 dims at
 /// batch 8 on the H100, `83f732f`), when the tensor-core rate the rest of the

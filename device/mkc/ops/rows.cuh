@@ -705,9 +705,9 @@ __device__ void token_scales(const T* x, uint32_t k, const __nv_bfloat16* norm, 
 // activations, discarded: at batch 8 the consumer streamed half the HBM rate
 // on an H100). A warp takes blocks q = warp, warp + 8, ... of a chunk (its 32
 // code words of a block, one a lane, are the block's 128 contiguous bytes in
-// the page); `block(page0, page1, two, q, acc)` adds block q's products into
-// the lane's acc[2][N] (tile 2i's, 2i + 1's; page1 is page0 when the tile
-// runs alone), and `sums(acc, h, mine)`, called by every lane, writes tile h's
+// the page); `block(page0, page1, two, kb, q, acc)` adds block q of the pages
+// (block kb of the input) into the lane's acc[2][N] (tile 2i's, 2i + 1's;
+// page1 is page0 when the tile runs alone), and `sums(acc, h, mine)`, called by every lane, writes tile h's
 // into the warp's partial sums mine [row, token]. A task's last tile, when
 // their number is odd, runs alone, as every tile does when a tile takes
 // kPages chunks or more (its two pages of a chunk, a tile's chunks apart in
