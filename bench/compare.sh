@@ -4,9 +4,9 @@
 # scripts/build_gpu_libs.sh), at batch 1, 2, 4 and 8 where both have the
 # library, each pair measured in one process on the same
 # weights against the same PyTorch peer (bench/k2_bench.py, bench/k3_bench.py):
-#   bench/compare.sh OLD_MODELS_DIR [k2|k3|fp8|verify|all]   (fp8, verify: this checkout's libraries and the
-#   peer only; verify: K3 per-layer dims' verify steps at T = 1, 2, 4, 8; OLD_MODELS_DIR none: k2 and k3
-#   with this checkout's libraries alone)
+#   bench/compare.sh OLD_MODELS_DIR [k2|k3|fp8|verify|all]   (fp8: the baseline's libraries where it has
+#   them; verify: this checkout's libraries and the peer only, K3 per-layer dims' verify steps at T = 1, 2,
+#   4, 8; OLD_MODELS_DIR none: this checkout's libraries alone)
 # Writes $OUT/compare_k2.json and $OUT/compare_k3.json and prints their tables; MKC_BENCH_TRACE=DIR
 # adds one profiled step per library (Chrome trace JSON, for `mkc plan --estimate --trace`).
 set -uo pipefail
@@ -45,10 +45,13 @@ if [ "$which" = k3 ] || [ "$which" = all ]; then
   python3 bench/k3_bench.py --config "model_graphs/kimi_k3/test_$dims.json" "${args[@]}" "${trace[@]}" --json "$out/compare_k3.json" || rc=1
 fi
 if [ "$which" = fp8 ] || [ "$which" = all ]; then
-  # K2 as released (FP8): this checkout's libraries against the peer (a baseline commit may predate FP8).
+  # K2 as released (FP8): this checkout's libraries against the peer, each beside the baseline's where it
+  # has one (a baseline commit may predate FP8).
   args=()
   for name in kimi_k2_bench_fp8_h200 kimi_k2_bench_fp8_b8_h200; do
-    [ -f "target/models/$name/lib$name.so" ] && args+=(--lib "target/models/$name/lib$name.so")
+    [ -f "target/models/$name/lib$name.so" ] || continue
+    [ "$old" != none ] && [ -f "$old/$name/lib$name.so" ] && args+=(--lib "$old/$name/lib$name.so")
+    args+=(--lib "target/models/$name/lib$name.so")
   done
   if [ ${#args[@]} -gt 0 ]; then
     python3 bench/k2_bench.py --config model_graphs/kimi_k2/bench_4l64e_fp8.json --fp8 "${args[@]}" "${trace[@]}" \

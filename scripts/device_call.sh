@@ -11,8 +11,9 @@
 #                  none where there is none) for K3 per-layer dims, DIMS as MKC_K3_DIMS (8l48e,
 #                  3l256e; the card's default where none), one profiled step a library (its Chrome
 #                  trace, packed with the logs under logs/trace)
-#   fp8            bench/compare.sh none fp8 (K2 dims in FP8 against the peer, batch 1 and 8), one
-#                  profiled step a library (traces packed with the logs)
+#   fp8            bench/compare.sh fp8 (K2 dims in FP8 against the peer, batch 1 and 8, beside the
+#                  carried baseline's where it has them), one profiled step a library (traces packed
+#                  with the logs)
 #   ring           device/tests/ring_bench.cu (the page ring's and the consumers' streaming rates), then
 #                  the baseline's where one was carried
 #   sass=NAME      cuobjdump of library NAME (this checkout's): each function's registers, stack and
@@ -65,9 +66,11 @@ for step in "$@"; do
       ;;
     fp8)
       mkdir -p "$logs/trace"
-      OUT=$out MKC_BENCH_TRACE=$logs/trace timeout "$(limit 300)" bench/compare.sh none fp8 > "$logs/fp8.txt" 2>&1
-      note "fp8 rc=$?"
-      grep -A4 "^library " "$logs/fp8.txt"
+      base=target/old
+      [ -d .carry/old ] || base=none
+      OUT=$out MKC_BENCH_TRACE=$logs/trace timeout "$(limit 300)" bench/compare.sh "$base" fp8 > "$logs/fp8.txt" 2>&1
+      note "fp8 against $base rc=$?"
+      grep -A6 "^library " "$logs/fp8.txt"
       ;;
     ring)
       timeout "$(limit 120)" target/device/ring_bench_sm90a > "$logs/ring_bench.txt" 2>&1

@@ -26,10 +26,13 @@ constexpr int kPages = 8;
 // projections' staged activations.
 constexpr int kScratchBytes = 24 << 10;
 constexpr int kActivationBytes = 64 << 10;
+// Beside its pages the ring holds its barriers and each page's FP8 block
+// scales (projection.cuh's Ring): at most this much.
+constexpr int kRingExtraBytes = 1280;
 // The kernel's static shared memory (the device library's __shared__ arrays)
 // is at most this much beside the dynamic ring, scratch and activations: the
 // planner leaves it out of the target's shared memory, the runtime checks it.
-constexpr int kStaticSmemBytes = 10 << 10;
+constexpr int kStaticSmemBytes = 9 << 10;
 
 // Sequences per step the projections' accumulators hold without the wider
 // register budget.

@@ -69,12 +69,20 @@ __device__ __forceinline__ void release_page(uint64_t* empty) {
 #endif
 }
 
-// The ring: pages and their full/empty barriers, shared by both roles.
+// An FP8 page's k chunk in 128-column scale blocks (fp8_rows.cuh: a page
+// row holds twice the bf16 columns, as e4m3 codes).
+constexpr int kPageScaleBlocks = kPageBytes / kPageRows / 128;
+
+// The ring: pages and their full/empty barriers, shared by both roles, and
+// each FP8 page's block scales (fp8_rows_load): those of the 128-row blocks of
+// its first and its last row, for the blocks of its k chunk.
 struct Ring {
   alignas(128) __nv_bfloat16 page[kPages][kPageRows * kPageK];
   alignas(8) uint64_t full[kPages];
   alignas(8) uint64_t empty[kPages];
+  alignas(16) float fp8_scale[kPages][2][kPageScaleBlocks];
 };
+static_assert(sizeof(Ring) <= size_t(kPages) * kPageBytes + kRingExtraBytes, "the ring within the plan's bytes");
 
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
 

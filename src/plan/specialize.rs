@@ -22,8 +22,11 @@ use crate::target::Target;
 // SCRATCH_BYTES beside the ring for attention, routing and reductions;
 // ACTIVATION_BYTES a projection task copies its input into (fp32, normed by
 // its prologue) when it fits, so that every page reads it from shared memory.
-// STATIC_SMEM_BYTES is left for the device library's own __shared__ arrays.
-pub use crate::contract::{ACTIVATION_BYTES, PAGES as MAX_PAGES, PAGE_BYTES, SCRATCH_BYTES, STATIC_SMEM_BYTES};
+// STATIC_SMEM_BYTES is left for the device library's own __shared__ arrays,
+// RING_EXTRA_BYTES for the ring's barriers and FP8 pages' block scales.
+pub use crate::contract::{
+    ACTIVATION_BYTES, PAGES as MAX_PAGES, PAGE_BYTES, RING_EXTRA_BYTES, SCRATCH_BYTES, STATIC_SMEM_BYTES,
+};
 use crate::contract::{CONSUMER_WARPS, MAX_BATCH, PRODUCER_WARPS};
 
 /// The CTA layout of the persistent kernel.
@@ -75,9 +78,10 @@ pub fn specialize(tiling: &Tiling, target: &Target, opts: Options) -> Result<War
     let producer_regs = 40;
     let budget = target.regs_per_sm.saturating_sub(producer_warps * 32 * producer_regs);
     let consumer_regs = (budget / (consumer_warpgroups * 128)).min(256) / 8 * 8;
-    let pages = (target.smem_per_block.saturating_sub(SCRATCH_BYTES + ACTIVATION_BYTES + STATIC_SMEM_BYTES)
-        / PAGE_BYTES)
-        .min(MAX_PAGES) as u32;
+    let pages =
+        (target.smem_per_block.saturating_sub(SCRATCH_BYTES + ACTIVATION_BYTES + STATIC_SMEM_BYTES + RING_EXTRA_BYTES)
+            / PAGE_BYTES)
+            .min(MAX_PAGES) as u32;
     let layout = Layout {
         producer_warps,
         consumer_warpgroups,
@@ -85,7 +89,7 @@ pub fn specialize(tiling: &Tiling, target: &Target, opts: Options) -> Result<War
         producer_regs,
         consumer_regs,
         pages,
-        smem_bytes: u64::from(pages) * PAGE_BYTES + SCRATCH_BYTES + ACTIVATION_BYTES,
+        smem_bytes: u64::from(pages) * PAGE_BYTES + RING_EXTRA_BYTES + SCRATCH_BYTES + ACTIVATION_BYTES,
     };
     let fail = |msg: String| Err(Error::new(ErrorKind::Invalid, format!("target {}: {msg}", target.name)));
     if threads > target.max_threads_per_block {

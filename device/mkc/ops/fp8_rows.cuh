@@ -7,9 +7,13 @@
 //
 // Blocks at the edges (n or k not a multiple of 128) are partial; their scale
 // covers what is there. The codes stream through the ring as the bf16 rows do,
-// twice the columns a page (a page's bytes are the same); each row's scale for
-// a lane's eight columns is one fp32 read through L1 (a 128-row block's scales
-// are ceil(k / 128) floats, 224 bytes at K2's 7168), not a ring copy.
+// twice the columns a page (a page's bytes are the same), and the scales with
+// them: the loader copies a page's (those of the 128-row blocks of its first
+// and last row, for the 16 blocks of its k chunk) into the page's slot of
+// Ring::fp8_scale, so the consumers read them from shared memory once the
+// page is there. (Read from global memory before each page's wait instead,
+// they came from HBM whenever the weight stream had pushed them out of L2,
+// and the consumers waited on them with the page in hand.)
 #pragma once
 
 #include <cuda_fp8.h>
@@ -22,6 +26,8 @@ constexpr uint32_t kFp8Block = 128;                             // a scale's row
 constexpr uint32_t kFp8PageK = uint32_t(kPageBytes) / kPageRows;  // a page row's e4m3 codes: 2048
 static_assert(kFp8PageK == 2 * kPageK, "a page holds twice the fp8 columns of bf16 ones");
 static_assert(kFp8PageK == kConsumerWarps * 256, "a warp covers 256 columns of a page, eight a lane");
+static_assert(kFp8PageK / kFp8Block == uint32_t(kPageScaleBlocks), "a page's k chunk in scale blocks (Ring)");
+static_assert(2 * kPageScaleBlocks == 32, "a lane copies one of a page's scales");
 
 // A task's FP8 rows: rows [r0, r1) of (w0, s0) and, for a gate/up pair, the
 // same rows of (w1, s1) after them (tile columns [n, 2n)). k a multiple of kFp8Align
@@ -43,15 +49,40 @@ struct Fp8Rows {
     const uint32_t n = r1 - r0;
     return j < n ? s0 + size_t((r0 + j) / kFp8Block) * blocks_k() : s1 + size_t((r0 + j - n) / kFp8Block) * blocks_k();
   }
+  // Whether tile columns i and j share their 128-row block of scales (of one matrix).
+  __device__ bool same_block(uint32_t i, uint32_t j) const {
+    const uint32_t n = r1 - r0;
+    return (i < n) == (j < n) && (r0 + i - (i < n ? 0 : n)) / kFp8Block == (r0 + j - (j < n ? 0 : n)) / kFp8Block;
+  }
 };
+
+// One fp32 from global to shared memory (cp.async), and the barrier that
+// arrives once this thread's copies so far have landed (without .noinc: the
+// barrier's pending count is raised now and lowered then, so its phase
+// cannot complete before them).
+__device__ __forceinline__ void cp_async_float(float* dst, const float* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive(uint64_t* barrier) {
+  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(barrier));
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(b) : "memory");
+}
 
 // Loader: the task's rows into the page ring, kPageRows rows of up to
 // kFp8PageK codes a page, `group` row blocks at a time (for each k chunk, the
 // chunk of each block of the group; group 1: a block's chunks in turn), as
-// rows_load_grouped does for bf16 rows; lane j copies the page's row j.
+// rows_load_grouped does for bf16 rows; lane j copies the page's row j, and
+// lane i the page's scale i (first row's blocks, then last row's). A page's
+// rows lie in those two 128-row blocks: the task's rows start on a page row
+// (r0 a multiple of kPageRows: the planner's tiles and expert units), so a
+// page's rows of w0 lie in one block; where w1's rows follow in the same page
+// they start at r0 (one block), and a page of w1's rows alone spans at most
+// two.
 __device__ inline void fp8_rows_load_grouped(const Fp8Rows& r, uint32_t group, uint32_t& it) {
   const uint32_t lane = threadIdx.x % 32, cols = r.cols();
-  if (r.k % kFp8Align != 0) __trap();  // the planner's limit (a row's codes 16-byte aligned)
+  if (r.k % kFp8Align != 0) __trap();   // the planner's limit (a row's codes 16-byte aligned)
+  if (r.r0 % kPageRows != 0) __trap();  // the planner's tiles (a page in two scale blocks at most)
   for (uint32_t g0 = 0; g0 < cols; g0 += group * kPageRows) {
     const uint32_t g1 = min(cols, g0 + group * kPageRows);
     for (uint32_t k0 = 0; k0 < r.k; k0 += kFp8PageK) {
@@ -59,10 +90,16 @@ __device__ inline void fp8_rows_load_grouped(const Fp8Rows& r, uint32_t group, u
       for (uint32_t j0 = g0; j0 < g1; j0 += kPageRows, ++it) {
         const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
         const int slot = it % kPages;
-        if (lane == 0) {
-          Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
-          Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * nk);
+        if (lane == 0) Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+        __syncwarp();
+        // The scales first: every lane's copy is on the full barrier before lane 0 arrives on it.
+        const uint32_t kb = lane % kPageScaleBlocks, last = lane / kPageScaleBlocks;
+        if (kb * kFp8Block < nk) {
+          cp_async_float(&ring_ptr()->fp8_scale[slot][last][kb], r.scales(last ? j0 + nr - 1 : j0) + k0 / kFp8Block + kb);
         }
+        cp_async_arrive(&ring_ptr()->full[slot]);
+        __syncwarp();
+        if (lane == 0) Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * nk);
         __syncwarp();
         if (lane < nr) {
           auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
@@ -167,23 +204,25 @@ __device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& i
           for (int pr = 0; pr < 4; ++pr) split_pair<__half2>(v[2 * pr], v[2 * pr + 1], hi[q][i][pr], lo[q][i][pr]);
         }
       }
-      const uint32_t kb0 = (k0 + uint32_t(warp) * 256) / kFp8Block;  // the warp's first scale block
 #pragma unroll
       for (int j = 0; j < int(G); ++j) {
         if (uint32_t(j) >= nb) break;
         const uint32_t j0 = (b0 + j) * kPageRows;  // the block's first tile column
-        // The scales of the lane's two rows in the warp's two blocks, asked for before the page is
-        // waited for: their round trip overlaps the wait and the MMAs instead of holding the page.
+        const int slot = it % kPages;
+        Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+        // The scales of the lane's two rows in the warp's two blocks, from the page's slot: the first
+        // row's block's, or the last row's.
+        const uint32_t ra = j0 + 2 * t, rb = ra + 1;
+        const float* const page_scales = ring_ptr()->fp8_scale[slot][0] + 2 * warp;
+        const float* const ska = page_scales + (r.same_block(ra, j0) ? 0 : kPageScaleBlocks);
+        const float* const skb = page_scales + (r.same_block(rb, j0) ? 0 : kPageScaleBlocks);
         float sa[2], sb[2];
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
-          const uint32_t kb = kb0 + q, ra = j0 + 2 * t, rb = ra + 1;
           const bool block_in = uint32_t(warp) * 256 + 128 * q < nk;
-          sa[q] = block_in && ra < cols ? __ldg(r.scales(ra) + kb) : 0.f;
-          sb[q] = block_in && rb < cols ? __ldg(r.scales(rb) + kb) : 0.f;
+          sa[q] = block_in && ra < cols ? ska[q] : 0.f;
+          sb[q] = block_in && rb < cols ? skb[q] : 0.f;
         }
-        const int slot = it % kPages;
-        Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
         const auto* row = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]) + g * kFp8PageK + c0;
         const bool row_in = j0 + g < cols;  // rows past the task's hold an earlier page's bytes
 #pragma unroll
