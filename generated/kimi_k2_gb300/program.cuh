@@ -547,35 +547,28 @@ __device__ inline ExpertRows moe0_expert_up_args(const TaskArgs& t, const Memory
                     .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
                     .down = false};
 }
-__device__ inline void moe0_expert_up_load(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it) {
+__device__ inline Fp8Rows moe0_expert_up_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
   const ExpertRows a = moe0_expert_up_args(t, m, p);
-  const ExpertSpan parts = expert_span<kBatch>(a);
-  for (uint32_t j = 0; j < parts.segments(); ++j) {
-    fp8_rows_load<kBatch>(expert_fp8_rows<kBatch>(a, expert_part<kBatch>(a, parts, j)), it);
-  }
+  return expert_fp8_rows<kBatch>(a, expert_part<kBatch>(a));
 }
 __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                       int warp) {
   const ExpertRows a = moe0_expert_up_args(t, m, p);
-  const ExpertSpan parts = expert_span<kBatch>(a);
+  const ExpertPart q = expert_part<kBatch>(a);
+  const Fp8Rows r = expert_fp8_rows<kBatch>(a, q);
   float* st = staging(m);
-  for (uint32_t j = 0; j < parts.segments(); ++j) {
-    const ExpertPart q = expert_part<kBatch>(a, parts, j);
-    const Fp8Rows r = expert_fp8_rows<kBatch>(a, q);
-    const uint32_t n = r.cols();
-    fp8_rows_compute<kBatch>(Fp8RowsCompute{.rows = r,
-                                            .x = reinterpret_cast<float*>(m.arena + p.in),
-                                            .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
-                                            .eps = 1e-6f,
-                                            .spill = nullptr},
-                             it, warp, st);
-    consumer_sync();
-    const Span s = Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0};
-    ep_silu_and_mul<kBatch>(st, n, s);
-    consumer_sync();
-    ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 2048, 2048);
-    consumer_sync();
-  }
+  const uint32_t n = r.cols();
+  fp8_rows_compute<kBatch>(Fp8RowsCompute{.rows = r,
+                                          .x = reinterpret_cast<float*>(m.arena + p.in),
+                                          .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                                          .eps = 1e-6f,
+                                          .spill = nullptr},
+                           it, warp, st);
+  consumer_sync();
+  const Span s = Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0};
+  ep_silu_and_mul<kBatch>(st, n, s);
+  consumer_sync();
+  ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 2048, 2048);
 }
 
 // expert_down: a part of the step's experts' down rows
@@ -588,34 +581,27 @@ __device__ inline ExpertRows moe0_expert_down_args(const TaskArgs& t, const Memo
                     .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
                     .down = true};
 }
-__device__ inline void moe0_expert_down_load(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it) {
+__device__ inline Fp8Rows moe0_expert_down_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
   const ExpertRows a = moe0_expert_down_args(t, m, p);
-  const ExpertSpan parts = expert_span<kBatch>(a);
-  for (uint32_t j = 0; j < parts.segments(); ++j) {
-    fp8_rows_load<kBatch>(expert_fp8_rows<kBatch>(a, expert_part<kBatch>(a, parts, j)), it);
-  }
+  return expert_fp8_rows<kBatch>(a, expert_part<kBatch>(a));
 }
 __device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                         int warp) {
   const ExpertRows a = moe0_expert_down_args(t, m, p);
-  const ExpertSpan parts = expert_span<kBatch>(a);
+  const ExpertPart q = expert_part<kBatch>(a);
+  const Fp8Rows r = expert_fp8_rows<kBatch>(a, q);
   float* st = staging(m);
-  for (uint32_t j = 0; j < parts.segments(); ++j) {
-    const ExpertPart q = expert_part<kBatch>(a, parts, j);
-    const Fp8Rows r = expert_fp8_rows<kBatch>(a, q);
-    const uint32_t n = r.cols();
-    fp8_rows_compute<kBatch>(
-        Fp8RowsCompute{.rows = r,
-                       .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 2048,
-                       .norm = nullptr,
-                       .eps = 1e-6f,
-                       .spill = nullptr},
-        it, warp, st);
-    consumer_sync();
-    ep_store<kBatch>(st, n, Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0},
-                     reinterpret_cast<float*>(m.arena + p.down) + size_t(q.slot) * kBatch * 7168, 7168);
-    consumer_sync();
-  }
+  const uint32_t n = r.cols();
+  fp8_rows_compute<kBatch>(
+      Fp8RowsCompute{.rows = r,
+                     .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 2048,
+                     .norm = nullptr,
+                     .eps = 1e-6f,
+                     .spill = nullptr},
+      it, warp, st);
+  consumer_sync();
+  ep_store<kBatch>(st, n, Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0},
+                   reinterpret_cast<float*>(m.arena + p.down) + size_t(q.slot) * kBatch * 7168, 7168);
 }
 
 // expert_combine: weighted sum of the slots
@@ -854,12 +840,12 @@ struct Step {
       }
       case 11: {
         const auto p = stage_params<moe0_params>(m, t);
-        moe0_expert_up_load(t, m, p, it);
+        fp8_rows_load<kBatch>(moe0_expert_up_rows(t, m, p), it);
         break;
       }
       case 12: {
         const auto p = stage_params<moe0_params>(m, t);
-        moe0_expert_down_load(t, m, p, it);
+        fp8_rows_load<kBatch>(moe0_expert_down_rows(t, m, p), it);
         break;
       }
       case 14: {

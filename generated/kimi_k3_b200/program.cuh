@@ -672,36 +672,29 @@ __device__ inline ExpertRows moe0_expert_up_args(const TaskArgs& t, const Memory
                     .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
                     .down = false};
 }
-__device__ inline void moe0_expert_up_load(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it) {
+__device__ inline MxRows moe0_expert_up_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
   const ExpertRows a = moe0_expert_up_args(t, m, p);
-  const ExpertSpan parts = expert_span<kBatch>(a);
-  for (uint32_t j = 0; j < parts.segments(); ++j) {
-    mx_rows_load(expert_mx_rows<kBatch>(a, expert_part<kBatch>(a, parts, j)), it);
-  }
+  return expert_mx_rows<kBatch>(a, expert_part<kBatch>(a));
 }
 __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                       int warp) {
   const ExpertRows a = moe0_expert_up_args(t, m, p);
-  const ExpertSpan parts = expert_span<kBatch>(a);
+  const ExpertPart q = expert_part<kBatch>(a);
+  const MxRows r = expert_mx_rows<kBatch>(a, q);
   float* st = staging(m);
-  for (uint32_t j = 0; j < parts.segments(); ++j) {
-    const ExpertPart q = expert_part<kBatch>(a, parts, j);
-    const MxRows r = expert_mx_rows<kBatch>(a, q);
-    const uint32_t n = r.cols();
-    mx_rows_compute<kBatch>(MxRowsCompute{.rows = r,
-                                          .x = reinterpret_cast<float*>(m.arena + p.in),
-                                          .norm = nullptr,
-                                          .eps = 1e-6f,
-                                          .spill = nullptr,
-                                          .tokens = expert_tokens<kBatch>(a, q)},
-                            it, warp, st);
-    consumer_sync();
-    const Span s = Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0};
-    ep_situ_and_mul<kBatch>(st, n, s, EpSituAndMul{.beta = 4e0f, .lin = 2.5e1f});
-    consumer_sync();
-    ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 3072, 3072);
-    consumer_sync();
-  }
+  const uint32_t n = r.cols();
+  mx_rows_compute<kBatch>(MxRowsCompute{.rows = r,
+                                        .x = reinterpret_cast<float*>(m.arena + p.in),
+                                        .norm = nullptr,
+                                        .eps = 1e-6f,
+                                        .spill = nullptr,
+                                        .tokens = expert_tokens<kBatch>(a, q)},
+                          it, warp, st);
+  consumer_sync();
+  const Span s = Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0};
+  ep_situ_and_mul<kBatch>(st, n, s, EpSituAndMul{.beta = 4e0f, .lin = 2.5e1f});
+  consumer_sync();
+  ep_store<kBatch>(st, n, s, reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 3072, 3072);
 }
 
 // expert_down: a part of the step's experts' down rows
@@ -714,35 +707,27 @@ __device__ inline ExpertRows moe0_expert_down_args(const TaskArgs& t, const Memo
                     .ids = reinterpret_cast<int32_t*>(m.arena + p.in_2),
                     .down = true};
 }
-__device__ inline void moe0_expert_down_load(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it) {
+__device__ inline MxRows moe0_expert_down_rows(const TaskArgs& t, const Memory& m, const moe0_params& p) {
   const ExpertRows a = moe0_expert_down_args(t, m, p);
-  const ExpertSpan parts = expert_span<kBatch>(a);
-  for (uint32_t j = 0; j < parts.segments(); ++j) {
-    mx_rows_load(expert_mx_rows<kBatch>(a, expert_part<kBatch>(a, parts, j)), it);
-  }
+  return expert_mx_rows<kBatch>(a, expert_part<kBatch>(a));
 }
 __device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, const moe0_params& p, uint32_t& it,
                                         int warp) {
   const ExpertRows a = moe0_expert_down_args(t, m, p);
-  const ExpertSpan parts = expert_span<kBatch>(a);
+  const ExpertPart q = expert_part<kBatch>(a);
+  const MxRows r = expert_mx_rows<kBatch>(a, q);
   float* st = staging(m);
-  for (uint32_t j = 0; j < parts.segments(); ++j) {
-    const ExpertPart q = expert_part<kBatch>(a, parts, j);
-    const MxRows r = expert_mx_rows<kBatch>(a, q);
-    const uint32_t n = r.cols();
-    mx_rows_compute<kBatch>(
-        MxRowsCompute{.rows = r,
-                      .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 3072,
-                      .norm = nullptr,
-                      .eps = 1e-6f,
-                      .spill = nullptr,
-                      .tokens = expert_tokens<kBatch>(a, q)},
-        it, warp, st);
-    consumer_sync();
-    ep_store<kBatch>(st, n, Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0},
-                     reinterpret_cast<float*>(m.arena + p.down) + size_t(q.slot) * kBatch * 3584, 3584);
-    consumer_sync();
-  }
+  const uint32_t n = r.cols();
+  mx_rows_compute<kBatch>(MxRowsCompute{.rows = r,
+                                        .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 3072,
+                                        .norm = nullptr,
+                                        .eps = 1e-6f,
+                                        .spill = nullptr,
+                                        .tokens = expert_tokens<kBatch>(a, q)},
+                          it, warp, st);
+  consumer_sync();
+  ep_store<kBatch>(st, n, Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0},
+                   reinterpret_cast<float*>(m.arena + p.down) + size_t(q.slot) * kBatch * 3584, 3584);
 }
 
 // expert_combine: weighted sum of the slots
@@ -1317,12 +1302,12 @@ struct Step {
       }
       case 13: {
         const auto p = stage_params<moe0_params>(m, t);
-        moe0_expert_up_load(t, m, p, it);
+        mx_rows_load(moe0_expert_up_rows(t, m, p), it);
         break;
       }
       case 14: {
         const auto p = stage_params<moe0_params>(m, t);
-        moe0_expert_down_load(t, m, p, it);
+        mx_rows_load(moe0_expert_down_rows(t, m, p), it);
         break;
       }
       case 16: {

@@ -647,13 +647,12 @@ impl Builder<'_> {
         // on one SM take longer than one whole one, and a stage waits for
         // its slowest SM.
         //
-        // The tasks share the distinct experts' rows at run time: the D
-        // distinct experts' U units of rows each, slot after slot, are split
-        // evenly over the N tasks, a task's share spanning one or more slots
-        // (expert_span, device/mkc/ops/moe.cuh). N is one task an SM, at
-        // least one a slot, at most one a unit of rows a slot. A task's rows
-        // are at most ceil(D U / N) units, D at most the slots the step can
-        // choose; on average the expected distinct experts' rows over N.
+        // The tasks share the distinct experts' rows at run time (slot s
+        // takes tasks [s N / D, (s + 1) N / D) of N with D distinct experts;
+        // expert_part, device/mkc/ops/moe.cuh): N is one task an SM, at least
+        // one a slot, at most one a unit of rows a slot. A task's rows are at
+        // most its slot's units over the fewest tasks a slot gets, N / slots;
+        // on average the expected distinct experts' rows over N.
         let x_bytes = self.external_inputs(nodes) * b;
         // (The device's parts cover as many slots as the step can choose,
         // `min(B k, E)`, whatever share of the experts the estimate assumes.)
@@ -666,10 +665,10 @@ impl Builder<'_> {
             let units = rows.div_ceil(EXPERT_UNIT_ROWS);
             let n = sms.max(chosen).min(chosen * units);
             // At batch 1 the step's distinct experts are exactly the `chosen`: a
-            // multiple of them keeps every part inside one slot (the parts past
-            // it would only make some span two slots, the largest part the same).
+            // multiple of them gives every slot the same parts (the parts past
+            // it would only split some slots finer, the largest part the same).
             let n = if b == 1 { n / chosen * chosen } else { n };
-            let most = ((chosen * units).div_ceil(n) * EXPERT_UNIT_ROWS).min(rows);
+            let most = (units.div_ceil(n / chosen) * EXPERT_UNIT_ROWS).min(rows);
             let mean = expected * rows as f64 / n as f64;
             let parts: Vec<_> = (0..n)
                 .map(|j| {

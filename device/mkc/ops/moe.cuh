@@ -204,8 +204,8 @@ __device__ inline uint32_t expert_slot_of(const int32_t* ids, uint32_t n, uint32
   return slot;
 }
 
-// One segment of a task's share of the step's expert rows: rows [r0, r1) of
-// the expert in slot `slot` (expert -1: no rows).
+// A task's share of the step's expert rows: rows [r0, r1) of the expert in
+// slot `slot` (expert -1, no rows, past the step's distinct experts).
 struct ExpertPart {
   int expert;
   uint32_t slot;
@@ -224,45 +224,31 @@ struct ExpertRows {
   bool down;             // the down matrix (else gate, paired with up)
 };
 
-// A task's share of the step's expert rows. The D distinct experts' rows,
-// slot after slot, are D U units (U an expert's units of rows); part p of N
-// takes units [p D U / N, (p + 1) D U / N), so no part has a unit more than
-// another, and a part may span slots: one segment a slot, in slot order.
-struct ExpertSpan {
-  uint32_t units;   // U
-  uint32_t u0, u1;  // the part's units of the D U
-  __device__ uint32_t segments() const { return u0 < u1 ? (u1 - 1) / units - u0 / units + 1 : 0u; }
-};
-
-// The span of a task, found from the router's ids alike by the loader and
+// The part of a task, found from the router's ids alike by the loader and
 // the consumers (the same on every lane; every lane of the warp calls it).
 template <int B>
-__device__ inline ExpertSpan expert_span(const ExpertRows& a) {
+__device__ inline ExpertPart expert_part(const ExpertRows& a) {
   const MoeShape& s = a.shape;
-  const uint32_t distinct = expert_words(a.ids, B * s.top_k, s.experts, [](uint32_t, uint32_t, uint32_t) {});
+  const uint32_t n = B * s.top_k;
+  const uint32_t distinct = expert_words(a.ids, n, s.experts, [](uint32_t, uint32_t, uint32_t) {});
+  if (distinct == 0 || a.part >= a.parts) return ExpertPart{-1, 0, 0, 0};
+  if (a.parts < distinct) __trap();  // the plan gives a stage at least as many parts as slots
+  // Slot s holds parts [s N / D, (s + 1) N / D): the part's slot is the
+  // largest s with s N <= (part + 1) D - 1.
+  const uint32_t slot = uint32_t((uint64_t(a.part + 1) * distinct - 1) / a.parts);
+  const uint32_t first = uint32_t(uint64_t(slot) * a.parts / distinct);
+  const uint32_t count = uint32_t(uint64_t(slot + 1) * a.parts / distinct) - first;
   const uint32_t rows = a.down ? s.hidden : s.inter, units = (rows + a.unit - 1) / a.unit;
-  if (distinct == 0 || a.part >= a.parts || units == 0) return ExpertSpan{1, 0, 0};
-  const uint64_t total = uint64_t(distinct) * units;
-  return ExpertSpan{units, uint32_t(a.part * total / a.parts), uint32_t((a.part + 1) * total / a.parts)};
-}
-
-// Segment j (below span.segments()) of a task's span: its slot's expert and
-// rows. Every lane of the warp calls it.
-template <int B>
-__device__ inline ExpertPart expert_part(const ExpertRows& a, const ExpertSpan& span, uint32_t j) {
-  const MoeShape& s = a.shape;
-  const uint32_t rows = a.down ? s.hidden : s.inter, u = span.units;
-  const uint32_t slot = span.u0 / u + j, first = slot * u;
-  const uint32_t g0 = max(span.u0, first), g1 = min(span.u1, first + u);
-  const uint32_t r0 = min((g0 - first) * a.unit, rows), r1 = min((g1 - first) * a.unit, rows);
+  const uint32_t k = a.part - first;
+  const uint32_t r0 = min(k * units / count * a.unit, rows), r1 = min((k + 1) * units / count * a.unit, rows);
   int expert = -1;
-  expert_words(a.ids, B * s.top_k, s.experts, [&](uint32_t w0, uint32_t bits, uint32_t before) {
+  expert_words(a.ids, n, s.experts, [&](uint32_t w0, uint32_t bits, uint32_t before) {
     const uint32_t c = __popc(bits);
     const uint32_t owner = __ballot_sync(~0u, slot >= before && slot < before + c);
     if (owner == 0) return;
     const uint32_t lane = __ffs(owner) - 1;
     uint32_t w = __shfl_sync(~0u, bits, lane);
-    for (uint32_t k = __shfl_sync(~0u, slot - before, lane); k > 0; --k) w &= w - 1;  // drop the k lowest
+    for (uint32_t j = __shfl_sync(~0u, slot - before, lane); j > 0; --j) w &= w - 1;  // drop the j lowest
     expert = int(32 * (w0 + lane) + __ffs(w) - 1);
   });
   return ExpertPart{r0 < r1 ? expert : -1, slot, r0, r1};
@@ -282,7 +268,7 @@ __device__ inline uint32_t expert_tokens(const ExpertRows& a, const ExpertPart& 
   return __reduce_or_sync(~0u, bits);
 }
 
-// The bf16 rows of a segment of an expert task (as expert_part found it).
+// The bf16 rows of an expert task's part (as expert_part found it).
 template <int B>
 __device__ inline Rows expert_rows(const ExpertRows& a, const ExpertPart& q) {
   const MoeShape& s = a.shape;

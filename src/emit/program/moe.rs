@@ -148,9 +148,8 @@ impl Gen<'_> {
                 init!("RowsCompute"; rows = "r", x = x, norm = norm, eps = float(eps))
             }
         };
-        // A task's span of the step's distinct experts' rows (expert_span,
-        // device/mkc/ops/moe.cuh), found alike by the loader and the consumers:
-        // one segment a slot it touches, each streamed and stored in turn.
+        // A task's part of the step's distinct experts' rows (expert_part,
+        // device/mkc/ops/moe.cuh), found alike by the loader and the consumers.
         let expert_args = |down: bool| {
             init!("ExpertRows";
                 shape = "@K@_shape(p)",
@@ -163,24 +162,18 @@ impl Gen<'_> {
             )
         };
         let span = "Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0}";
-        // The stage's functions: the task's arguments, its loader (each
-        // segment's rows), and its consumers (each segment's rows, input and
-        // epilogue).
+        // The stage's functions: the task's arguments, its rows (the loader's),
+        // and its consumers (the rows, the input, the epilogue).
         let functions = |f: &str, down: bool, x: &str, norm: &str, eps: f64, spill: &str, epilogue: &str| {
             format!(
                 "__device__ inline ExpertRows {f}_args(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
                  return {};\n}}\n\
-                 __device__ inline void {f}_load(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it) {{\n  \
-                 const ExpertRows a = {f}_args(t, m, p);\n  const ExpertSpan parts = expert_span<kBatch>(a);\n  \
-                 for (uint32_t j = 0; j < parts.segments(); ++j) {{\n    \
-                 {load_fn}({rows_fn}<kBatch>(a, expert_part<kBatch>(a, parts, j)), it);\n  }}\n}}\n\
+                 __device__ inline {rows_t} {f}_rows(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
+                 const ExpertRows a = {f}_args(t, m, p);\n  return {rows_fn}<kBatch>(a, expert_part<kBatch>(a));\n}}\n\
                  __device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p, uint32_t& it, int warp) {{\n  \
-                 const ExpertRows a = {f}_args(t, m, p);\n  const ExpertSpan parts = expert_span<kBatch>(a);\n  \
-                 float* st = staging(m);\n  \
-                 for (uint32_t j = 0; j < parts.segments(); ++j) {{\n    \
-                 const ExpertPart q = expert_part<kBatch>(a, parts, j);\n    \
-                 const {rows_t} r = {rows_fn}<kBatch>(a, q);\n    const uint32_t n = r.cols();\n    \
-                 {compute_fn}<kBatch>({}, it, warp, st);\n    consumer_sync();\n{epilogue}    consumer_sync();\n  }}\n}}",
+                 const ExpertRows a = {f}_args(t, m, p);\n  const ExpertPart q = expert_part<kBatch>(a);\n  \
+                 const {rows_t} r = {rows_fn}<kBatch>(a, q);\n  float* st = staging(m);\n  const uint32_t n = r.cols();\n  \
+                 {compute_fn}<kBatch>({}, it, warp, st);\n  consumer_sync();\n{epilogue}}}",
                 expert_args(down),
                 compute(x, norm, eps, spill),
             )
@@ -195,12 +188,12 @@ impl Gen<'_> {
             eps,
             &spill[0],
             &format!(
-                "    const Span s = {span};\n    {act_call}\n    consumer_sync();\n    \
+                "  const Span s = {span};\n  {act_call}\n  consumer_sync();\n  \
                  ep_store<kBatch>(st, n, s, {act} + size_t(q.slot) * kBatch * {i}, {i});\n"
             ),
         );
         let _ = writeln!(self.code, "{code}");
-        self.role(up, format!("{f}(t, m, p, it, warp);"), Some(format!("{f}_load(t, m, p, it);")));
+        self.role(up, format!("{f}(t, m, p, it, warp);"), Some(format!("{load_fn}({f}_rows(t, m, p), it);")));
         self.header(down, op, "a part of the step's experts' down rows");
         let f = self.fname(op, down);
         let code = functions(
@@ -210,7 +203,7 @@ impl Gen<'_> {
             "nullptr",
             1e-6,
             &spill[1],
-            &format!("    ep_store<kBatch>(st, n, {span}, {dn} + size_t(q.slot) * kBatch * {d}, {d});\n"),
+            &format!("  ep_store<kBatch>(st, n, {span}, {dn} + size_t(q.slot) * kBatch * {d}, {d});\n"),
         );
         let _ = writeln!(self.code, "{code}");
         // The loader waits for the router's whole stage before reading the
@@ -218,7 +211,7 @@ impl Gen<'_> {
         if !self.plan.arena.writes.contains_key(&ops[1]) {
             return Err(unsupported(op, "ids from a router stage"));
         }
-        self.role(down, format!("{f}(t, m, p, it, warp);"), Some(format!("{f}_load(t, m, p, it);")));
+        self.role(down, format!("{f}(t, m, p, it, warp);"), Some(format!("{load_fn}({f}_rows(t, m, p), it);")));
         self.header(combine, op, "weighted sum of the slots");
         let f = self.fname(op, combine);
         let args = init!("ExpertCombine";
