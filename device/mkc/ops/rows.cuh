@@ -5,6 +5,7 @@
 
 #include <cuda_fp16.h>
 
+#include <type_traits>
 #include <utility>
 
 #include <cute/arch/mma_sm80.hpp>
@@ -441,10 +442,6 @@ __device__ void rms_scales(const T* x, uint32_t k, float eps, float* scale) {
 // the batch's tokens (a routed expert's: mx_rows_compute), else b.
 __device__ __forceinline__ size_t token_row(const uint8_t* rows, int b) { return rows != nullptr ? rows[b] : b; }
 
-// Items of a thread whose reads a staging loop issues before its writes
-// (stage_mx_frags, stage_mx_half_frags; stage_input's kInFlight).
-constexpr uint32_t kStageInFlight = 4;
-
 // Copies x [B, k] (token b's row token_row(rows, b)) into xs (input_area) as
 // fp32, RMS-normed there (x * rsqrt(mean(x^2) + eps) * norm, per token) when
 // `norm` is given; returns it, complete for every consumer.
@@ -453,41 +450,42 @@ __device__ float* stage_input(const T* x, uint32_t k, const __nv_bfloat16* norm,
                               const uint8_t* rows = nullptr) {
   __shared__ float scale[B];
   const uint32_t n = uint32_t(B) * k;
-  // kInFlight loads of a thread issued before their stores: a loop of one load and one store an
-  // iteration waits out each load's round trip in turn (the compiler may not move a load of x or
-  // norm above a store to xs, which it cannot tell apart), tens of them a task at K2's widths.
-  constexpr uint32_t kInFlight = 8, kStride = kConsumerThreads * 4;
-  for (uint32_t i0 = threadIdx.x * 4; i0 < n; i0 += kInFlight * kStride) {
-    float4 v[kInFlight];
-#pragma unroll
-    for (uint32_t u = 0; u < kInFlight; ++u) {
-      const uint32_t i = i0 + u * kStride;
-      if (i < n) v[u] = load_four(x + token_row(rows, int(i / k)) * k + i % k);
+  // The reads issued before the writes: a loop of one load and one store an iteration waits out each
+  // load's round trip in turn (the compiler may not move a load of x or norm above a store to xs, which
+  // it cannot tell apart), tens of them a task at K2's widths. fp32 inputs go by cp.async (no
+  // registers, every copy in flight at once), bf16 ones kInFlight at a time.
+  constexpr uint32_t kInFlight = 4, kStride = kConsumerThreads * 4;
+  if constexpr (std::is_same_v<T, float>) {
+    for (uint32_t i = threadIdx.x * 4; i < n; i += kStride) {
+      cp_async_four(xs + i, x + token_row(rows, int(i / k)) * k + i % k);
     }
+    cp_async_commit();
+    cp_async_wait<0>();
+  } else {
+    for (uint32_t i0 = threadIdx.x * 4; i0 < n; i0 += kInFlight * kStride) {
+      float4 v[kInFlight];
 #pragma unroll
-    for (uint32_t u = 0; u < kInFlight; ++u) {
-      const uint32_t i = i0 + u * kStride;
-      if (i < n) store_four(xs + i, v[u]);
+      for (uint32_t u = 0; u < kInFlight; ++u) {
+        const uint32_t i = i0 + u * kStride;
+        if (i < n) v[u] = load_four(x + token_row(rows, int(i / k)) * k + i % k);
+      }
+#pragma unroll
+      for (uint32_t u = 0; u < kInFlight; ++u) {
+        const uint32_t i = i0 + u * kStride;
+        if (i < n) store_four(xs + i, v[u]);
+      }
     }
   }
   if (norm != nullptr) {
     consumer_sync();
     rms_scales<B>(static_cast<const float*>(xs), k, eps, scale);
-    for (uint32_t i0 = threadIdx.x * 4; i0 < n; i0 += kInFlight * kStride) {
-      float4 g[kInFlight];
-#pragma unroll
-      for (uint32_t u = 0; u < kInFlight; ++u) {
-        const uint32_t i = i0 + u * kStride;
-        if (i < n) g[u] = load_four(norm + i % k);
-      }
-#pragma unroll
-      for (uint32_t u = 0; u < kInFlight; ++u) {
-        const uint32_t i = i0 + u * kStride;
-        if (i >= n) continue;
-        const float4 v = load_four(static_cast<const float*>(xs + i));
-        const float s = scale[i / k];
-        store_four(xs + i, make_float4(v.x * s * g[u].x, v.y * s * g[u].y, v.z * s * g[u].z, v.w * s * g[u].w));
-      }
+    // Four columns an iteration, the norm's weights asked into L1 first (the loop's loads then wait
+    // for L1, not for L2, in turn: a register array of them in flight spilled elsewhere in the kernel).
+    for (uint32_t e = threadIdx.x * 4; e < k; e += kStride) prefetch_l1(norm + e);
+    for (uint32_t i = threadIdx.x * 4; i < n; i += kStride) {
+      const float4 v = load_four(static_cast<const float*>(xs + i)), g = load_four(norm + i % k);
+      const float s = scale[i / k];
+      store_four(xs + i, make_float4(v.x * s * g.x, v.y * s * g.y, v.z * s * g.z, v.w * s * g.w));
     }
   }
   consumer_sync();
@@ -860,40 +858,26 @@ __device__ void stage_mx_frags(const T* x, uint32_t k, const __nv_bfloat16* norm
   __shared__ float rs[B], scale[B];
   token_scales<B>(x, k, norm, eps, 7, rs, scale, rows);
   auto* frags = reinterpret_cast<uint4*>(area);
-  // A thread per (block, token, t): eight elements, their parts to four lanes; kStageInFlight of a
-  // thread's items read before any is written (stage_input).
-  const uint32_t items = k / 32 * B * 4;
-  for (uint32_t i0 = threadIdx.x; i0 < items; i0 += kStageInFlight * kConsumerThreads) {
-    float r[kStageInFlight][8];
+  // A thread per (block, token, t): eight elements, their parts to four lanes.
+  for (uint32_t i = threadIdx.x; i < k / 32 * B * 4; i += kConsumerThreads) {
+    const uint32_t q = i / (B * 4), b = i / 4 % B, t = i % 4, e0 = q * 32 + 8 * t;
+    float r[8];
 #pragma unroll
-    for (uint32_t v = 0; v < kStageInFlight; ++v) {
-      const uint32_t i = i0 + v * kConsumerThreads;
-      const uint32_t q = i / (B * 4), b = i / 4 % B, t = i % 4, e0 = q * 32 + 8 * t;
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const uint32_t e = e0 + u;
-        r[v][u] = i < items ? to_float(x[token_row(rows, b) * k + e]) * rs[b] *
-                                  (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b]
-                            : 0.f;
-      }
+    for (int u = 0; u < 8; ++u) {
+      const uint32_t e = e0 + u;
+      r[u] = to_float(x[token_row(rows, b) * k + e]) * rs[b] * (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b];
     }
 #pragma unroll
-    for (uint32_t v = 0; v < kStageInFlight; ++v) {
-      const uint32_t i = i0 + v * kConsumerThreads;
-      if (i >= items) break;
-      const uint32_t q = i / (B * 4), b = i / 4 % B, t = i % 4;
+    for (int j = 0; j < F::kParts; ++j) {  // part j, then what it leaves, times 128
+      uint32_t p[2] = {0u, 0u}, np[2] = {0u, 0u};
 #pragma unroll
-      for (int j = 0; j < F::kParts; ++j) {  // part j, then what it leaves, times 128
-        uint32_t p[2] = {0u, 0u}, np[2] = {0u, 0u};
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int part = max(-127, min(127, __float2int_rn(r[v][u])));
-          r[v][u] = (r[v][u] - float(part)) * 128.f;
-          p[u / 4] |= uint32_t(part & 0xFF) << (8 * (u % 4));
-          np[u / 4] |= uint32_t(-part & 0xFF) << (8 * (u % 4));
-        }
-        frags[q * F::kLanes + (4 * b + j) * 4 + t] = make_uint4(p[0], p[1], np[0], np[1]);
+      for (int u = 0; u < 8; ++u) {
+        const int part = max(-127, min(127, __float2int_rn(r[u])));
+        r[u] = (r[u] - float(part)) * 128.f;
+        p[u / 4] |= uint32_t(part & 0xFF) << (8 * (u % 4));
+        np[u / 4] |= uint32_t(-part & 0xFF) << (8 * (u % 4));
       }
+      frags[q * F::kLanes + (4 * b + j) * 4 + t] = make_uint4(p[0], p[1], np[0], np[1]);
     }
   }
   consumer_sync();
@@ -986,36 +970,23 @@ __device__ void stage_mx_half_frags(const T* x, uint32_t k, const __nv_bfloat16*
   __shared__ float rs[B], scale[B];
   token_scales<B>(x, k, norm, eps, 14, rs, scale, rows);
   uint4* frags = reinterpret_cast<uint4*>(area);
-  auto pack = [](float lo, float hi) {
-    const __half2 h2 = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h2);
-  };
-  // kStageInFlight of a thread's items read before any is written (stage_input).
-  const uint32_t items = k / 32 * kLanes;
-  for (uint32_t i0 = threadIdx.x; i0 < items; i0 += kStageInFlight * kConsumerThreads) {
-    float v[kStageInFlight][8];
+  for (uint32_t i = threadIdx.x; i < k / 32 * kLanes; i += kConsumerThreads) {
+    const uint32_t q = i / kLanes, lane = i % kLanes, g = lane / 4, t = lane % 4;
+    // Column g: token b's part l.
+    const uint32_t b = kParts == 2 ? g / 2 : g, l = kParts == 2 ? g % 2 : 0, e0 = q * 32 + 8 * t;
+    float v[8];
 #pragma unroll
-    for (uint32_t w = 0; w < kStageInFlight; ++w) {
-      const uint32_t i = i0 + w * kConsumerThreads;
-      const uint32_t q = i / kLanes, lane = i % kLanes, g = lane / 4, t = lane % 4;
-      // Column g: token b's part l.
-      const uint32_t b = kParts == 2 ? g / 2 : g, l = kParts == 2 ? g % 2 : 0, e0 = q * 32 + 8 * t;
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const uint32_t e = e0 + u;
-        const float x_e = i < items ? to_float(x[token_row(rows, b) * k + e]) : 0.f;
-        v[w][u] = x_e * rs[b] * (norm != nullptr && i < items ? bf(norm[e]) : 1.f) * scale[b];
-        const float hi = __half2float(__float2half_rn(v[w][u]));
-        v[w][u] = l == 0 ? hi : v[w][u] - hi;
-      }
+    for (int u = 0; u < 8; ++u) {
+      const uint32_t e = e0 + u;
+      v[u] = to_float(x[token_row(rows, b) * k + e]) * rs[b] * (norm != nullptr ? bf(norm[e]) : 1.f) * scale[b];
+      const float hi = __half2float(__float2half_rn(v[u]));
+      v[u] = l == 0 ? hi : v[u] - hi;
     }
-#pragma unroll
-    for (uint32_t w = 0; w < kStageInFlight; ++w) {
-      const uint32_t i = i0 + w * kConsumerThreads;
-      if (i >= items) break;
-      frags[i] = make_uint4(pack(v[w][0], v[w][4]), pack(v[w][1], v[w][5]), pack(v[w][2], v[w][6]),
-                            pack(v[w][3], v[w][7]));
-    }
+    auto pack = [](float lo, float hi) {
+      const __half2 h2 = __floats2half2_rn(lo, hi);
+      return *reinterpret_cast<const uint32_t*>(&h2);
+    };
+    frags[i] = make_uint4(pack(v[0], v[4]), pack(v[1], v[5]), pack(v[2], v[6]), pack(v[3], v[7]));
   }
   consumer_sync();
   out.frags = frags;
