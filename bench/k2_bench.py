@@ -17,9 +17,10 @@ check, not a correctness test; tests/gpu/ holds those).
 
 With --fp8 (model_graphs/kimi_k2/bench_4l64e_fp8.json, K2's released format):
 the checkpoint holds the decoder layers' linear weights as e4m3 codes with
-128 x 128 block scales, the peer computes with their dequantised values in
-bf16 (PyTorch has no block-scaled FP8 grouped GEMM to call), and the floor
-counts the bytes as stored.
+128 x 128 block scales (powers of two, so that the dequantised values are
+exact in bf16), the peer computes with their dequantised values in bf16
+(PyTorch has no block-scaled FP8 grouped GEMM to call), and the floor counts
+the bytes as stored.
 
     python3 bench/k2_bench.py --config model_graphs/kimi_k2/bench_4l64e.json \
         --lib target/models/kimi_k2_bench_h200/libkimi_k2_bench_h200.so [--lib ...b8...] --json OUT
@@ -136,14 +137,18 @@ def make_weights(d, seed):
 def quantise_fp8(d, w, merged):
     """K2's released format: the decoder layers' linear weights as e4m3 codes with 128 x 128 block scales
     (tests/gpu/fp8_checkpoint.py). Returns the checkpoint's tensors; `w` and `merged` (the peer's weights)
-    take their dequantised bf16 values, so both sides compute with the same weights. The experts are
-    dequantised in place: their entries of `w` stay views of the peer's merged tensors (a second copy of
-    the experts did not fit an 80 GB card beside the library)."""
+    take their dequantised bf16 values, so both sides compute with the same weights: exactly, as the
+    scales here are powers of two. With DeepSeek's amax / 448 scales the bf16 copies were up to 2^-9
+    off the library's fp32 dequantisation, the suspected cause of the logits 0.39 apart at batch 1
+    (a routing near-tie, gap 8.5e-4; not yet rerun). Arbitrary scales are checked against
+    transformers in fp32 (tests/gpu). The experts are dequantised in place: their entries of `w` stay
+    views of the peer's merged tensors (a second copy of the experts did not fit an 80 GB card beside
+    the library)."""
     ckpt = {}
     for k in list(w):
         t = w[k]
         if fp8_checkpoint.is_fp8(k, t):
-            codes, scale = fp8_checkpoint.quantise_tensor(t)
+            codes, scale = fp8_checkpoint.quantise_tensor(t, pow2=True)
             ckpt[k], ckpt[k + "_scale_inv"] = codes, scale
             if ".experts." in k:
                 t.copy_(fp8_checkpoint.dequantise_tensor(codes, scale).to(BF))

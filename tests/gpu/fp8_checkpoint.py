@@ -57,8 +57,11 @@ def block_view(rows, cols, device="cpu"):
     return r[:, None], c[None, :]
 
 
-def quantise_tensor(w):
-    """A [rows, k] matrix as (e4m3 codes, fp32 scales [ceil(rows/128), ceil(k/128)]), on its device."""
+def quantise_tensor(w, pow2=False):
+    """A [rows, k] matrix as (e4m3 codes, fp32 scales [ceil(rows/128), ceil(k/128)]), on its device.
+    pow2: each scale the power of two at or above amax / 448, so that every dequantised weight (an
+    e4m3 value, four significant bits, times a power of two) is exact in bf16 (bench/k2_bench.py:
+    its bf16 peer then computes with exactly the library's weights)."""
     w = w.float()
     rows, k = w.shape
     br, bk = -(-rows // BLOCK), -(-k // BLOCK)
@@ -66,6 +69,8 @@ def quantise_tensor(w):
     padded[:rows, :k] = w
     amax = padded.reshape(br, BLOCK, bk, BLOCK).abs().amax(dim=(1, 3))
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     r, c = block_view(rows, k, w.device)
     codes = (w / scale[r, c]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return codes, scale.float()
