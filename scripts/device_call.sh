@@ -14,6 +14,9 @@
 #   fp8            bench/compare.sh fp8 (K2 dims in FP8 against the peer, batch 1 and 8, beside the
 #                  carried baseline's where it has them), one profiled step a library (traces packed
 #                  with the logs)
+#   verify-bench   bench/compare.sh none verify (K3 per-layer dims' verify steps at T = 1, 2, 4, 8 against
+#                  the peer verifying the same positions; the kimi_k3_dims_8l48e{,_t2,_t4,_t8}_h200
+#                  libraries), one profiled step a library
 #   ring           device/tests/ring_bench.cu (the page ring's and the consumers' streaming rates), then
 #                  the baseline's where one was carried
 #   sass=NAME      cuobjdump of library NAME (this checkout's): each function's registers, stack and
@@ -72,6 +75,13 @@ for step in "$@"; do
       note "fp8 against $base rc=$?"
       grep -A6 "^library " "$logs/fp8.txt"
       ;;
+    verify-bench)
+      mkdir -p "$logs/trace"
+      OUT=$out MKC_BENCH_TRACE=$logs/trace timeout "$(limit 300)" bench/compare.sh none verify \
+        > "$logs/verify_bench.txt" 2>&1
+      note "verify-bench rc=$?"
+      grep -A6 "^library " "$logs/verify_bench.txt"
+      ;;
     ring)
       timeout "$(limit 120)" target/device/ring_bench_sm90a > "$logs/ring_bench.txt" 2>&1
       note "ring_bench rc=$?"
@@ -89,7 +99,7 @@ for step in "$@"; do
       "$cuobjdump" -sass "$lib" 2> "$logs/sass_$name.err" | gzip > "$logs/sass_$name.txt.gz"
       note "sass $name rc=$? ($(wc -l < "$logs/sass_${name}_res.txt") lines of resource usage)"
       ;;
-    *) note "unknown step $step (quick, verify, compare[=DIMS], fp8, ring, sass=NAME)" ;;
+    *) note "unknown step $step (quick, verify, compare[=DIMS], fp8, verify-bench, ring, sass=NAME)" ;;
   esac
 done
 tar -czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs"
