@@ -1262,8 +1262,9 @@ struct Step {
   static __device__ Wait load_wait(uint32_t task, const Memory& m) { return m.stages[m.tasks[task].stage].load_wait; }
 
   // Loader warp: streams a task's weights into the page ring.
-  static __device__ void load(uint32_t task, const Memory& m, uint32_t& it) {
+  static __device__ void load(uint32_t task, const Memory& m, uint32_t& ring_at) {
     const TaskArgs& t = m.tasks[task];
+    uint32_t it = ring_at;  // a register for the task's pages (ring_at is the caller's, in memory)
     switch (m.stages[t.stage].role) {
       case 1: {
         const auto p = stage_params<projection0_params>(m, t);
@@ -1368,6 +1369,7 @@ struct Step {
       default:
         break;  // reads its weights itself
     }
+    ring_at = it;
   }
 
   // Prefetcher warp, a few instructions ahead of the loader: a task's plan
@@ -1538,9 +1540,9 @@ struct Step {
   }
 
   // Consumer warps: runs a task.
-  static __device__ void run(uint32_t task, const Memory& m, uint32_t& it, int warp) {
+  static __device__ void run(uint32_t task, const Memory& m, uint32_t& ring_at, int warp) {
     const TaskArgs& t = m.tasks[task];
-    (void)it;
+    uint32_t it = ring_at;  // a register for the task's pages (ring_at is the caller's, in memory)
     (void)warp;
     switch (m.stages[t.stage].role) {
       case 0: {
@@ -1691,6 +1693,7 @@ struct Step {
       default:
         __trap();  // a stage without code: fail loudly, never skip work
     }
+    ring_at = it;
   }
 };
 
