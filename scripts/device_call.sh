@@ -44,6 +44,8 @@ limit() {  # seconds: the step's own limit, or what is left of the call's where 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 OUT=$logs scripts/device_build.sh > "$logs/build.txt" 2>&1
 note "built: $(grep -c 'rc=0' "$logs/build.txt") ok, failed: $(grep 'rc=[1-9]' "$logs/build.txt" | tr '\n' ' ')"
+base=target/old  # the carried baseline's libraries (compare, fp8)
+[ -d .carry/old ] || base=none
 for step in "$@"; do
   case "$step" in
     quick)
@@ -59,8 +61,6 @@ for step in "$@"; do
     compare | compare=*)
       dims=${step#compare}
       dims=${dims#=}
-      base=target/old
-      [ -d .carry/old ] || base=none
       mkdir -p "$logs/trace"
       OUT=$out MKC_K3_DIMS=$dims MKC_BENCH_TRACE=$logs/trace timeout "$(limit 400)" bench/compare.sh "$base" k3 \
         > "$logs/compare.txt" 2>&1
@@ -69,8 +69,6 @@ for step in "$@"; do
       ;;
     fp8)
       mkdir -p "$logs/trace"
-      base=target/old
-      [ -d .carry/old ] || base=none
       OUT=$out MKC_BENCH_TRACE=$logs/trace timeout "$(limit 300)" bench/compare.sh "$base" fp8 > "$logs/fp8.txt" 2>&1
       note "fp8 against $base rc=$?"
       grep -A6 "^library " "$logs/fp8.txt"

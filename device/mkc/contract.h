@@ -46,6 +46,8 @@ constexpr uint32_t kMxBlock = 32;
 // FP8 weights (fp8_rows.cuh): e4m3 rows as stored, whose widths are
 // multiples of kFp8Align (each row's codes a whole number of 16-byte runs).
 constexpr uint32_t kFp8Align = 16;
+// Their scales: one fp32 per kFp8Block x kFp8Block block.
+constexpr uint32_t kFp8Block = 128;
 
 // MLA decode: heads per task (a warp each in the softmax); a split's lane
 // holds kMlaLanePairs column pairs of a cache row, so rows (latent + RoPE) of

@@ -69,9 +69,9 @@ __device__ __forceinline__ void release_page(uint64_t* empty) {
 #endif
 }
 
-// An FP8 page's k chunk in 128-column scale blocks (fp8_rows.cuh: a page
-// row holds twice the bf16 columns, as e4m3 codes).
-constexpr int kPageScaleBlocks = kPageBytes / kPageRows / 128;
+// An FP8 page's k chunk in scale blocks (fp8_rows.cuh: a page row holds
+// twice the bf16 columns, as e4m3 codes).
+constexpr int kPageScaleBlocks = kPageBytes / kPageRows / int(kFp8Block);
 
 // The ring: pages and their full/empty barriers, shared by both roles, and
 // each FP8 page's block scales (fp8_rows_load): those of the 128-row blocks of

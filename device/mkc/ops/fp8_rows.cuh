@@ -22,7 +22,6 @@
 
 namespace mkc {
 
-constexpr uint32_t kFp8Block = 128;                             // a scale's rows and columns
 constexpr uint32_t kFp8PageK = uint32_t(kPageBytes) / kPageRows;  // a page row's e4m3 codes: 2048
 static_assert(kFp8PageK == 2 * kPageK, "a page holds twice the fp8 columns of bf16 ones");
 static_assert(kFp8PageK == kConsumerWarps * 256, "a warp covers 256 columns of a page, eight a lane");
