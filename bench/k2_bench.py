@@ -416,23 +416,36 @@ def step_bytes(d, w, ids_per_layer, batch, pos):
 
 def print_trace_summary(path):
     """Per stage of one profiled step: instructions, summed and longest
-    instruction time, and the stage's span (first start to last end)."""
+    instruction time, and the stage's span (first start to last end); where its
+    tasks waited for weight pages (the trace's args.pages), their mean pages and
+    the mean split of a task's time: staging its input (start to first page
+    wait), waiting for that page, streaming its pages, and its epilogue (last
+    page released to end)."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     stages = {}
+    parts = ("pages", "staged", "first_page", "streamed", "epilogue")
     for e in events:
-        s = stages.setdefault(e["name"], {"n": 0, "busy": 0.0, "max": 0.0, "start": 1e30, "end": 0.0})
+        s = stages.setdefault(e["name"], {"n": 0, "busy": 0.0, "max": 0.0, "start": 1e30, "end": 0.0, "paged": 0,
+                                          **{p: 0.0 for p in parts}})
         s["n"] += 1
         s["busy"] += e["dur"]
         s["max"] = max(s["max"], e["dur"])
         s["start"] = min(s["start"], e["ts"])
         s["end"] = max(s["end"], e["ts"] + e["dur"])
+        args = e.get("args", {})
+        if "pages" in args:
+            s["paged"] += 1
+            for p in parts:
+                s[p] += args[p]
     total = max(s["end"] for s in stages.values())
     print(f"profile {os.path.basename(path)}: step span {total:.1f} us")
-    print(f"  {'stage':40} {'n':>5} {'start us':>9} {'end us':>9} {'span us':>8} {'max us':>8} {'busy us':>9}")
+    print(f"  {'stage':40} {'n':>5} {'start us':>9} {'end us':>9} {'span us':>8} {'max us':>8} {'busy us':>9} "
+          f"{'pages':>6} {'staged':>7} {'1st pg':>7} {'stream':>7} {'epilog':>7}")
     for name, s in sorted(stages.items(), key=lambda kv: kv[1]["start"]):
+        split = "".join(f" {s[p] / s['paged']:>{6 if p == 'pages' else 7}.1f}" for p in parts) if s["paged"] else ""
         print(f"  {name[:40]:40} {s['n']:>5} {s['start']:>9.1f} {s['end']:>9.1f} {s['end'] - s['start']:>8.1f} "
-              f"{s['max']:>8.1f} {s['busy']:>9.1f}")
+              f"{s['max']:>8.1f} {s['busy']:>9.1f}{split}")
 
 
 def report(config, bw, rows, json_path):

@@ -20,7 +20,9 @@
 // With a profile buffer, the controller stamps when each instruction's waits
 // are done and the storer when it ends, in %globaltimer nanoseconds (the
 // consumers start it at the later of that and the previous end; the runtime
-// writes that as its start).
+// writes that as its start); consumer thread 0 stamps the task's first page
+// wait, that page's arrival and its last page's release, and counts its pages
+// (ProfileMark, projection.cuh).
 // A debug build bounds every counter wait: on timeout the controller writes
 // a HangReport (SM, instruction, counter, expected, seen) to host-mapped
 // memory and traps, so the host can print the report instead of hanging.
@@ -73,14 +75,8 @@ struct Schedule {
   const Wait* waits;
   uint32_t* counters;
   HangReport* report;               // host-mapped
-  uint64_t* profile;                // [instructions, 2] start/end ns (%globaltimer), or null
+  uint64_t* profile;                // [instructions, kProfileMarks] ns (%globaltimer, projection.cuh), or null
 };
-
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 // What the tasks compute is a policy: `Tasks::load(task, params, it)` streams
 // a task's weights (loader warp), `Tasks::run(task, params, it, warp)` runs
@@ -127,7 +123,7 @@ __device__ __forceinline__ void run_step(const Schedule& p, const typename Tasks
           ok = wait_counter<kDebug>(p.counters, p.waits[ins.first_wait + w], step, i, p.report);
         }
         if (!ok) __trap();  // the HangReport is in host memory
-        if (p.profile != nullptr) p.profile[2 * i] = global_ns();
+        if (p.profile != nullptr) p.profile[kProfileMarks * i + kMarkReady] = global_ns();
       }
       __syncwarp();
       named_barrier(1, kBarrierThreads);  // consumers may start
@@ -136,7 +132,7 @@ __device__ __forceinline__ void run_step(const Schedule& p, const typename Tasks
     for (uint32_t i = begin; i < end; ++i) {
       named_barrier(2, kBarrierThreads);  // consumers are done, their stores fenced
       if (threadIdx.x % 32 == 0) {
-        if (p.profile != nullptr) p.profile[2 * i + 1] = global_ns();
+        if (p.profile != nullptr) p.profile[kProfileMarks * i + kMarkEnd] = global_ns();
         add_release(p.counters + p.instructions[i].signal, 1);
       }
       __syncwarp();
@@ -144,8 +140,10 @@ __device__ __forceinline__ void run_step(const Schedule& p, const typename Tasks
   } else if (warp < kConsumerWarps) {
     for (uint32_t i = begin; i < end; ++i) {
       const uint32_t task = p.instructions[i].task;  // read while the controller waits
+      if (threadIdx.x == 0) task_marks() = TaskMarks{p.profile != nullptr ? p.profile + kProfileMarks * i : nullptr, 0};
       named_barrier(1, kBarrierThreads);
       Tasks::run(task, params, it, warp);
+      if (threadIdx.x == 0 && task_marks().at != nullptr) task_marks().at[kMarkPages] = task_marks().pages;
       __threadfence();
       named_barrier(2, kBarrierThreads);
     }

@@ -53,10 +53,43 @@ constexpr int kEmptyArrivals = kConsumerWarps * 32;
 constexpr int kEmptyArrivals = kConsumerWarps;
 #endif
 
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// A profiled step's marks of one instruction, [instruction, kProfileMarks] in
+// %globaltimer nanoseconds (megakernel.cuh's Schedule::profile): the
+// controller's and the storer's, and those consumer thread 0 takes at the
+// task's pages (wait_page, release_page), where its input is staged and its
+// pages stream.
+enum ProfileMark : uint32_t {
+  kMarkReady,        // the instruction's waits done (controller)
+  kMarkFirstWait,    // its first page waited for: staging and prologue done (consumer thread 0)
+  kMarkFirstPage,    // that page in hand
+  kMarkLastRelease,  // its last page released: the epilogue follows
+  kMarkEnd,          // its consumers done, stores fenced (storer)
+  kMarkPages,        // how many pages consumer thread 0 waited for
+  kProfileMarks
+};
+// Where consumer thread 0 writes the marks of the task it runs (null in an
+// unprofiled step: ring_init clears it), and the pages it has waited for in
+// the task so far. Only thread 0 reads or writes it.
+struct TaskMarks {
+  uint64_t* at;
+  uint32_t pages;
+};
+__device__ __forceinline__ TaskMarks& task_marks() {
+  __shared__ TaskMarks marks;
+  return marks;
+}
+
 // Releases page `slot` after this thread's (warp's) reads of it: the reads
 // (generic proxy) are ordered before the loader's next bulk copy (async
 // proxy) into the page.
 __device__ __forceinline__ void release_page(uint64_t* empty) {
+  if (threadIdx.x == 0 && task_marks().at != nullptr) task_marks().at[kMarkLastRelease] = global_ns();
 #ifndef MKC_RELEASE_PER_WARP
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   cutlass::arch::ClusterTransactionBarrier::arrive(empty);
@@ -92,7 +125,22 @@ __device__ inline Ring* ring_ptr() {
   return reinterpret_cast<Ring*>(mkc_smem);
 }
 
+// Waits until page `it` of the ring is in its slot (the slot's full barrier,
+// at the phase of `it`'s pass round the ring); in a profiled step consumer
+// thread 0 marks its task's first such wait, and counts them.
+__device__ __forceinline__ void wait_page(uint32_t it) {
+  TaskMarks& m = task_marks();
+  const bool mark = threadIdx.x == 0 && m.at != nullptr;
+  if (mark && m.pages == 0) m.at[kMarkFirstWait] = global_ns();
+  Barrier::wait(&ring_ptr()->full[it % kPages], (it / kPages) & 1);
+  if (mark) {
+    if (m.pages == 0) m.at[kMarkFirstPage] = global_ns();
+    ++m.pages;
+  }
+}
+
 __device__ inline void ring_init(Ring& ring) {
+  task_marks() = TaskMarks{nullptr, 0};
   for (int i = 0; i < kPages; ++i) {
     Barrier::init(&ring.full[i], 1);
     Barrier::init(&ring.empty[i], kEmptyArrivals);
@@ -221,7 +269,7 @@ __device__ inline void projection_compute(const ProjectionTask& t, uint32_t& it,
     for (uint32_t k0 = 0; k0 < t.k; k0 += kPageK, ++it) {
       const uint32_t nk = min(uint32_t(kPageK), t.k - k0);
       const int slot = it % kPages;
-      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      wait_page(it);
       if (r0 + warp < t.rows) {
         const __nv_bfloat162* wrow = reinterpret_cast<const __nv_bfloat162*>(&ring_ptr()->page[slot][warp * kPageK]);
         for (uint32_t e = 2 * lane; e < nk; e += 64) {

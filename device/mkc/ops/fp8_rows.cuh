@@ -208,7 +208,7 @@ __device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& i
         if (uint32_t(j) >= nb) break;
         const uint32_t j0 = (b0 + j) * kPageRows;  // the block's first tile column
         const int slot = it % kPages;
-        Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+        wait_page(it);
         // The scales of the lane's two rows in the warp's two blocks, from the page's slot: the first
         // row's block's, or the last row's.
         const uint32_t ra = j0 + 2 * t, rb = ra + 1;

@@ -425,7 +425,7 @@ __device__ void mla_absorb(const MlaShape& s, uint32_t nh, const float* qn, floa
     float acc[B][2] = {};
     for (uint32_t n0 = 0; n0 < s.nope; n0 += per_k, ++it) {
       const int slot = it % kPages;
-      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      wait_page(it);
       if (pair < s.c / 2) {
         const __nv_bfloat16* page = ring_ptr()->page[slot];
         const uint32_t cnt = min(per_k, s.nope - n0);
@@ -568,7 +568,7 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
     for (uint32_t pg = 0, alone = ncur > 0; alone || pg < pages; alone = 0) {
       const uint32_t np = min(kMlaFoldPages, pages - pg);
       FoldRows f{it, nullptr, 0, per, min(np * per, rows - pg * per), stride};
-      for (uint32_t k = 0; k < np; ++k) Barrier::wait(&ring_ptr()->full[(it + k) % kPages], ((it + k) / kPages) & 1);
+      for (uint32_t k = 0; k < np; ++k) wait_page(it + k);
       if (pg + np == pages) f.cur = fresh, f.ncur = ncur;
       if constexpr (kMma) {
         mla_fold_mma(s, nh, f, qlat, qpe, run, parity, acc);

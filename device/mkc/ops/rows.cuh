@@ -167,7 +167,7 @@ __device__ void rows_pages_fma(const Rows& r, const T* x, const __nv_bfloat16* n
         }
         cp_async_wait<1>();  // this page's columns are in
       }
-      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      wait_page(it);
       if (e < nk) {
         float4 xv[B];
         if (kAhead) {
@@ -333,7 +333,7 @@ __device__ void rows_pages_mma(const Rows& r, const In& in, uint32_t& it, int wa
       for (int j = 0; j < int(G); ++j) {
         if (uint32_t(j) >= nb) break;
         const int slot = it % kPages;
-        Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+        wait_page(it);
         if (uint32_t(warp) * 128 < nk) {  // the warp has columns in this chunk
           const __nv_bfloat16* row = ring_ptr()->page[slot] + g * kPageK + c0;
 #pragma unroll
@@ -601,7 +601,7 @@ __device__ void mx_rows_pages(const MxRows& r, const float* x, uint32_t& it, int
     for (uint32_t ch = 0; ch < chunks; ++ch, ++it) {
       const uint32_t k0 = ch * kMxK, nk = min(kMxK, r.k - k0);
       const int slot = it % kPages;
-      Barrier::wait(&ring_ptr()->full[slot], (it / kPages) & 1);
+      wait_page(it);
       const auto* page = reinterpret_cast<const uint8_t*>(ring_ptr()->page[slot]);
       for (uint32_t e = e0; e < nk; e += kConsumerThreads * 8) {
         const uint8_t* block = page + e / kMxBlock * kMxTileBlockBytes + (e % kMxBlock) / 2;
@@ -731,8 +731,8 @@ __device__ __forceinline__ void mx_tile_pairs(const MxRows& r, uint32_t& it, int
       const uint32_t k0 = ch * kMxK, n = min(kMxK, r.k - k0) / kMxBlock;  // the chunk's blocks
       const uint32_t it0 = it + ch, it1 = it + chunks + ch;                // the two tiles' pages of the chunk
       const int s0 = it0 % kPages, s1 = it1 % kPages;
-      Barrier::wait(&ring_ptr()->full[s0], (it0 / kPages) & 1);
-      if (two) Barrier::wait(&ring_ptr()->full[s1], (it1 / kPages) & 1);
+      wait_page(it0);
+      if (two) wait_page(it1);
       const auto* page0 = reinterpret_cast<const uint8_t*>(ring_ptr()->page[s0]);
       const auto* page1 = two ? reinterpret_cast<const uint8_t*>(ring_ptr()->page[s1]) : page0;
 #pragma unroll 4  // four blocks in flight

@@ -200,12 +200,17 @@ class Engine {
   // trace JSON (chrome://tracing, Perfetto): a row per SM, an event per
   // instruction named by its stage, from when it runs (its waits done and the
   // SM's previous instruction ended) to its end; args.ready is when its waits
-  // were done. A verify program's step runs at the current positions, which
-  // it does not advance (its commit is not run).
+  // were done, and where its consumers waited for weight pages (ProfileMark,
+  // projection.cuh) args.pages counts them and args.staged, args.first_page,
+  // args.streamed and args.epilogue split its time: its start to its first
+  // page wait (input staging, prologue), that wait, to its last page's
+  // release, and from there to its end (microseconds). A verify program's
+  // step runs at the current positions, which it does not advance (its
+  // commit is not run).
   void profile_step(const int32_t* tokens, int32_t* next, const char* path) {
-    const size_t n_ins = plan_.instructions.size();
-    uint64_t* d = device_alloc<uint64_t>(sizeof(uint64_t) * 2 * n_ins);
-    MKC_CUDA(cudaMemset(d, 0, sizeof(uint64_t) * 2 * n_ins));
+    const size_t n_ins = plan_.instructions.size(), marks = kProfileMarks;
+    uint64_t* d = device_alloc<uint64_t>(sizeof(uint64_t) * marks * n_ins);
+    MKC_CUDA(cudaMemset(d, 0, sizeof(uint64_t) * marks * n_ins));
     schedule_.profile = d;
     try {
       if constexpr (kPositions > 1) {  // a verify step at the current positions (not advanced)
@@ -220,25 +225,37 @@ class Engine {
       throw;
     }
     schedule_.profile = nullptr;
-    std::vector<uint64_t> t(2 * n_ins);
+    std::vector<uint64_t> t(marks * n_ins);
     MKC_CUDA(cudaMemcpy(t.data(), d, sizeof(uint64_t) * t.size(), cudaMemcpyDeviceToHost));
+    auto mark = [&](size_t i, ProfileMark m) { return t[marks * i + m]; };
     uint64_t t0 = UINT64_MAX;
-    for (size_t i = 0; i < n_ins; ++i) t0 = std::min(t0, t[2 * i]);
+    for (size_t i = 0; i < n_ins; ++i) t0 = std::min(t0, mark(i, kMarkReady));
     FILE* f = std::fopen(path, "w");
     if (f == nullptr) throw Failure{std::string("cannot write the trace ") + path};
     std::fprintf(f, "{\"traceEvents\": [\n");
     bool first = true;
+    auto us = [](uint64_t from, uint64_t to) { return to > from ? double(to - from) / 1e3 : 0.0; };
     for (uint32_t sm = 0; sm < plan_.sms; ++sm) {
       uint64_t prev_end = 0;
       for (uint32_t i = plan_.sm_begin[sm]; i < plan_.sm_begin[sm + 1]; ++i) {
         const uint32_t task = plan_.instructions[i].task;
+        const uint64_t ready = mark(i, kMarkReady), end = mark(i, kMarkEnd);
         // Runs from the later of its waits done and the previous instruction's end.
-        const uint64_t begin = std::max(t[2 * i], prev_end);
-        prev_end = t[2 * i + 1];
-        const double ts = double(begin - t0) / 1e3, dur = double(t[2 * i + 1] - begin) / 1e3;
+        const uint64_t begin = std::max(ready, prev_end);
+        prev_end = end;
         std::fprintf(f, "%s{\"name\": \"%s\", \"ph\": \"X\", \"ts\": %.3f, \"dur\": %.3f, \"pid\": 0, \"tid\": %u, "
-                     "\"args\": {\"task\": %u, \"instruction\": %u, \"ready\": %.3f}}",
-                     first ? "" : ",\n", plan_.stage_names[plan_.tasks[task].stage].c_str(), ts, dur, sm, task, i, double(t[2 * i] - t0) / 1e3);
+                     "\"args\": {\"task\": %u, \"instruction\": %u, \"ready\": %.3f",
+                     first ? "" : ",\n", plan_.stage_names[plan_.tasks[task].stage].c_str(), us(t0, begin),
+                     us(begin, end), sm, task, i, us(t0, ready));
+        if (const uint64_t pages = mark(i, kMarkPages); pages > 0) {
+          const uint64_t wait = mark(i, kMarkFirstWait), page = mark(i, kMarkFirstPage),
+                         last = mark(i, kMarkLastRelease);
+          std::fprintf(f, ", \"pages\": %llu, \"staged\": %.3f, \"first_page\": %.3f, \"streamed\": %.3f, "
+                       "\"epilogue\": %.3f",
+                       static_cast<unsigned long long>(pages), us(begin, wait), us(wait, page), us(page, last),
+                       us(last, end));
+        }
+        std::fprintf(f, "}}");
         first = false;
       }
     }

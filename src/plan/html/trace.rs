@@ -6,7 +6,8 @@
 //!
 //! ```json
 //! {"name": "projection_rows l.0/layer/kda/proj(out)", "ph": "X", "ts": 12.5, "dur": 3.25,
-//!  "pid": 0, "tid": 7, "args": {"task": 42, "instruction": 1234, "ready": 12.1}}
+//!  "pid": 0, "tid": 7, "args": {"task": 42, "instruction": 1234, "ready": 12.1, "pages": 12,
+//!  "staged": 0.4, "first_page": 0.1, "streamed": 2.1, "epilogue": 0.6}}
 //! ```
 //!
 //! `name` is the stage's name ([`stage_name`]: the task kind and the fused
