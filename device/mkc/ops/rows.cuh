@@ -5,6 +5,7 @@
 
 #include <cuda_fp16.h>
 
+#include <type_traits>
 #include <utility>
 
 #include <cute/arch/mma_sm80.hpp>
@@ -449,13 +450,51 @@ __device__ float* stage_input(const T* x, uint32_t k, const __nv_bfloat16* norm,
                               const uint8_t* rows = nullptr) {
   __shared__ float scale[B];
   const uint32_t n = uint32_t(B) * k;
-  for (uint32_t i = threadIdx.x * 4; i < n; i += kConsumerThreads * 4) {
-    *reinterpret_cast<float4*>(xs + i) = load_four(x + token_row(rows, int(i / k)) * k + i % k);
+  // The reads issued before the writes: a loop of one load and one store an iteration waits out each
+  // load's round trip in turn (the compiler may not move a load of x or norm above a store to xs, which
+  // it cannot tell apart), tens of them a task at K2's widths. fp32 inputs staged in shared memory
+  // go by cp.async (no registers, every copy in flight at once), bf16 ones kInFlight at a time; an
+  // fp32 input spilled to global memory (where cp.async cannot write; batch 8 at K2's widths) a
+  // load and a store at a time, as before (a register array there spilled the kernel's registers).
+  constexpr uint32_t kInFlight = 4, kStride = kConsumerThreads * 4;
+  if constexpr (std::is_same_v<T, float>) {
+    if (__isShared(xs)) {
+      for (uint32_t i = threadIdx.x * 4; i < n; i += kStride) {
+        cp_async_four(xs + i, x + token_row(rows, int(i / k)) * k + i % k);
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+    } else {
+      for (uint32_t i = threadIdx.x * 4; i < n; i += kStride) {
+        store_four(xs + i, load_four(x + token_row(rows, int(i / k)) * k + i % k));
+      }
+    }
+  } else {
+    for (uint32_t i0 = threadIdx.x * 4; i0 < n; i0 += kInFlight * kStride) {
+      float4 v[kInFlight];
+#pragma unroll
+      for (uint32_t u = 0; u < kInFlight; ++u) {
+        const uint32_t i = i0 + u * kStride;
+        if (i < n) v[u] = load_four(x + token_row(rows, int(i / k)) * k + i % k);
+      }
+#pragma unroll
+      for (uint32_t u = 0; u < kInFlight; ++u) {
+        const uint32_t i = i0 + u * kStride;
+        if (i < n) store_four(xs + i, v[u]);
+      }
+    }
   }
   if (norm != nullptr) {
     consumer_sync();
     rms_scales<B>(static_cast<const float*>(xs), k, eps, scale);
-    for (uint32_t i = threadIdx.x; i < n; i += kConsumerThreads) xs[i] = xs[i] * scale[i / k] * bf(norm[i % k]);
+    // Four columns an iteration, the norm's weights asked into L1 first (the loop's loads then wait
+    // for L1, not for L2, in turn: a register array of them in flight spilled elsewhere in the kernel).
+    for (uint32_t e = threadIdx.x * 4; e < k; e += kStride) prefetch_l1(norm + e);
+    for (uint32_t i = threadIdx.x * 4; i < n; i += kStride) {
+      const float4 v = load_four(static_cast<const float*>(xs + i)), g = load_four(norm + i % k);
+      const float s = scale[i / k];
+      store_four(xs + i, make_float4(v.x * s * g.x, v.y * s * g.y, v.z * s * g.z, v.w * s * g.w));
+    }
   }
   consumer_sync();
   return xs;
