@@ -445,7 +445,7 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             }
             if estimate {
                 if let Some(m) = &measured {
-                    write!(out, "{}", plan::estimate::render_measured(&main, m))?;
+                    write!(out, "{}", plan::estimate::render_measured(&main, m, target.task_overhead_ns))?;
                 }
             }
             if let Some(path) = html {

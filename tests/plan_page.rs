@@ -205,11 +205,11 @@ fn predicted_against_measured_counts_the_stages_within_15_percent() {
     let p = plan_of("tiny.json", "h200");
     let stages = p.tiling.stages.len();
     // The schedule itself: every stage at its prediction.
-    let same = plan::estimate::render_measured(&p, &html::trace::parse(&trace_of(&p, 1.0, true), &p).unwrap());
+    let same = plan::estimate::render_measured(&p, &html::trace::parse(&trace_of(&p, 1.0, true), &p).unwrap(), 14e3);
     assert!(same.contains(&format!("stages within 15% of the prediction: {stages} of {stages}\n")), "{same}");
     assert!(same.contains("(ratio 1.00)"), "{same}");
     // Every instruction 1.5 times as long: no stage within 15%, the step 1.5 times its prediction.
-    let slow = plan::estimate::render_measured(&p, &html::trace::parse(&trace_of(&p, 1.5, true), &p).unwrap());
+    let slow = plan::estimate::render_measured(&p, &html::trace::parse(&trace_of(&p, 1.5, true), &p).unwrap(), 14e3);
     assert!(slow.contains(&format!("stages within 15% of the prediction: 0 of {stages}\n")), "{slow}");
     assert!(slow.contains("(ratio 1.50)"), "{slow}");
     let (per_stage, per_kind) = slow.split_once("per kind of task").expect("the per-kind table");
@@ -224,9 +224,45 @@ fn predicted_against_measured_counts_the_stages_within_15_percent() {
     let events: Vec<Value> =
         one["traceEvents"].as_array().unwrap().iter().filter(|e| e["name"] == first.as_str()).cloned().collect();
     let part = serde_json::json!({ "traceEvents": events }).to_string();
-    let partial = plan::estimate::render_measured(&p, &html::trace::parse(&part, &p).unwrap());
+    let partial = plan::estimate::render_measured(&p, &html::trace::parse(&part, &p).unwrap(), 14e3);
     assert!(
         partial.contains(&format!("within 15% of the prediction: 1 of 1 ({} without a measured task)", stages - 1)),
         "{partial}"
     );
+}
+
+#[test]
+fn a_trace_that_splits_its_tasks_time_says_where_each_kind_spends_it() {
+    let p = plan_of("tiny.json", "h200");
+    // Every projection-row task: 4 pages, staged 1 us, first page 0.5, streamed 2, epilogue 0.5.
+    let mut trace: Value = serde_json::from_str(&trace_of(&p, 1.0, true)).unwrap();
+    let mut split = 0;
+    for e in trace["traceEvents"].as_array_mut().unwrap() {
+        if e["name"].as_str().unwrap().starts_with("projection_rows ") {
+            for (k, v) in [("pages", 4.0), ("staged", 1.0), ("first_page", 0.5), ("streamed", 2.0), ("epilogue", 0.5)] {
+                e["args"][k] = if k == "pages" { serde_json::json!(4) } else { serde_json::json!(v) };
+            }
+            split += 1;
+        }
+    }
+    assert!(split > 0, "the tiny plan has projection rows");
+    let m = html::trace::parse(&trace.to_string(), &p).unwrap();
+    assert_eq!(m.splits.iter().flatten().count(), split);
+    let s = m.splits.iter().flatten().next().unwrap();
+    assert_eq!((s.pages, s.staged, s.fixed()), (4, 1000.0, 2000.0));
+    let out = plan::estimate::render_measured(&p, &m, 14e3);
+    let (_, splits) = out.split_once("where its tasks' time goes").unwrap_or_else(|| panic!("{out}"));
+    let row = splits.lines().find(|l| l.ends_with("  projection_rows")).unwrap_or_else(|| panic!("{out}"));
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cols[0].parse::<usize>().unwrap(), split, "{out}");
+    assert_eq!(&cols[1..7], ["4.0", "1.0", "0.5", "2.0", "0.5", "2.0"], "{out}");
+    assert!(out.contains("task_overhead_ns 14.0"), "{out}");
+    // Without splits, no such table.
+    let plain = plan::estimate::render_measured(&p, &html::trace::parse(&trace_of(&p, 1.0, true), &p).unwrap(), 14e3);
+    assert!(!plain.contains("where its tasks' time goes"), "{plain}");
+    // `pages` without the parts, or a negative part: the event is named.
+    let e = &mut trace["traceEvents"].as_array_mut().unwrap().iter_mut().find(|e| e["args"].get("pages").is_some());
+    let e = e.as_mut().unwrap();
+    e["args"]["epilogue"] = serde_json::json!(-1.0);
+    assert!(matches!(html::trace::parse(&trace.to_string(), &p), Err(html::TraceError::Event { .. })));
 }

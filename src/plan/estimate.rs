@@ -229,12 +229,63 @@ reads and writes KDA's recurrent state and the conv windows once more); drafts a
 rate until the first rejection; drafting (prompt lookup on the host), the acceptance test and the commit's launch not \
 costed";
 
+/// Where the measured tasks that waited for weight pages spent their time
+/// (the trace's splits), per kind of task: their mean pages, input staging,
+/// first page wait, streaming and epilogue, and their fixed cost (all but the
+/// streaming) beside the target's `task_overhead_ns`; nothing where the trace
+/// has no splits.
+fn render_splits(out: &mut String, plan: &Plan, measured: &super::html::trace::Measured, task_overhead_ns: f64) {
+    // Per kind: tasks, and the sums of pages, staged, first page, streamed, epilogue (ns).
+    let mut kinds: Vec<(String, usize, [f64; 5])> = vec![];
+    for (t, split) in measured.splits.iter().enumerate() {
+        let (Some(s), Some(task)) = (split, plan.tiling.tasks.get(t)) else { continue };
+        let kind = super::html::trace::kind_name(plan.tiling.stages[task.stage].kind);
+        let parts = [s.pages as f64, s.staged, s.first_page, s.streamed, s.epilogue];
+        match kinds.iter_mut().find(|k| k.0 == kind) {
+            Some(k) => {
+                k.1 += 1;
+                k.2.iter_mut().zip(parts).for_each(|(sum, x)| *sum += x);
+            }
+            None => kinds.push((kind, 1, parts)),
+        }
+    }
+    if kinds.is_empty() {
+        return;
+    }
+    kinds.sort_by(|a, b| a.0.cmp(&b.0));
+    let _ = writeln!(
+        out,
+        "per kind of task, where its tasks' time goes (means over the tasks that waited for weight pages, us; fixed: \
+         all but streaming, the model's task_overhead_ns {:.1}):",
+        task_overhead_ns / 1e3
+    );
+    let _ = writeln!(
+        out,
+        "  {:>6} {:>6} {:>7} {:>7} {:>8} {:>8} {:>7}  kind",
+        "tasks", "pages", "staged", "1st pg", "streamed", "epilogue", "fixed"
+    );
+    for (kind, n, sums) in &kinds {
+        let [pages, staged, first, streamed, epilogue] = sums.map(|x| x / *n as f64);
+        let _ = writeln!(
+            out,
+            "  {n:>6} {pages:>6.1} {:>7.1} {:>7.1} {:>8.1} {:>8.1} {:>7.1}  {kind}",
+            staged / 1e3,
+            first / 1e3,
+            streamed / 1e3,
+            epilogue / 1e3,
+            (staged + first + epilogue) / 1e3
+        );
+    }
+}
+
 /// Predicted against measured, stage by stage: each stage's span (its first
 /// task's start to its last task's end, in microseconds from the step's
 /// start) in the plan's schedule and in a measured step (`mkc plan --trace`),
 /// their ratio, how many stages the prediction meets within 15%, and the
-/// step. Stages without a measured task are counted apart.
-pub fn render_measured(plan: &Plan, measured: &super::html::trace::Measured) -> String {
+/// step. Stages without a measured task are counted apart. Where the trace
+/// splits its tasks' time, a table per kind of task says where it goes
+/// (`render_splits`), beside `task_overhead_ns`, the target's fixed cost a task.
+pub fn render_measured(plan: &Plan, measured: &super::html::trace::Measured, task_overhead_ns: f64) -> String {
     let stages = plan.tiling.stages.len();
     let mut predicted = vec![(f64::INFINITY, f64::NEG_INFINITY); stages];
     for i in plan.schedule.sms.iter().flatten() {
@@ -286,6 +337,7 @@ pub fn render_measured(plan: &Plan, measured: &super::html::trace::Measured) -> 
         let ratio = if *p > 0.0 { g / p } else { f64::INFINITY };
         let _ = writeln!(out, "  {n:>6} {p:>10.1} {g:>10.1} {ratio:>7.2}  {kind}");
     }
+    render_splits(&mut out, plan, measured, task_overhead_ns);
     let step_predicted = plan.schedule.step_ns / 1e3;
     let _ = writeln!(
         out,

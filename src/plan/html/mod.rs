@@ -17,7 +17,7 @@ pub mod layers;
 pub mod model;
 pub mod trace;
 
-pub use trace::{Measured, TraceError};
+pub use trace::{Measured, Split, TraceError};
 
 use super::Plan;
 

@@ -16,6 +16,8 @@
 //! place among the events of its SM (the n-th event of SM s is the n-th
 //! instruction of SM s). Events of other phases are ignored. A name that is
 //! not the matched task's stage is an error: the trace is of another plan.
+//! Where an event has `args.pages`, its `staged`, `first_page`, `streamed`
+//! and `epilogue` (microseconds) split the task's time ([`Split`]).
 
 use thiserror::Error;
 
@@ -26,6 +28,33 @@ use crate::plan::Plan;
 pub struct Measured {
     /// Indexed by task; `None` where the trace has no event for it.
     pub tasks: Vec<Option<(f64, f64)>>,
+    /// Indexed by task: where a task that waited for weight pages spent its
+    /// time (the event's `args.pages` ... `args.epilogue`); `None` where the
+    /// trace does not say.
+    pub splits: Vec<Option<Split>>,
+}
+
+/// A task's time, split at its pages (`ProfileMark`, device/mkc/projection.cuh),
+/// in nanoseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Split {
+    /// The weight pages its consumers waited for.
+    pub pages: u64,
+    /// Its start to its first page wait: staging its input, its prologue.
+    pub staged: f64,
+    /// That first page wait.
+    pub first_page: f64,
+    /// From the first page in hand to the last page released.
+    pub streamed: f64,
+    /// From the last page released to its end: its epilogue and stores.
+    pub epilogue: f64,
+}
+
+impl Split {
+    /// What the task spent outside streaming its pages.
+    pub fn fixed(&self) -> f64 {
+        self.staged + self.first_page + self.epilogue
+    }
 }
 
 /// Why a trace cannot be overlaid.
@@ -79,7 +108,8 @@ pub fn parse(text: &str, plan: &Plan) -> Result<Measured, TraceError> {
         serde_json::Value::Object(o) => o.get("traceEvents").and_then(|v| v.as_array()).ok_or(TraceError::NoEvents)?,
         _ => return Err(TraceError::NoEvents),
     };
-    let mut measured = Measured { tasks: vec![None; plan.tiling.tasks.len()] };
+    let mut measured =
+        Measured { tasks: vec![None; plan.tiling.tasks.len()], splits: vec![None; plan.tiling.tasks.len()] };
     let mut seen_on_sm = vec![0usize; plan.schedule.sms.len()];
     let names: Vec<String> = (0..plan.tiling.stages.len()).map(|s| stage_name(plan, s)).collect();
     for (index, e) in events.iter().enumerate() {
@@ -115,6 +145,24 @@ pub fn parse(text: &str, plan: &Plan) -> Result<Measured, TraceError> {
             }
         }
         measured.tasks[task] = Some((ts * 1e3, (ts + dur) * 1e3));
+        let args = e.get("args");
+        if let Some(pages) = args.and_then(|a| a.get("pages")) {
+            let pages = pages.as_u64().ok_or_else(|| bad("`args.pages` is not a count"))?;
+            let part = |k: &str| {
+                args.and_then(|a| a.get(k))
+                    .and_then(|v| v.as_f64())
+                    .filter(|x| x.is_finite() && *x >= 0.0)
+                    .map(|x| x * 1e3)
+                    .ok_or_else(|| bad(&format!("`args.pages` without a `args.{k}` of zero or more")))
+            };
+            measured.splits[task] = Some(Split {
+                pages,
+                staged: part("staged")?,
+                first_page: part("first_page")?,
+                streamed: part("streamed")?,
+                epilogue: part("epilogue")?,
+            });
+        }
     }
     Ok(measured)
 }
