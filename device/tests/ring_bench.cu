@@ -47,7 +47,7 @@ __device__ void idle_consume(uint32_t n, uint32_t& it, float* out) {
   float acc = 0.f;
   for (uint32_t i = 0; i < n; ++i, ++it) {
     const int slot = it % mkc::kPages;
-    mkc::Barrier::wait(&ring.full[slot], (it / mkc::kPages) & 1);
+    mkc::wait_page(it);
     acc += __bfloat162float(ring.page[slot][threadIdx.x]);
     mkc::release_page(&ring.empty[slot]);
   }
