@@ -139,6 +139,13 @@ __device__ __forceinline__ void wait_page(uint32_t it) {
   }
 }
 
+// Waits until the consumers have released the slot page `it` will fill (the
+// slot's empty barrier, at the phase before `it`'s pass round the ring): the
+// loader's side of wait_page.
+__device__ __forceinline__ void wait_slot_free(uint32_t it) {
+  Barrier::wait(&ring_ptr()->empty[it % kPages], ((it / kPages) & 1) ^ 1);
+}
+
 __device__ inline void ring_init(Ring& ring) {
   task_marks() = TaskMarks{nullptr, 0};
   for (int i = 0; i < kPages; ++i) {
@@ -200,7 +207,7 @@ __device__ inline void rows_load_grouped(const Rows& r, uint32_t group, uint32_t
         const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
         const int slot = it % kPages;
         if (lane == 0) {
-          Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+          wait_slot_free(it);
           Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], nr * nk * 2);
         }
         __syncwarp();

@@ -65,7 +65,7 @@ __device__ uint32_t pieces_load(const mkc::Rows& r, uint32_t& it) {
       const uint32_t nk = min(kCols, kK - k0);
       const int slot = it % mkc::kPages;
       if (threadIdx.x % 32 == 0) {
-        mkc::Barrier::wait(&ring.empty[slot], ((it / mkc::kPages) & 1) ^ 1);
+        mkc::wait_slot_free(it);
         mkc::Barrier::arrive_and_expect_tx(&ring.full[slot], N * nk * 2);
         for (int j = 0; j < N; ++j) {
           cute::SM90_BULK_COPY_G2S::copy(r.w0 + size_t(j0 + j) * kK + k0, &ring.full[slot], ring.page[slot] + j * kCols,
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) stream(const __nv_bfloat16* 
       for (; it < pages; ++it) {
         const int slot = it % mkc::kPages;
         if (threadIdx.x % 32 == 0) {
-          mkc::Barrier::wait(&ring.empty[slot], ((it / mkc::kPages) & 1) ^ 1);
+          mkc::wait_slot_free(it);
           mkc::Barrier::arrive_and_expect_tx(&ring.full[slot], mkc::kPageBytes);
           cute::SM90_BULK_COPY_G2S::copy(base + size_t(it) * mkc::kPageBytes, &ring.full[slot], ring.page[slot],
                                          int32_t(mkc::kPageBytes));

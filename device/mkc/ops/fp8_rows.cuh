@@ -89,7 +89,7 @@ __device__ inline void fp8_rows_load_grouped(const Fp8Rows& r, uint32_t group, u
       for (uint32_t j0 = g0; j0 < g1; j0 += kPageRows, ++it) {
         const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
         const int slot = it % kPages;
-        if (lane == 0) Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+        if (lane == 0) wait_slot_free(it);
         __syncwarp();
         // The scales first: every lane's copy is on the full barrier before lane 0 arrives on it.
         const uint32_t kb = lane % kPageScaleBlocks, last = lane / kPageScaleBlocks;

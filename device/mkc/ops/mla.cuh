@@ -80,7 +80,7 @@ __device__ inline void packed_load(const __nv_bfloat16* base, uint32_t n, uint32
     const uint32_t cnt = min(per, n - j0), bytes = cnt * row * 2;
     const int slot = it % kPages;
     if (lane == 0) {
-      Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+      wait_slot_free(it);
       Barrier::arrive_and_expect_tx(&ring_ptr()->full[slot], bytes);
       if (stride == row) {
         cute::SM90_BULK_COPY_G2S::copy(base + size_t(j0) * row, &ring_ptr()->full[slot], ring_ptr()->page[slot],

@@ -603,7 +603,7 @@ __device__ inline void mx_rows_load(const MxRows& r, uint32_t& it) {
       if (lane == 0) {
         auto* page = reinterpret_cast<uint8_t*>(ring_ptr()->page[slot]);
         auto* full = &ring_ptr()->full[slot];
-        Barrier::wait(&ring_ptr()->empty[slot], ((it / kPages) & 1) ^ 1);
+        wait_slot_free(it);
         Barrier::arrive_and_expect_tx(full, code_bytes + scale_bytes);
         cute::SM90_BULK_COPY_G2S::copy(codes + k0 / kMxBlock * kMxTileBlockBytes, full, page, int32_t(code_bytes));
         cute::SM90_BULK_COPY_G2S::copy(scales + k0 / kMxBlock * kMxTileRows, full, page + kMxScales,
