@@ -20,10 +20,10 @@ inline constexpr int kBatch = 1;
 // Rows a sequence holds: a speculative verify step's positions (1: plain decoding).
 inline constexpr uint32_t kPositions = 1;
 inline constexpr uint64_t kContext = 4096;
-inline constexpr uint64_t kArenaBytes = 4462848;
+inline constexpr uint64_t kArenaBytes = 4491520;
 // The routing log: each router's expert ids of the last step, [router][batch][top_k]
 // int32 from here (after the buffers; the host reads it: mkc_model_routing).
-inline constexpr uint64_t kRouteLog = 4460800;
+inline constexpr uint64_t kRouteLog = 4489472;
 inline constexpr uint32_t kRouters = 60;
 // Their common top-k (0: no routers, or routers of different top-k).
 inline constexpr uint32_t kRouterTopK = 8;
@@ -485,6 +485,67 @@ __device__ inline void projection5(const TaskArgs& t, const Memory& m, const pro
 }
 
 // ---------------------------------------------------------------------------
+// projection6: 60 fused operations of this code; the first covers
+//   linear layer.1/decoder_layer/moe_mlp/linear#2 (115:33)
+//   linear layer.1/decoder_layer/moe_mlp/linear#3 (115:52)
+//   act_and_mul layer.1/decoder_layer/moe_mlp/act_and_mul (115:21)
+//   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
+struct projection6_params {
+  uint64_t in;             // arena offset
+  uint64_t n_post;         // weight index
+  uint64_t s_gate;         // weight index
+  uint64_t s_up;           // weight index
+  uint64_t s_gate_scales;  // weight index
+  uint64_t s_up_scales;    // weight index
+  uint64_t act_and_mul;    // arena offset
+};
+
+// projection_rows: output rows
+__device__ inline Fp8Rows projection6_rows(const TaskArgs& t, const Memory& m, const projection6_params& p) {
+  Fp8Rows r =
+      Fp8Rows{.w0 = nullptr, .s0 = nullptr, .w1 = nullptr, .s1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 7168};
+  switch (t.a[0]) {
+    case 0:
+      r.w0 = static_cast<const uint8_t*>(m.w[p.s_gate]);
+      r.s0 = static_cast<const float*>(m.w[p.s_gate_scales]);
+      r.w1 = static_cast<const uint8_t*>(m.w[p.s_up]);
+      r.s1 = static_cast<const float*>(m.w[p.s_up_scales]);
+      break;
+    case 1:
+      r.w0 = static_cast<const uint8_t*>(m.w[p.s_up]);
+      r.s0 = static_cast<const float*>(m.w[p.s_up_scales]);
+      r.w1 = nullptr;
+      r.s1 = nullptr;
+      break;
+    default:
+      __trap();
+  }
+  return r;
+}
+__device__ inline void projection6(const TaskArgs& t, const Memory& m, const projection6_params& p, uint32_t& it,
+                                   int warp) {
+  const Fp8Rows r = projection6_rows(t, m, p);
+  float* st = staging(m);
+  const uint32_t n = r.cols();
+  fp8_rows_compute<kBatch>(Fp8RowsCompute{.rows = r,
+                                          .x = reinterpret_cast<float*>(m.arena + p.in),
+                                          .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
+                                          .eps = 1e-6f,
+                                          .spill = nullptr},
+                           it, warp, st);
+  consumer_sync();
+  // linear linear#2 (115:33)
+  const Span s1 = linear_span(t, 0);
+  // linear linear#3 (115:52)
+  const Span s2 = linear_span(t, 1);
+  // act_and_mul act_and_mul (115:21)
+  ep_silu_and_mul<kBatch>(st, n, s1);
+  consumer_sync();
+  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.act_and_mul), 2048);
+  // rms_norm x#recompute1 (126:7)
+}
+
+// ---------------------------------------------------------------------------
 // router0: 60 fused operations of this code; the first covers
 //   router layer.1/decoder_layer/moe_mlp/ids (107:18)
 struct router0_params {
@@ -613,67 +674,6 @@ __device__ inline void moe0_expert_combine(const TaskArgs& t, const Memory& m, c
                                        .wts = reinterpret_cast<float*>(m.arena + p.in_3),
                                        .dn = reinterpret_cast<float*>(m.arena + p.down),
                                        .routed = reinterpret_cast<float*>(m.arena + p.routed)});
-}
-
-// ---------------------------------------------------------------------------
-// projection6: 60 fused operations of this code; the first covers
-//   linear layer.1/decoder_layer/moe_mlp/linear#2 (115:33)
-//   linear layer.1/decoder_layer/moe_mlp/linear#3 (115:52)
-//   act_and_mul layer.1/decoder_layer/moe_mlp/act_and_mul (115:21)
-//   rms_norm layer.1/decoder_layer/x#recompute1 (126:7)
-struct projection6_params {
-  uint64_t in;             // arena offset
-  uint64_t n_post;         // weight index
-  uint64_t s_gate;         // weight index
-  uint64_t s_up;           // weight index
-  uint64_t s_gate_scales;  // weight index
-  uint64_t s_up_scales;    // weight index
-  uint64_t act_and_mul;    // arena offset
-};
-
-// projection_rows: output rows
-__device__ inline Fp8Rows projection6_rows(const TaskArgs& t, const Memory& m, const projection6_params& p) {
-  Fp8Rows r =
-      Fp8Rows{.w0 = nullptr, .s0 = nullptr, .w1 = nullptr, .s1 = nullptr, .r0 = t.a[2], .r1 = t.a[3], .k = 7168};
-  switch (t.a[0]) {
-    case 0:
-      r.w0 = static_cast<const uint8_t*>(m.w[p.s_gate]);
-      r.s0 = static_cast<const float*>(m.w[p.s_gate_scales]);
-      r.w1 = static_cast<const uint8_t*>(m.w[p.s_up]);
-      r.s1 = static_cast<const float*>(m.w[p.s_up_scales]);
-      break;
-    case 1:
-      r.w0 = static_cast<const uint8_t*>(m.w[p.s_up]);
-      r.s0 = static_cast<const float*>(m.w[p.s_up_scales]);
-      r.w1 = nullptr;
-      r.s1 = nullptr;
-      break;
-    default:
-      __trap();
-  }
-  return r;
-}
-__device__ inline void projection6(const TaskArgs& t, const Memory& m, const projection6_params& p, uint32_t& it,
-                                   int warp) {
-  const Fp8Rows r = projection6_rows(t, m, p);
-  float* st = staging(m);
-  const uint32_t n = r.cols();
-  fp8_rows_compute<kBatch>(Fp8RowsCompute{.rows = r,
-                                          .x = reinterpret_cast<float*>(m.arena + p.in),
-                                          .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
-                                          .eps = 1e-6f,
-                                          .spill = nullptr},
-                           it, warp, st);
-  consumer_sync();
-  // linear linear#2 (115:33)
-  const Span s1 = linear_span(t, 0);
-  // linear linear#3 (115:52)
-  const Span s2 = linear_span(t, 1);
-  // act_and_mul act_and_mul (115:21)
-  ep_silu_and_mul<kBatch>(st, n, s1);
-  consumer_sync();
-  ep_store<kBatch>(st, n, s1, reinterpret_cast<float*>(m.arena + p.act_and_mul), 2048);
-  // rms_norm x#recompute1 (126:7)
 }
 
 // ---------------------------------------------------------------------------
@@ -839,19 +839,19 @@ struct Step {
         rows_load<kBatch>(projection5_rows(t, m, p), it);
         break;
       }
-      case 11: {
-        const auto p = stage_params<moe0_params>(m, t);
-        fp8_rows_load<kBatch>(moe0_expert_up_rows(t, m, p), it);
+      case 10: {
+        const auto p = stage_params<projection6_params>(m, t);
+        fp8_rows_load<kBatch>(projection6_rows(t, m, p), it);
         break;
       }
       case 12: {
         const auto p = stage_params<moe0_params>(m, t);
-        fp8_rows_load<kBatch>(moe0_expert_down_rows(t, m, p), it);
+        fp8_rows_load<kBatch>(moe0_expert_up_rows(t, m, p), it);
         break;
       }
-      case 14: {
-        const auto p = stage_params<projection6_params>(m, t);
-        fp8_rows_load<kBatch>(projection6_rows(t, m, p), it);
+      case 13: {
+        const auto p = stage_params<moe0_params>(m, t);
+        fp8_rows_load<kBatch>(moe0_expert_down_rows(t, m, p), it);
         break;
       }
       case 15: {
@@ -934,27 +934,27 @@ struct Step {
         break;
       }
       case 10: {
-        const auto p = stage_params<router0_params>(m, t);
-        prefetch_l1(m.w + p.router_b);
-        break;
-      }
-      case 11:
-      case 12:
-      case 13: {
-        const auto p = stage_params<moe0_params>(m, t);
-        prefetch_l1(m.w + p.n_post);
-        prefetch_l1(m.w + p.e_gate);
-        prefetch_l1(m.w + p.e_up);
-        prefetch_l1(m.w + p.e_down);
-        break;
-      }
-      case 14: {
         const auto p = stage_params<projection6_params>(m, t);
         prefetch_l1(m.w + p.n_post);
         prefetch_l1(m.w + p.s_gate);
         prefetch_l1(m.w + p.s_up);
         prefetch_l1(m.w + p.s_gate_scales);
         prefetch_l1(m.w + p.s_up_scales);
+        break;
+      }
+      case 11: {
+        const auto p = stage_params<router0_params>(m, t);
+        prefetch_l1(m.w + p.router_b);
+        break;
+      }
+      case 12:
+      case 13:
+      case 14: {
+        const auto p = stage_params<moe0_params>(m, t);
+        prefetch_l1(m.w + p.n_post);
+        prefetch_l1(m.w + p.e_gate);
+        prefetch_l1(m.w + p.e_up);
+        prefetch_l1(m.w + p.e_down);
         break;
       }
       case 15: {
@@ -1032,28 +1032,28 @@ struct Step {
         break;
       }
       case 10: {
+        const auto p = stage_params<projection6_params>(m, t);
+        projection6(t, m, p, it, warp);
+        break;
+      }
+      case 11: {
         const auto p = stage_params<router0_params>(m, t);
         router0(m, p);
         break;
       }
-      case 11: {
+      case 12: {
         const auto p = stage_params<moe0_params>(m, t);
         moe0_expert_up(t, m, p, it, warp);
         break;
       }
-      case 12: {
+      case 13: {
         const auto p = stage_params<moe0_params>(m, t);
         moe0_expert_down(t, m, p, it, warp);
         break;
       }
-      case 13: {
+      case 14: {
         const auto p = stage_params<moe0_params>(m, t);
         moe0_expert_combine(t, m, p);
-        break;
-      }
-      case 14: {
-        const auto p = stage_params<projection6_params>(m, t);
-        projection6(t, m, p, it, warp);
         break;
       }
       case 15: {

@@ -127,7 +127,8 @@ impl FusedOp {
 /// The fusion plan.
 #[derive(Debug, Clone, Serialize)]
 pub struct Fusion {
-    /// Fused operations in a topological order.
+    /// Fused operations in a topological order: each as soon as its inputs
+    /// are (by depth), then by its first node in the graph.
     pub ops: Vec<FusedOp>,
     /// Producer-to-consumer edges between fused operations (deduplicated, sorted).
     pub edges: Vec<(usize, usize)>,
@@ -439,7 +440,7 @@ fn build(g: &Graph, gs: Groups) -> Result<Fusion> {
     }
     edges.sort_unstable();
     edges.dedup();
-    // Topological order of the fused operations (Kahn, smallest first for determinism).
+    // A topological order of the fused operations (Kahn, smallest first for determinism).
     let n = live.len();
     let mut indeg = vec![0usize; n];
     let mut succ = vec![vec![]; n];
@@ -468,6 +469,18 @@ fn build(g: &Graph, gs: Groups) -> Result<Fusion> {
     if order.len() != n {
         return Err(Error::new(ErrorKind::Invalid, "internal error: fusion produced a cyclic plan"));
     }
+    // Each operation as soon as its inputs are: by depth (the longest chain of
+    // producers before it), then as above. An operation off the longest path
+    // (FP8 K2's shared expert, which cannot merge with its bf16 router's
+    // projection) then fills the SMs its neighbours leave idle (the router)
+    // instead of following the routed experts onto the layer's tail.
+    let mut depth = vec![0usize; n];
+    for i in &order {
+        for s in &succ[*i] {
+            depth[*s] = depth[*s].max(depth[*i] + 1);
+        }
+    }
+    order.sort_by_key(|i| (depth[*i], first_node(*i)));
     let position: HashMap<usize, usize> = order.iter().enumerate().map(|(pos, i)| (*i, pos)).collect();
     let mut ops = vec![];
     let mut op_of = HashMap::new();
