@@ -362,6 +362,7 @@ struct Fp8Case {
   const __nv_bfloat16* norm;
   float* out;
   float* spill;
+  uint32_t tokens;  // the tokens whose rows are computed (a routed expert's), bit b for token b
 };
 __device__ Fp8Case g_fp8;
 
@@ -377,8 +378,8 @@ __global__ void __launch_bounds__(mkc::kConsumerThreads + 32, 1) fp8_kernel() {
       mkc::fp8_rows_load<B>(c.rows, it);
     } else {
       mkc::fp8_rows_compute<B>(
-          mkc::Fp8RowsCompute{.rows = c.rows, .x = c.x, .norm = c.norm, .eps = 1e-6f, .spill = c.spill}, it,
-          threadIdx.x / 32, c.out);
+          mkc::Fp8RowsCompute{.rows = c.rows, .x = c.x, .norm = c.norm, .eps = 1e-6f, .spill = c.spill, .tokens = c.tokens},
+          it, threadIdx.x / 32, c.out);
       mkc::consumer_sync();
     }
   }
@@ -393,7 +394,8 @@ static double e4m3_ref(uint8_t c) {
 }
 
 template <int B>
-static void test_fp8(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1, uint32_t k, bool pair, bool norm) {
+static void test_fp8(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r1, uint32_t k, bool pair, bool norm,
+                     uint32_t tokens = ~0u) {
   std::normal_distribution<float> nd(0.f, 1.f);
   std::uniform_int_distribution<int> byte(0, 255);
   const uint32_t bn = (n_rows + 127) / 128, bk = (k + 127) / 128;
@@ -418,7 +420,7 @@ static void test_fp8(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r
   for (auto& v : g) v = __float2bfloat16(1.f + 0.1f * nd(rng));
   const uint32_t n = r1 - r0, cols = n * (pair ? 2 : 1);
   Fp8Case c{mkc::Fp8Rows{upload(c0), upload(s0), pair ? upload(c1) : nullptr, pair ? upload(s1) : nullptr, r0, r1, k},
-            upload(x), norm ? upload(g) : nullptr, upload(std::vector<float>(size_t(B) * cols, NAN)), nullptr};
+            upload(x), norm ? upload(g) : nullptr, upload(std::vector<float>(size_t(B) * cols, NAN)), nullptr, tokens};
   const bool spill = size_t(B) * k * sizeof(float) > size_t(mkc::kActivationBytes);
   if (spill) c.spill = upload(std::vector<float>(size_t(B) * k, NAN));
   CHECK(cudaMemcpyToSymbol(g_fp8, &c, sizeof c));
@@ -430,7 +432,7 @@ static void test_fp8(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r
     const auto& cv = j < n ? c0 : c1;
     const auto& sv = j < n ? s0 : s1;
     return e4m3_ref(cv[row * k + e]) * double(sv[row / 128 * bk + e / 128]);
-  });
+  }, 1e-5, tokens);
   for (const void* p : {(const void*)c.rows.w0, (const void*)c.rows.s0, (const void*)c.rows.w1,
                         (const void*)c.rows.s1, (const void*)c.x, (const void*)c.norm, (const void*)c.out,
                         (const void*)c.spill})
@@ -1545,6 +1547,12 @@ int main(int argc, char** argv) {
   if (want("fp8")) test_fp8<2>(rng, 300, 8, 272, 7168, false, true);    // 33 blocks: four groups of eight and one block
   if (want("fp8")) test_fp8<8>(rng, 200, 0, 150, 7168, true, false);    // batch 8, a gate/up pair: groups of four
   if (want("fp8")) test_fp8<6>(rng, 40, 0, 37, 1040, false, true);      // a partial column block and page, a ragged row block
+  // A routed expert's tokens (fp8_rows_compute's `tokens`): up to kMaxPicked at their own batch, their rows
+  // staged in shared memory, the pages in the whole batch's groups; more, the whole batch, the others zeroed.
+  if (want("fp8")) test_fp8<8>(rng, 300, 8, 261, 7168, true, true, 0x40);  // one token of eight at K2's width, a gate/up pair
+  if (want("fp8")) test_fp8<8>(rng, 200, 0, 150, 7168, false, true, 0x11); // two of eight: 57 KB staged in shared memory
+  if (want("fp8")) test_fp8<8>(rng, 24, 8, 24, 7168, true, false, 0xA5);   // four: past kMaxPicked, the input spilled
+  if (want("fp8")) test_fp8<4>(rng, 130, 120, 130, 2048, true, true, 0x9); // two of four
   if (want("attn_res")) test_attn_res(rng, 0, 64);     // layer 1's reads: the current row alone
   if (want("attn_res")) test_attn_res(rng, 8, 7168);   // K3's final read: 8 snapshots
   if (want("attn_res")) test_attn_res(rng, 1, 7168);   // one snapshot

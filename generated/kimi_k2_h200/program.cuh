@@ -623,7 +623,8 @@ __device__ inline void moe0_expert_up(const TaskArgs& t, const Memory& m, const 
                                           .x = reinterpret_cast<float*>(m.arena + p.in),
                                           .norm = static_cast<const __nv_bfloat16*>(m.w[p.n_post]),
                                           .eps = 1e-6f,
-                                          .spill = nullptr},
+                                          .spill = nullptr,
+                                          .tokens = expert_tokens<kBatch>(a, q)},
                            it, warp, st);
   consumer_sync();
   const Span s = Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0};
@@ -658,7 +659,8 @@ __device__ inline void moe0_expert_down(const TaskArgs& t, const Memory& m, cons
                      .x = reinterpret_cast<float*>(m.arena + p.act) + size_t(q.slot) * kBatch * 2048,
                      .norm = nullptr,
                      .eps = 1e-6f,
-                     .spill = nullptr},
+                     .spill = nullptr,
+                     .tokens = expert_tokens<kBatch>(a, q)},
       it, warp, st);
   consumer_sync();
   ep_store<kBatch>(st, n, Span{.c0 = 0, .e0 = r.r0, .len = r.r1 - r.r0},

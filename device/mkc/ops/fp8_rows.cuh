@@ -159,10 +159,11 @@ __device__ __forceinline__ void e4m3x8_half2(uint2 c, uint32_t (&h)[4]) {
 // lane's two rows (2t, 2t + 1) in that block then multiply once. The pages
 // come kFp8Group<B> row blocks at a time, the k chunks outer
 // (fp8_rows_load<B>): a chunk's A fragments are made once for the group's
-// blocks, and the group's sums wait in scratch (sum_block_group).
-template <int B>
+// blocks, and the group's sums wait in scratch (sum_block_group). G: the
+// loader's group, that of the program's batch where the consumer runs at the
+// batch of a routed expert's picked tokens (fp8_rows_compute).
+template <int B, uint32_t G = kFp8Group<B>>
 __device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& it, int warp, float* st) {
-  constexpr uint32_t G = kFp8Group<B>;
   constexpr uint32_t kBlockSums = kConsumerWarps * kPageRows * B;
   static_assert(B >= 1 && B <= 8, "A's eight token rows");
   static_assert(2 * G * kBlockSums * sizeof(float) <= kScratchBytes, "two groups of partial sums fit scratch");
@@ -255,6 +256,14 @@ __device__ void fp8_rows_pages_mma(const Fp8Rows& r, const float* x, uint32_t& i
 // FP8 rows of y = x' W^T, x' = x or RMSNorm(x) * norm, the input staged as
 // fp32 in shared memory, or in `spill` when it does not fit (input_area); on
 // the tensor cores. The task's loader is fp8_rows_load<B>.
+//
+// `tokens` picks the batch's tokens whose rows are computed (a routed
+// expert's: those that chose it), as mx_rows_compute's (run_picked): up to
+// kMaxPicked of them run at their own batch, their rows gathered as the input
+// is staged, so at batch 8 an expert chosen by one or two tokens stages them
+// in shared memory (K2's 7168-wide input: 57 KB for two) instead of reading
+// all eight from the global staging at every page; the other rows of st are
+// zero.
 template <class T>
 struct Fp8RowsCompute {
   Fp8Rows rows;               // the task's weight rows (fp8_rows_load streams them)
@@ -262,12 +271,15 @@ struct Fp8RowsCompute {
   const __nv_bfloat16* norm;  // [rows.k] the RMSNorm prologue's weight, or null: no prologue
   float eps;                  // the prologue's epsilon
   float* spill;               // where the input is staged when it does not fit shared memory (or null)
+  uint32_t tokens = ~0u;      // bit b: token b's row is computed (the others are zero)
 };
 template <int B, class T>
 __device__ void fp8_rows_compute(Fp8RowsCompute<T> a, uint32_t& it, int warp, float* st) {
   const Fp8Rows& r = a.rows;
-  const float* xs = stage_input<B>(a.x, r.k, a.norm, a.eps, input_area<B>(r.k, a.spill));
-  fp8_rows_pages_mma<B>(r, xs, it, warp, st);
+  run_picked<B>(a.tokens, r.cols(), st, [&]<int N>(const uint8_t* rows) {
+    const float* xs = stage_input<N>(a.x, r.k, a.norm, a.eps, input_area<N>(r.k, a.spill), rows);
+    fp8_rows_pages_mma<N, kFp8Group<B>>(r, xs, it, warp, st);  // the pages in the loader's order
+  });
 }
 
 }  // namespace mkc

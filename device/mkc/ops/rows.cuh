@@ -1126,20 +1126,28 @@ __device__ void spread_picked_rows(uint32_t tokens, const uint8_t* rows, uint32_
   }
 }
 
-template <int B, class T>
-__device__ void mx_rows_compute(MxRowsCompute<T> a, uint32_t& it, int warp, float* st) {
+// A routed expert's consumer at the batch of the tokens that chose it:
+// `run.template operator()<N>(rows)` computes the rows of the N tokens rows[0..N)
+// (null: the whole batch, N = B) into the first N rows of st [B, cols], which
+// are then moved to their tokens' rows and the others zeroed
+// (spread_picked_rows). Up to kMaxPicked tokens (and fewer than B) take their
+// own batch; more, the whole batch's consumer, the others' rows zeroed after.
+// All tokens, or none (a task without rows, which streams no page): the whole
+// batch's, as computed.
+template <int B, class F>
+__device__ void run_picked(uint32_t tokens, uint32_t cols, float* st, F run) {
   static_assert(B < 32, "a token a bit of `tokens`");
   constexpr uint32_t kAll = (1u << B) - 1;
-  const uint32_t tokens = a.tokens & kAll;
-  if (tokens == kAll || tokens == 0) {  // every token (none: a task without rows, which streams no page)
-    mx_rows_compute_picked<B>(a, nullptr, it, warp, st);
+  tokens &= kAll;
+  if (tokens == kAll || tokens == 0) {
+    run.template operator()<B>(nullptr);
     return;
   }
   const uint32_t n = __popc(tokens);
   constexpr int kPicked = B - 1 < kMaxPicked ? B - 1 : kMaxPicked;
-  if (n > uint32_t(kPicked)) {  // the consumer at the whole batch, the others' rows zeroed after
-    mx_rows_compute_picked<B>(a, nullptr, it, warp, st);
-    spread_picked_rows<B>(tokens, nullptr, 0, a.rows.cols(), st);
+  if (n > uint32_t(kPicked)) {
+    run.template operator()<B>(nullptr);
+    spread_picked_rows<B>(tokens, nullptr, 0, cols, st);
     return;
   }
   __shared__ uint8_t rows[B];
@@ -1148,9 +1156,16 @@ __device__ void mx_rows_compute(MxRowsCompute<T> a, uint32_t& it, int warp, floa
   consumer_sync();
   // The consumer at the picked tokens' batch: n <= kPicked here.
   [&]<int... N>(std::integer_sequence<int, N...>) {
-    ((n == uint32_t(N + 1) ? mx_rows_compute_picked<N + 1>(a, rows, it, warp, st) : void()), ...);
+    ((n == uint32_t(N + 1) ? run.template operator()<N + 1>(static_cast<const uint8_t*>(rows)) : void()), ...);
   }(std::make_integer_sequence<int, kPicked>{});
-  spread_picked_rows<B>(tokens, rows, n, a.rows.cols(), st);
+  spread_picked_rows<B>(tokens, rows, n, cols, st);
+}
+
+template <int B, class T>
+__device__ void mx_rows_compute(MxRowsCompute<T> a, uint32_t& it, int warp, float* st) {
+  run_picked<B>(a.tokens, a.rows.cols(), st, [&]<int N>(const uint8_t* rows) {
+    mx_rows_compute_picked<N>(a, rows, it, warp, st);
+  });
 }
 
 }  // namespace mkc

@@ -131,7 +131,8 @@ impl Gen<'_> {
         // the output tile (bf16 rows read their input in place instead).
         let spill = [self.spill(up), self.spill(down)];
         // The consumer's arguments: the rows, the input and its prologue (and
-        // where an MXFP4 stage's input spills).
+        // where an MXFP4 or FP8 stage's input spills), and for those two the
+        // tokens that chose the task's expert (the rows their consumers compute).
         let compute = |x: &str, norm: &str, eps: f64, spill: &str| {
             if mx {
                 init!("MxRowsCompute";
@@ -143,7 +144,14 @@ impl Gen<'_> {
                     tokens = "expert_tokens<kBatch>(a, q)",
                 )
             } else if fp8 {
-                init!("Fp8RowsCompute"; rows = "r", x = x, norm = norm, eps = float(eps), spill = spill)
+                init!("Fp8RowsCompute";
+                    rows = "r",
+                    x = x,
+                    norm = norm,
+                    eps = float(eps),
+                    spill = spill,
+                    tokens = "expert_tokens<kBatch>(a, q)",
+                )
             } else {
                 init!("RowsCompute"; rows = "r", x = x, norm = norm, eps = float(eps))
             }
