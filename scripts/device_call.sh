@@ -19,6 +19,8 @@
 #                  libraries), one profiled step a library
 #   ring           device/tests/ring_bench.cu (the page ring's and the consumers' streaming rates), then
 #                  the baseline's where one was carried
+#   racecheck=GROUP compute-sanitizer's racecheck (shared-memory hazards, every one reported) of the
+#                  device-function tests of GROUP (ops_test GROUP: fp8, mla, mx, ...)
 #   sass=NAME      cuobjdump of library NAME (this checkout's): each function's registers, stack and
 #                  shared memory, and the SASS (gzipped), into the logs
 # The call ends by MKC_CALL_SECONDS (default 570) after it starts: each step's limit is cut to what
@@ -89,6 +91,15 @@ for step in "$@"; do
       fi
       grep -h "^mx" "$logs/ring_bench.txt" | head -12
       ;;
+    racecheck=*)
+      group=${step#racecheck=}
+      sanitizer=$(dirname "$(readlink -f "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")/compute-sanitizer
+      [ -x "$sanitizer" ] || sanitizer=compute-sanitizer
+      timeout "$(limit 200)" "$sanitizer" --tool racecheck --racecheck-report all --error-exitcode 3 \
+        target/device/ops_test_sm90a "$group" > "$logs/racecheck_$group.txt" 2>&1
+      note "racecheck ops_test $group rc=$? ($(grep -c PASS "$logs/racecheck_$group.txt") PASS, $(grep -c FAIL "$logs/racecheck_$group.txt") FAIL lines)"
+      grep -E "RACECHECK SUMMARY|hazard|ERROR SUMMARY" "$logs/racecheck_$group.txt" | head -4
+      ;;
     sass=*)
       name=${step#sass=}
       lib=target/models/$name/lib$name.so
@@ -97,7 +108,7 @@ for step in "$@"; do
       "$cuobjdump" -sass "$lib" 2> "$logs/sass_$name.err" | gzip > "$logs/sass_$name.txt.gz"
       note "sass $name rc=$? ($(wc -l < "$logs/sass_${name}_res.txt") lines of resource usage)"
       ;;
-    *) note "unknown step $step (quick, verify, compare[=DIMS], fp8, verify-bench, ring, sass=NAME)" ;;
+    *) note "unknown step $step (quick, verify, compare[=DIMS], fp8, verify-bench, ring, racecheck=GROUP, sass=NAME)" ;;
   esac
 done
 tar -czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs"
