@@ -89,8 +89,10 @@ __device__ inline void fp8_rows_load_grouped(const Fp8Rows& r, uint32_t group, u
       for (uint32_t j0 = g0; j0 < g1; j0 += kPageRows, ++it) {
         const uint32_t nr = min(uint32_t(kPageRows), cols - j0);
         const int slot = it % kPages;
-        if (lane == 0) wait_slot_free(it);
-        __syncwarp();
+        // Every lane waits for the slot: its scale copy below is then ordered after the consumers'
+        // reads of the slot's last scales by its own wait (one lane's wait and __syncwarp order it
+        // too, but compute-sanitizer's racecheck reports that as a write-after-read hazard).
+        wait_slot_free(it);
         // The scales first: every lane's copy is on the full barrier before lane 0 arrives on it.
         const uint32_t kb = lane % kPageScaleBlocks, last = lane / kPageScaleBlocks;
         if (kb * kFp8Block < nk) {

@@ -454,11 +454,12 @@ __device__ float* stage_input(const T* x, uint32_t k, const __nv_bfloat16* norm,
   // load's round trip in turn (the compiler may not move a load of x or norm above a store to xs, which
   // it cannot tell apart), tens of them a task at K2's widths. fp32 inputs staged in shared memory
   // go by cp.async (no registers, every copy in flight at once), bf16 ones kInFlight at a time; an
-  // fp32 input spilled to global memory (where cp.async cannot write; batch 8 at K2's widths) a
-  // load and a store at a time, as before (a register array there spilled the kernel's registers).
+  // fp32 input spilled to global memory (where cp.async cannot write; batch 8 at K2's widths), or
+  // one already in shared memory (MLA's combine: staged where it is), a load and a store at a time,
+  // as before (a register array there spilled the kernel's registers).
   constexpr uint32_t kInFlight = 4, kStride = kConsumerThreads * 4;
   if constexpr (std::is_same_v<T, float>) {
-    if (__isShared(xs)) {
+    if (__isShared(xs) && __isGlobal(x)) {  // cp.async reads global memory only (MLA's combine stages olat in place)
       for (uint32_t i = threadIdx.x * 4; i < n; i += kStride) {
         cp_async_four(xs + i, x + token_row(rows, int(i / k)) * k + i % k);
       }
