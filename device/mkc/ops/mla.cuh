@@ -310,63 +310,40 @@ __host__ __device__ constexpr bool mla_mma_fits(uint32_t c, uint32_t rope) {
 }
 static_assert(kMlaMmaColumns == 32, "a lane's eight columns of each 32 (mla_fold_mma)");
 
-// The tensor-core fold's A operand for the scores, built once a row (every
-// tile of every fold takes the same; built at each k-step they cost the
-// scores loop four shared loads and four splits a step): for each block of 32
-// columns kb (two k-steps) and lane (g, t), head g's query at columns 32 kb +
-// 2t, + 1, + 8, + 9 and the same + 16, split into high bf16 halves
-// qf[(2 kb) 32 + lane] and low ones qf[(2 kb + 1) 32 + lane] (split_pair),
-// zeros past the task's nh heads. `absorbed` [nh][c] and `qpe` [nh][rope] (its
-// RoPE part, heads `stride` elements apart) are the row's queries.
-template <class T>
-__device__ void mla_query_frags(const MlaShape& s, uint32_t nh, const float* absorbed, const T* qpe, uint32_t stride,
-                                uint4* qf) {
-  const uint32_t blocks = (s.c + s.rope) / 32;
-  for (uint32_t i = threadIdx.x; i < 32 * blocks; i += kConsumerThreads) {
-    const uint32_t kb = i / 32, lane = i % 32, g = lane / 4, t = lane % 4, k0 = 32 * kb;
-    float x[8] = {};
-    if (g < nh) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t col = k0 + 2 * t + 8 * e;  // a block lies in the latent or the RoPE part (c % 32 == 0)
-        if (k0 < s.c) {
-          const float2 v = *reinterpret_cast<const float2*>(absorbed + g * s.c + col);
-          x[2 * e] = v.x, x[2 * e + 1] = v.y;
-        } else {
-          x[2 * e] = to_float(qpe[g * stride + col - s.c]), x[2 * e + 1] = to_float(qpe[g * stride + col - s.c + 1]);
-        }
-      }
-    }
-    uint32_t hi[4], lo[4];
-#pragma unroll
-    for (int pr = 0; pr < 4; ++pr) split_pair<__nv_bfloat162>(x[2 * pr], x[2 * pr + 1], hi[pr], lo[pr]);
-    qf[(2 * kb) * 32 + lane] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-    qf[(2 * kb + 1) * 32 + lane] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-  }
-}
-static_assert(kMlaMaxRow / 32 * 2 * 32 * sizeof(uint4) <= size_t(kScratchBytes), "the query fragments fit scratch");
-
-__device__ void mla_fold_mma(const MlaShape& s, uint32_t nh, const FoldRows& f, const uint4* qf, MlaRunning& run,
-                             int parity, float (&acc)[kMlaMmaTiles][4]) {
+__device__ void mla_fold_mma(const MlaShape& s, uint32_t nh, const FoldRows& f, const float* qlat, const float* qpe,
+                             MlaRunning& run, int parity, float (&acc)[kMlaMmaTiles][4]) {
   const uint32_t n = f.n();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t g = uint32_t(lane) / 4, t = uint32_t(lane) % 4;
   const uint32_t width = s.c + s.rope;
   float(*prob)[kMaxMlaHeads] = run.prob[parity];
-  // 1. Scores: the queries' fragments as A (mla_query_frags), the tile's rows
-  // as B by ldmatrix, 32 columns (two k-steps) a load.
+  // 1. Scores: head g's query as A (zeros past the task's heads), the tile's
+  // rows as B by ldmatrix, 32 columns (two k-steps) a load.
   for (uint32_t tile = warp; 8 * tile < n; tile += kConsumerWarps) {
     // This lane's ldmatrix row: the tile's row lane % 8, columns + 8 (lane / 8).
     const __nv_bfloat16* r = f.at(min(8 * tile + uint32_t(lane) % 8, n - 1)) + 8 * (uint32_t(lane) / 8);
     float d[4] = {};
-    for (uint32_t kb = 0; 32 * kb < width; ++kb) {
-      const uint4 hi = qf[(2 * kb) * 32 + lane], lo = qf[(2 * kb + 1) * 32 + lane];
-      uint32_t w[4];  // b0, b1 of the step at 32 kb, then of the step at 32 kb + 16
-      cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(r + 32 * kb), w[0], w[1], w[2], w[3]);
-      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], hi.x, lo.x, hi.y, lo.y, w[0], w[1], d[0], d[1],
-                                                d[2], d[3]);
-      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], hi.z, lo.z, hi.w, lo.w, w[2], w[3], d[0], d[1],
-                                                d[2], d[3]);
+    for (uint32_t k0 = 0; k0 < width; k0 += 32) {
+      // Head g's query at this lane's k-slots of the two steps: columns
+      // k0 + 2t, + 1, + 8, + 9 and the same + 16.
+      float x[8] = {};
+      if (g < nh) {
+        const float* q = (k0 < s.c ? qlat + g * s.c + k0 : qpe + g * s.rope + (k0 - s.c)) + 2 * t;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 v = *reinterpret_cast<const float2*>(q + 8 * e);
+          x[2 * e] = v.x, x[2 * e + 1] = v.y;
+        }
+      }
+      uint32_t hi[4], lo[4];
+#pragma unroll
+      for (int pr = 0; pr < 4; ++pr) split_pair<__nv_bfloat162>(x[2 * pr], x[2 * pr + 1], hi[pr], lo[pr]);
+      uint32_t w[4];  // b0, b1 of the step at k0, then of the step at k0 + 16
+      cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(r + k0), w[0], w[1], w[2], w[3]);
+      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], hi[0], lo[0], hi[1], lo[1], w[0], w[1], d[0],
+                                                d[1], d[2], d[3]);
+      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], hi[2], lo[2], hi[3], lo[3], w[2], w[3], d[0],
+                                                d[1], d[2], d[3]);
     }
     const uint32_t j = 8 * tile + 2 * t;  // d: head g's scores of rows j, j + 1 (high halves, then low)
     if (g < nh && j < n) prob[j][g] = (d[0] + d[2]) * s.scale;
@@ -531,9 +508,8 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
   const uint32_t qk = s.nope + s.rope, row = s.c + s.rope;
   uint32_t p0, p1;
   split_range(s, split, p0, p1);
-  float* qlat = reinterpret_cast<float*>(scratch_ptr());  // [hpt, c] (the CUDA-core fold)
+  float* qlat = reinterpret_cast<float*>(scratch_ptr());  // [hpt, c]
   float* qpe = qlat + s.hpt * s.c;                         // [hpt, rope]
-  uint4* qf = reinterpret_cast<uint4*>(scratch_ptr());     // the tensor-core fold's (mla_query_frags)
   MlaRunning& run = *reinterpret_cast<MlaRunning*>(activation_ptr());
   const uint32_t stride = cache_stride(row);
   // The step's new rows in this split, made here for the folds ([positions][stride]).
@@ -541,19 +517,11 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
   const uint32_t pair = threadIdx.x;  // a thread per pair of latent columns (the weighted sums)
   int parity = 0;
   for (uint32_t b = 0; b < uint32_t(B); ++b) {
-    // Row b's queries of the task's heads into scratch: the folds read them at every k-step
-    // (from the arena each read would wait out an L2 round trip), the tensor-core fold as its
-    // fragments. The previous row's folds are done (the barrier closing its loop).
+    // Row b's absorbed queries of the task's heads into scratch: the folds read them at every
+    // k-step (from the arena each read would wait out an L2 round trip). The previous row's
+    // folds are done (the barrier closing its loop).
     const float* src = a.absorbed + (size_t(b) * s.heads + h0) * s.c;
-    const T* q_pe = q + size_t(b) * s.heads * qk + size_t(h0) * qk + s.nope;
-    if constexpr (kMma) {
-      mla_query_frags(s, nh, src, q_pe, qk, qf);
-    } else {
-      for (uint32_t i = threadIdx.x; i < nh * s.c; i += kConsumerThreads) qlat[i] = src[i];
-      for (uint32_t i = threadIdx.x; i < nh * s.rope; i += kConsumerThreads) {
-        qpe[i] = to_float(q_pe[(i / s.rope) * qk + i % s.rope]);
-      }
-    }
+    for (uint32_t i = threadIdx.x; i < nh * s.c; i += kConsumerThreads) qlat[i] = src[i];
     // Row b attends to its sequence's positions up to its own: the cache's rows before the step's
     // first position (streamed), then the step's rows up to b's (made here from the step's latents:
     // in a verify step, the earlier positions' rows are this step's too). The split holding a row's
@@ -582,6 +550,10 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
         if (dst != nullptr) dst[j] = stored;
       }
     }
+    for (uint32_t i = threadIdx.x; i < nh * s.rope; i += kConsumerThreads) {
+      const uint32_t h = i / s.rope, r = i % s.rope;
+      qpe[i] = to_float(q[size_t(b) * s.heads * qk + size_t(h0 + h) * qk + s.nope + r]);
+    }
     if (threadIdx.x < kMaxMlaHeads) run.max[threadIdx.x] = -INFINITY, run.sum[threadIdx.x] = 0.f;
     consumer_sync();
     // The cache rows, kMlaFoldPages pages per fold; the new rows join the last fold.
@@ -599,7 +571,7 @@ __device__ void mla_split(MlaSplit<T> a, uint32_t& it) {
       for (uint32_t k = 0; k < np; ++k) wait_page(it + k);
       if (pg + np == pages) f.cur = fresh, f.ncur = ncur;
       if constexpr (kMma) {
-        mla_fold_mma(s, nh, f, qf, run, parity, acc);
+        mla_fold_mma(s, nh, f, qlat, qpe, run, parity, acc);
       } else {
         mla_fold(s, nh, f, qlat, qpe, run, parity, acc);
       }
