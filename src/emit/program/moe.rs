@@ -134,17 +134,8 @@ impl Gen<'_> {
         // where an MXFP4 or FP8 stage's input spills), and for those two the
         // tokens that chose the task's expert (the rows their consumers compute).
         let compute = |x: &str, norm: &str, eps: f64, spill: &str| {
-            if mx {
-                init!("MxRowsCompute";
-                    rows = "r",
-                    x = x,
-                    norm = norm,
-                    eps = float(eps),
-                    spill = spill,
-                    tokens = "expert_tokens<kBatch>(a, q)",
-                )
-            } else if fp8 {
-                init!("Fp8RowsCompute";
+            if mx || fp8 {
+                init!(if mx { "MxRowsCompute" } else { "Fp8RowsCompute" };
                     rows = "r",
                     x = x,
                     norm = norm,
