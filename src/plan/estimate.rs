@@ -229,6 +229,19 @@ reads and writes KDA's recurrent state and the conv windows once more); drafts a
 rate until the first rejection; drafting (prompt lookup on the host), the acceptance test and the commit's launch not \
 costed";
 
+/// Per kind: how many were added, and the sums of their values; `add_to_kind`
+/// counts one more of `kind` and adds its values.
+type KindSums<const N: usize> = Vec<(String, usize, [f64; N])>;
+fn add_to_kind<const N: usize>(kinds: &mut KindSums<N>, kind: String, values: [f64; N]) {
+    match kinds.iter_mut().find(|k| k.0 == kind) {
+        Some(k) => {
+            k.1 += 1;
+            k.2.iter_mut().zip(values).for_each(|(sum, x)| *sum += x);
+        }
+        None => kinds.push((kind, 1, values)),
+    }
+}
+
 /// Where the measured tasks that waited for weight pages spent their time
 /// (the trace's splits), per kind of task: their mean pages, input staging,
 /// first page wait, streaming and epilogue, and their fixed cost (all but the
@@ -236,18 +249,11 @@ costed";
 /// has no splits.
 fn render_splits(out: &mut String, plan: &Plan, measured: &super::html::trace::Measured, task_overhead_ns: f64) {
     // Per kind: tasks, and the sums of pages, staged, first page, streamed, epilogue (ns).
-    let mut kinds: Vec<(String, usize, [f64; 5])> = vec![];
+    let mut kinds: KindSums<5> = vec![];
     for (t, split) in measured.splits.iter().enumerate() {
         let (Some(s), Some(task)) = (split, plan.tiling.tasks.get(t)) else { continue };
         let kind = super::html::trace::kind_name(plan.tiling.stages[task.stage].kind);
-        let parts = [s.pages as f64, s.staged, s.first_page, s.streamed, s.epilogue];
-        match kinds.iter_mut().find(|k| k.0 == kind) {
-            Some(k) => {
-                k.1 += 1;
-                k.2.iter_mut().zip(parts).for_each(|(sum, x)| *sum += x);
-            }
-            None => kinds.push((kind, 1, parts)),
-        }
+        add_to_kind(&mut kinds, kind, [s.pages as f64, s.staged, s.first_page, s.streamed, s.epilogue]);
     }
     if kinds.is_empty() {
         return;
@@ -306,7 +312,7 @@ pub fn render_measured(plan: &Plan, measured: &super::html::trace::Measured, tas
     let _ = writeln!(out, "  {:>5} {:>10} {:>10} {:>7}  stage", "", "predicted", "measured", "ratio");
     let (mut within, mut compared, mut missing) = (0usize, 0usize, 0usize);
     // Per kind of task: stages, predicted and measured spans summed.
-    let mut kinds: Vec<(String, usize, f64, f64)> = vec![];
+    let mut kinds: KindSums<2> = vec![];
     for s in 0..stages {
         let name = super::html::trace::stage_name(plan, s);
         let (p, g) = (predicted[s], got[s]);
@@ -324,16 +330,13 @@ pub fn render_measured(plan: &Plan, measured: &super::html::trace::Measured, tas
         }
         let _ = writeln!(out, "  {s:>5} {pspan:>10.1} {gspan:>10.1} {ratio:>7.2}  {name}");
         let kind = super::html::trace::kind_name(plan.tiling.stages[s].kind);
-        match kinds.iter_mut().find(|k| k.0 == kind) {
-            Some(k) => (k.1, k.2, k.3) = (k.1 + 1, k.2 + pspan, k.3 + gspan),
-            None => kinds.push((kind, 1, pspan, gspan)),
-        }
+        add_to_kind(&mut kinds, kind, [pspan, gspan]);
     }
     // Where the model misses the most time first.
-    kinds.sort_by(|a, b| (b.3 - b.2).abs().total_cmp(&(a.3 - a.2).abs()).then(a.0.cmp(&b.0)));
+    kinds.sort_by(|a, b| (b.2[1] - b.2[0]).abs().total_cmp(&(a.2[1] - a.2[0]).abs()).then(a.0.cmp(&b.0)));
     let _ = writeln!(out, "per kind of task, the stages' spans summed (us), the largest miss first:");
     let _ = writeln!(out, "  {:>6} {:>10} {:>10} {:>7}  kind", "stages", "predicted", "measured", "ratio");
-    for (kind, n, p, g) in &kinds {
+    for (kind, n, [p, g]) in &kinds {
         let ratio = if *p > 0.0 { g / p } else { f64::INFINITY };
         let _ = writeln!(out, "  {n:>6} {p:>10.1} {g:>10.1} {ratio:>7.2}  {kind}");
     }
