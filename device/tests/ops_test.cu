@@ -427,7 +427,12 @@ static void test_fp8(std::mt19937& rng, uint32_t n_rows, uint32_t r0, uint32_t r
   launch_with_loader(fp8_kernel<B>);
   const auto out = download(c.out, size_t(B) * cols);
   const RowsShape rows{n_rows, r0, r1, k, pair};
-  coded_rows_report<B>("FP8 rows through the page ring", out, x, g, norm, rows, spill,
+  // The consumer's batch: the picked tokens' up to kMaxPicked of them (fewer than B), else the whole
+  // batch's; its input is staged in global memory where that batch's does not fit shared memory.
+  const uint32_t picked = tokens & ((1u << B) - 1), count = __builtin_popcount(picked);
+  const uint32_t batch = picked == 0 || count >= uint32_t(B) || count > uint32_t(mkc::kMaxPicked) ? B : count;
+  const bool staged_global = size_t(batch) * k * sizeof(float) > size_t(mkc::kActivationBytes);
+  coded_rows_report<B>("FP8 rows through the page ring", out, x, g, norm, rows, staged_global,
                        [&](uint32_t j, size_t row, uint32_t e) {
     const auto& cv = j < n ? c0 : c1;
     const auto& sv = j < n ? s0 : s1;
