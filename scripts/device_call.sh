@@ -17,7 +17,7 @@
 #   verify-bench   bench/compare.sh none verify (K3 per-layer dims' verify steps at T = 1, 2, 4, 8 against
 #                  the peer verifying the same positions; the kimi_k3_dims_8l48e{,_t2,_t4,_t8}_h200
 #                  libraries), one profiled step a library
-#   ring           device/tests/ring_bench.cu (the page ring's and the consumers' streaming rates), then
+#   ring[=mla]     device/tests/ring_bench.cu (the page ring's and the consumers' streaming rates; =mla: the MLA split's alone), then
 #                  the baseline's where one was carried
 #   racecheck=GROUP compute-sanitizer's racecheck (shared-memory hazards, every one reported) of the
 #                  device-function tests of GROUP (ops_test GROUP: fp8, mla, mx, ...)
@@ -82,14 +82,15 @@ for step in "$@"; do
       note "verify-bench rc=$?"
       grep -A6 "^library " "$logs/verify_bench.txt"
       ;;
-    ring)
-      timeout "$(limit 120)" target/device/ring_bench_sm90a > "$logs/ring_bench.txt" 2>&1
-      note "ring_bench rc=$?"
-      if [ -x target/device/old_ring_bench_sm90a ]; then  # the baseline's, right after, on the same card
+    ring | ring=mla)
+      only=${step#ring}; only=${only#=}  # ring=mla: the MLA split's variants alone
+      timeout "$(limit 120)" target/device/ring_bench_sm90a $only > "$logs/ring_bench.txt" 2>&1
+      note "ring_bench $only rc=$?"
+      if [ -z "$only" ] && [ -x target/device/old_ring_bench_sm90a ]; then  # the baseline's, right after, on the same card
         timeout "$(limit 120)" target/device/old_ring_bench_sm90a > "$logs/old_ring_bench.txt" 2>&1
         note "old ring_bench rc=$?"
       fi
-      grep -h "^mx" "$logs/ring_bench.txt" | head -12
+      grep -h "^${only:-mx}" "$logs/ring_bench.txt" | head -12
       ;;
     racecheck=*)
       group=${step#racecheck=}

@@ -28,10 +28,16 @@
 // block scales (one per 128 x 128; GB/s counts codes and scales):
 //   fp8, fp8-bN: fp8_rows_load + the tensor-core consumer (fp8_rows_pages_mma, kFp8Group blocks at a
 //                time), batch 1 and N, the input in shared memory or (batch 8) in global memory
+// and the MLA split's variants, a cache of K2's 576-wide rows (2 GiB; GB/s counts the cache rows
+// streamed), a KV split an SM, eight heads a task:
+//   mla-idle-bN:  mla_split_load (a bulk copy a row, rows padded in the page), consumers only wait and
+//                 release: the split's loader alone at batch N
+//   mla-bN:       mla_split at batch N (the tensor-core folds), as a split task of the megakernel
 // A measurement, not a test: nothing is asserted; the numbers go in docs/PERFORMANCE.md.
 //
-//   target/device/ring_bench_sm90a        (on an H200)
+//   target/device/ring_bench_sm90a [mla]  (on an H200; mla: the MLA variants alone)
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "check.cuh"
@@ -286,6 +292,55 @@ __global__ void __launch_bounds__(mkc::kThreads, 1) fp8_stream(const uint8_t* co
   }
 }
 
+// The MLA split over K2's widths: a KV split of the cache an SM (blockIdx.x), one head group of
+// kMaxMlaHeads heads, B sequences of `ctx` rows; every sequence at position ctx - 1 (the last split
+// appends the new row). kIdle: the loader alone, the consumers only wait and release.
+constexpr uint32_t kMlaC = 512, kMlaRope = 64, kMlaRow = kMlaC + kMlaRope;
+__host__ __device__ inline mkc::MlaShape mla_bench_shape(uint32_t ctx, uint32_t splits) {
+  return mkc::MlaShape{.heads = mkc::kMaxMlaHeads, .hpt = mkc::kMaxMlaHeads, .groups = 1, .splits = splits,
+                       .ctx = ctx, .c = kMlaC, .nope = 128, .rope = kMlaRope, .v_dim = 128, .scale = 0.07f,
+                       .positions = 1};
+}
+struct MlaBench {
+  uint32_t ctx;
+  const __nv_bfloat16* q;   // [B, heads (nope + rope)]
+  const float* absorbed;    // [B, heads, c]
+  const __nv_bfloat16* ckv; // [B, c]
+  const __nv_bfloat16* kpe; // [B, rope]
+  __nv_bfloat16* cache;     // [B][ctx][c + rope]
+  const int32_t* pos;       // [B]
+  float* partials;          // [B, heads, splits, 2 + c]
+};
+template <int B, bool kIdle>
+__global__ void __launch_bounds__(mkc::kThreads, 1) mla_stream(MlaBench a, float* out) {
+  if (threadIdx.x == 0) mkc::ring_init(*mkc::ring_ptr());
+  __syncthreads();
+  const mkc::MlaShape s = mla_bench_shape(a.ctx, gridDim.x);
+  const int warp = threadIdx.x / 32;
+  uint32_t it = 0;
+  if (warp == mkc::kConsumerWarps) {
+    mkc::mla_split_load<B>(mkc::MlaSplitLoad{s, 0, blockIdx.x, a.cache, a.pos}, it);
+  } else if (warp < mkc::kConsumerWarps) {
+    if constexpr (kIdle) {
+      uint32_t n = 0;
+      for (uint32_t b = 0; b < uint32_t(B); ++b) {
+        const mkc::Rows r = mkc::mla_cache_rows(s, blockIdx.x, a.cache, b, a.pos);
+        const uint32_t per = mkc::packed_rows(mkc::cache_stride(r.k));
+        n += (r.r1 - r.r0 + per - 1) / per;
+      }
+      idle_consume(n, it, out);
+    } else {
+      mkc::mla_split<B, true>(mkc::MlaSplit<__nv_bfloat16>{.shape = s, .head_group = 0, .split = blockIdx.x,
+                                                          .q = a.q, .absorbed = a.absorbed, .ckv_raw = a.ckv,
+                                                          .norm = nullptr, .eps = 0.f, .kpe = a.kpe,
+                                                          .cache = a.cache, .pos = a.pos, .partials = a.partials},
+                              it);
+    }
+  }
+}
+template <int B, bool kIdle>
+static void run_mla(const char* name, __nv_bfloat16* cache, size_t bytes, float* out, int sms);
+
 template <class K, class... Args>
 static void timed(const char* name, K kernel, double bytes, int sms, Args... args) {
   grant_shared_memory(kernel, name);
@@ -326,7 +381,39 @@ static void run_width(const char* name, const __nv_bfloat16* w, size_t bytes, fl
   timed(name, stream<kRows, K>, double(rows / sms) * sms * K * 2, sms, w, rows, out, x_global);
 }
 
-int main() {
+// The cache's rows of B sequences in `bytes`, a split an SM; the queries, the new rows and the
+// partials allocated here (small).
+template <int B, bool kIdle>
+static void run_mla(const char* name, __nv_bfloat16* cache, size_t bytes, float* out, int sms) {
+  const uint32_t ctx = uint32_t(bytes / (size_t(B) * kMlaRow * 2)) / sms * sms;
+  const uint32_t heads = mkc::kMaxMlaHeads;
+  MlaBench a{};
+  a.ctx = ctx;
+  std::vector<__nv_bfloat16> q(size_t(B) * heads * (128 + kMlaRope), __float2bfloat16(0.01f));
+  std::vector<float> absorbed(size_t(B) * heads * kMlaC, 0.01f);
+  std::vector<__nv_bfloat16> ckv(size_t(B) * kMlaC, __float2bfloat16(0.5f)), kpe(size_t(B) * kMlaRope, __float2bfloat16(0.5f));
+  std::vector<int32_t> pos(B, int32_t(ctx - 1));
+  __nv_bfloat16 *dq, *dckv, *dkpe;
+  float *dabs, *dpart;
+  int32_t* dpos;
+  CHECK(cudaMalloc(&dq, q.size() * 2));
+  CHECK(cudaMalloc(&dckv, ckv.size() * 2));
+  CHECK(cudaMalloc(&dkpe, kpe.size() * 2));
+  CHECK(cudaMalloc(&dabs, absorbed.size() * 4));
+  CHECK(cudaMalloc(&dpos, pos.size() * 4));
+  CHECK(cudaMalloc(&dpart, size_t(B) * heads * sms * (2 + kMlaC) * 4));
+  CHECK(cudaMemcpy(dq, q.data(), q.size() * 2, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dckv, ckv.data(), ckv.size() * 2, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dkpe, kpe.data(), kpe.size() * 2, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dabs, absorbed.data(), absorbed.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dpos, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice));
+  a.q = dq, a.absorbed = dabs, a.ckv = dckv, a.kpe = dkpe, a.cache = cache, a.pos = dpos, a.partials = dpart;
+  timed(name, mla_stream<B, kIdle>, double(B) * (ctx - 1) * kMlaRow * 2, sms, a, out);
+  for (void* p : {(void*)dq, (void*)dckv, (void*)dkpe, (void*)dabs, (void*)dpos, (void*)dpart}) CHECK(cudaFree(p));
+}
+
+int main(int argc, char** argv) {
+  const bool mla_only = argc > 1 && std::string(argv[1]) == "mla";
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   // 2 GiB of rows, a multiple of 8 rows per SM.
@@ -357,6 +444,13 @@ int main() {
   std::printf("%d SMs, %u rows of %u bf16, %d pages of %d KiB\n", sms, rows, kK, mkc::kPages, mkc::kPageBytes / 1024);
   for (int round = 0; round < 2; ++round) {  // twice: the first round may run before the clocks settle
   std::printf("round %d\n", round);
+  // The MLA split: the cache as 2 GiB of 576-wide rows (bf16 0x3C3C).
+  const size_t cache_bytes = size_t(rows) * kK * 2;
+  run_mla<1, true>("mla-idle-b1", w, cache_bytes, out, sms);
+  run_mla<1, false>("mla-b1", w, cache_bytes, out, sms);
+  run_mla<8, true>("mla-idle-b8", w, cache_bytes, out, sms);
+  run_mla<8, false>("mla-b8", w, cache_bytes, out, sms);
+  if (mla_only) continue;
   run("rows", stream<kRows>, w, rows, out, sms);
   run("rows-idle", stream<kRowsIdle>, w, rows, out, sms);
   run("packed", stream<kPacked>, w, rows, out, sms);
