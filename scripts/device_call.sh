@@ -21,6 +21,7 @@
 #                  the baseline's where one was carried
 #   racecheck=GROUP compute-sanitizer's racecheck (shared-memory hazards, every one reported) of the
 #                  device-function tests of GROUP (ops_test GROUP: fp8, mla, mx, ...)
+#   ncu=mla        Nsight Compute on ring_bench's MLA split (batch 1 and 8): stalls, memory load
 #   sass=NAME      cuobjdump of library NAME (this checkout's): each function's registers, stack and
 #                  shared memory, and the SASS (gzipped), into the logs
 # The call ends by MKC_CALL_SECONDS (default 570) after it starts: each step's limit is cut to what
@@ -109,7 +110,21 @@ for step in "$@"; do
       "$cuobjdump" -sass "$lib" 2> "$logs/sass_$name.err" | gzip > "$logs/sass_$name.txt.gz"
       note "sass $name rc=$? ($(wc -l < "$logs/sass_${name}_res.txt") lines of resource usage)"
       ;;
-    *) note "unknown step $step (quick, verify, compare[=DIMS], fp8, verify-bench, ring, racecheck=GROUP, sass=NAME)" ;;
+    ncu=mla)
+      # Nsight Compute on ring_bench's MLA split at batch 1 and 8 (a 256 MiB cache: the replays save
+      # and restore it): where its warps stall, the memory system's load.
+      ncu=$(dirname "$(readlink -f "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")/ncu
+      command -v ncu > /dev/null && ncu=$(command -v ncu)
+      for skip in 6 18; do  # each round: mla-idle-b1, mla-b1, mla-idle-b8, mla-b8, six launches each
+        MKC_RING_MIB=256 timeout "$(limit 90)" "$ncu" --kernel-name regex:mla_stream --launch-skip $skip \
+          --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+          --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+          target/device/ring_bench_sm90a mla > "$logs/ncu_mla_skip$skip.txt" 2>&1
+        note "ncu mla (launch $skip) rc=$?"
+        grep -E "Duration|Stall|Issued Warp|No Eligible|Memory Throughput" "$logs/ncu_mla_skip$skip.txt" | head -14
+      done
+      ;;
+    *) note "unknown step $step (quick, verify, compare[=DIMS], fp8, verify-bench, ring[=mla], ncu=mla, racecheck=GROUP, sass=NAME)" ;;
   esac
 done
 tar -czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs"

@@ -33,10 +33,12 @@
 //   mla-idle-bN:  mla_split_load (a bulk copy a row, rows padded in the page), consumers only wait and
 //                 release: the split's loader alone at batch N
 //   mla-bN:       mla_split at batch N (the tensor-core folds), as a split task of the megakernel
-// A measurement, not a test: nothing is asserted; the numbers go in docs/PERFORMANCE.md.
+// A measurement, not a test: nothing is asserted; the numbers go in docs/PERFORMANCE.md. MKC_RING_MIB
+// sets a smaller buffer than 2 GiB (for a profiler, which saves and restores it between replays).
 //
 //   target/device/ring_bench_sm90a [mla]  (on an H200; mla: the MLA variants alone)
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -417,7 +419,10 @@ int main(int argc, char** argv) {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   // 2 GiB of rows, a multiple of 8 rows per SM.
-  const uint32_t rows = uint32_t((size_t(2) << 30) / (kK * 2)) / (8 * sms) * (8 * sms);
+  // MKC_RING_MIB: a smaller buffer (a profiler's replays save and restore it), 2 GiB unless set.
+  const char* mib = std::getenv("MKC_RING_MIB");
+  const size_t buffer = mib != nullptr ? size_t(std::atoi(mib)) << 20 : size_t(2) << 30;
+  const uint32_t rows = uint32_t(buffer / (kK * 2)) / (8 * sms) * (8 * sms);
   __nv_bfloat16* w = nullptr;
   CHECK(cudaMalloc(&w, size_t(rows) * kK * 2));
   // Not zeros: as bf16 0x3C3C (0.011), as MXFP4 codes 0xC and 0x3, scales 2^-67.
