@@ -258,19 +258,16 @@ impl Check<'_> {
 
     fn router(&self, n: NodeId, attrs: &Attrs) -> Lacks {
         let e = self.g.value_type(self.g.operands(n)[0]).elements();
-        let (n_group, top_k) = (attrs.int("n_group"), attrs.int("top_k"));
-        // The choices of every token are staged in the activation area; a
-        // warp's picks wait in the scratch of its group scores.
+        let n_group = attrs.int("n_group");
+        // The choices of every token are staged in the activation area.
         let b = self.batch;
         if !(1..=ROUTER_MAX_GROUPS as i64).contains(&n_group)
             || !e.is_multiple_of(n_group as u64)
             || b * e * 4 > ACTIVATION_BYTES
-            || top_k > ROUTER_MAX_GROUPS as i64
         {
             return Err(format!(
-                "a router over {e} experts in {n_group} groups picking {top_k} at batch {b} (the device router \
-                 takes up to {ROUTER_MAX_GROUPS} equal groups, up to {ROUTER_MAX_GROUPS} picks and batch x experts x \
-                 4 bytes up to {ACTIVATION_BYTES})"
+                "a router over {e} experts in {n_group} groups at batch {b} (the device router takes up to \
+                 {ROUTER_MAX_GROUPS} equal groups and batch x experts x 4 bytes up to {ACTIVATION_BYTES})"
             ));
         }
         Ok(())

@@ -24,18 +24,13 @@ struct RouterShape {
 // The choices of every token at once, all consumer threads, staged in the
 // activation area ([B][experts], B experts x 4 bytes at most
 // kActivationBytes: the planner's limit); then a warp per token ranks the
-// groups (a lane per group, its scores in scratch) and picks the top-k, the
-// tokens side by side (one at a time, batch 8's took eight times one token's
-// rounds). Lane l owns experts l, l + 32, ...: it keeps the best of its own
-// in registers, and a round is two warp reductions (the best choice, then
-// the lowest expert id holding it: ties to the lower id, as a sequential
-// scan) and the winner's owner rescanning its own (no other lane reads them,
-// so a round needs no barrier). The picks wait in scratch, then every pick's
-// weight is its sigmoid, computed again from the logit as the choice was,
-// all the logits' loads at once (a load a round chained a round trip to each
-// of K3's 16 rounds). `log` [B, top_k] receives the ids too: the arena's
-// routing log, which no other stage reuses, so the host can read every
-// router's choice after a step.
+// groups (a lane per group, its scores in scratch) and picks the top-k, k
+// rounds of a warp arg-max (ties to the lower expert id, as a sequential
+// scan), the tokens side by side (one at a time, batch 8's took eight times
+// one token's rounds). A pick's weight is its sigmoid, computed again from
+// the logit as the choice was. `log` [B, top_k] receives the ids too: the
+// arena's routing log, which no other stage reuses, so the host can read
+// every router's choice after a step.
 struct Router {
   RouterShape shape;
   const float* logits;  // [B, experts]
@@ -44,40 +39,19 @@ struct Router {
   float* wts;           // [B, top_k] their weights
   int32_t* log;         // [B, top_k] the routing log's rows of this router
 };
-
-// A float's bits as an unsigned integer of the same order (for redux.sync).
-__device__ __forceinline__ uint32_t ordered_bits(float v) {
-  const uint32_t u = __float_as_uint(v);
-  return (u & 0x80000000u) ? ~u : u | 0x80000000u;
-}
-
-// This lane's best choice of its own experts (lane, lane + 32, ...) and its
-// id, ties to the lower id; -inf and the largest id when it has none left.
-__device__ __forceinline__ void lane_best(const float* ch, uint32_t experts, int lane, float& bv, uint32_t& be) {
-  bv = -INFINITY, be = 0xffffffffu;
-  for (uint32_t e = lane; e < experts; e += 32) {
-    const float v = ch[e];
-    if (v > bv || be == 0xffffffffu) bv = v, be = e;
-  }
-}
-
 template <int B>
 __device__ void router(Router a) {
   const RouterShape& r = a.shape;
   const float* bias = a.bias;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   static_assert(kConsumerWarps * kRouterMaxGroups * sizeof(float) <= size_t(kScratchBytes), "group scores fit scratch");
-  if (size_t(B) * r.experts * sizeof(float) > size_t(kActivationBytes) || r.top_k > kRouterMaxGroups) {
-    __trap();  // the planner's limits
-  }
+  if (size_t(B) * r.experts * sizeof(float) > size_t(kActivationBytes)) __trap();  // the planner's limit
   float* choice = activation_ptr();  // [B][experts]: s + bias, then what is left to pick
   for (uint32_t i = threadIdx.x; i < B * r.experts; i += kConsumerThreads) {
     choice[i] = sigmoid(a.logits[i]) + (bias != nullptr ? bias[i % r.experts] : 0.f);
   }
   consumer_sync();
-  // This warp's scratch: the group scores, then the picks' ids.
   float* group_score = reinterpret_cast<float*>(scratch_ptr()) + warp * kRouterMaxGroups;
-  uint32_t* pick = reinterpret_cast<uint32_t*>(group_score);
   const uint32_t per = r.experts / r.n_group;
   for (uint32_t b = warp; b < uint32_t(B); b += kConsumerWarps) {
     float* ch = choice + size_t(b) * r.experts;
@@ -102,44 +76,42 @@ __device__ void router(Router a) {
           if (!(k >> g & 1) && (best < 0 || group_score[g] > group_score[best])) best = int(g);
         k |= 1ull << best;
       }
-      __syncwarp();  // every lane has read the group scores before the picks take their place
       // Experts of dropped groups compete with choice 0.
       for (uint32_t e = lane; e < r.experts; e += 32)
         if (!(k >> (e / per) & 1)) ch[e] = 0.f;
+      __syncwarp();
     }
-    float bv;
-    uint32_t be;
-    lane_best(ch, r.experts, lane, bv, be);
-    for (uint32_t t = 0; t < r.top_k; ++t) {
-      const uint32_t top = __reduce_max_sync(0xffffffffu, ordered_bits(bv));
-      const uint32_t won = __reduce_min_sync(0xffffffffu, ordered_bits(bv) == top ? be : 0xffffffffu);
-      if (lane == 0) pick[t] = won;
-      if (won % 32 == uint32_t(lane)) {  // the owner: the pick leaves the race
-        ch[won] = -INFINITY;
-        lane_best(ch, r.experts, lane, bv, be);
-      }
-    }
-    __syncwarp();
-    // The weights: a lane a pick (top_k <= 64: two at most).
-    uint32_t id[2];
-    float w[2] = {0.f, 0.f};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t t = lane + 32 * h;
-      if (t < r.top_k) id[h] = pick[t], w[h] = sigmoid(lg[id[h]]);
-    }
-    const float sum = warp_sum(w[0] + w[1]);
     int32_t* my_ids = a.ids + size_t(b) * r.top_k;
     float* my_w = a.wts + size_t(b) * r.top_k;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t t = lane + 32 * h;
-      if (t >= r.top_k) continue;
-      my_ids[t] = int32_t(id[h]);
-      a.log[size_t(b) * r.top_k + t] = int32_t(id[h]);
-      my_w[t] = (r.renormalize ? w[h] / (sum + 1e-20f) : w[h]) * r.scale;
+    float sum = 0.f;
+    for (uint32_t t = 0; t < r.top_k; ++t) {
+      float bv = -INFINITY;
+      int be = INT_MAX;
+      for (uint32_t e = lane; e < r.experts; e += 32) {
+        const float v = ch[e];
+        if (v > bv || (v == bv && int(e) < be)) bv = v, be = int(e);
+      }
+      for (int off = 16; off > 0; off /= 2) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const int oe = __shfl_xor_sync(0xffffffffu, be, off);
+        if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
+      }
+      // Every lane holds the same winner; a picked expert leaves the race.
+      const float w = sigmoid(lg[be]);
+      sum += w;
+      if (lane == 0) {
+        my_ids[t] = be;
+        a.log[size_t(b) * r.top_k + t] = be;
+        my_w[t] = w;
+      }
+      __syncwarp();
+      if (lane == 0) ch[be] = -INFINITY;
+      __syncwarp();
     }
-    __syncwarp();  // the picks are read before the next token's group scores
+    for (uint32_t t = lane; t < r.top_k; t += 32) {
+      const float w = my_w[t];
+      my_w[t] = (r.renormalize ? w / (sum + 1e-20f) : w) * r.scale;
+    }
   }
   consumer_sync();
 }
