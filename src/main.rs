@@ -106,7 +106,8 @@ enum Command {
         #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=MAX_CONTEXT))]
         context: u64,
         /// GPUs the routed experts are sharded over: plan one GPU's share
-        /// (its experts, every other weight); communication is not modelled.
+        /// (its experts, every other weight) and, after each MoE layer, the
+        /// exchange that adds the GPUs' parts.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_EXPERT_PARALLEL as i64))]
         expert_parallel: u32,
         /// Write the plan as YAML.
@@ -361,8 +362,9 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                         out,
                         "assumptions: one GPU of {expert_parallel}: each MoE layer's routed experts sharded over them \
                          (this GPU holds 1/{expert_parallel}, with that share of the distinct experts a step selects \
-                         under uniform routing); every other weight and all state replicated on each GPU; expert \
-                         dispatch/combine communication not modelled"
+                         under uniform routing); every other weight and all state replicated on each GPU; after each \
+                         MoE layer, its partial sums sent to every other GPU and the GPUs' parts added (an exchange's \
+                         send and reduce stages, at the target's nvlink_bandwidth and nvlink_latency_ns)"
                     )?;
                 }
                 let spec = speculative.map(|tokens| plan::estimate::Speculation { tokens, acceptance });

@@ -33,6 +33,8 @@ enum Opcode : uint16_t {
   kArgmax,
   kElementwise,
   kMlaAbsorb,
+  kExchangeSend,
+  kExchangeReduce,
 };
 
 // What a debug build reports instead of hanging.

@@ -81,6 +81,9 @@ pub enum Block {
     ExpertAct,
     /// Routed experts: the down projection's rows, `[batch][slots][hidden]` fp32.
     ExpertDown,
+    /// Routed experts sharded over GPUs: this GPU's part of their weighted
+    /// sum, `[batch][hidden]` fp32, which the exchange sends and adds.
+    ExpertPart,
 }
 
 /// A block of the arena.
@@ -424,8 +427,12 @@ impl Layout<'_> {
                     .find(|n| op_kind(g, *n) == Some(OpKind::Moe))
                     .ok_or_else(|| bug(format!("fused operation {} has no MoE node", op.id)))?;
                 let ops = g.operands(n);
-                let [up, down, combine] = stages[..] else {
-                    return Err(bug(format!("fused operation {} is not three expert stages", op.id)));
+                // Sharded over GPUs (`--expert-parallel`), the combine writes
+                // this GPU's part, which the exchange's two stages read.
+                let (up, down, combine, exchange) = match stages[..] {
+                    [up, down, combine] => (up, down, combine, None),
+                    [up, down, combine, send, reduce] => (up, down, combine, Some((send, reduce))),
+                    _ => return Err(bug(format!("fused operation {} is not three or five expert stages", op.id))),
                 };
                 let w = g.value_type(ops[3]);
                 let (e, i, d) = (w.shape[0], w.shape[1], w.shape[2]);
@@ -448,6 +455,10 @@ impl Layout<'_> {
                 self.reads[up] = reads.iter().copied().filter(|v| *v != wts).collect();
                 self.reads[down] = vec![ids];
                 self.reads[combine] = vec![ids, wts];
+                if exchange.is_some() {
+                    let part = self.size(combine, "this GPU's part of the experts' sum", &[self.batch, d, 4])?;
+                    self.reserve(combine, Block::ExpertPart, part)?;
+                }
             }
             FusedKind::Router => {
                 let NodeKind::Op { attrs, .. } = &g.node(anchor).kind else { unreachable!("an op") };

@@ -8,13 +8,12 @@
 //! dispatch), its own experts' share of the routed tokens, and adds its
 //! partial routed output to the others' in one all-reduce per MoE layer: the
 //! step's only exchange. One GPU's work is the plan at `--expert-parallel G`
-//! (its experts and the expected share of the distinct ones a step selects);
-//! the all-reduce costs, per MoE layer, the cheaper of one exchange that
-//! sends the partial sums to every other GPU (`(G - 1) x batch x width` fp32
-//! out of each GPU) and a reduce-scatter and all-gather (two exchanges of `2
-//! (G - 1) / G x batch x width` fp32; the width is the experts' output, K3's
-//! latent), at the target's NVLink bandwidth and
-//! latency per exchange.
+//! (its experts and the expected share of the distinct ones a step selects),
+//! the all-reduces planned in it (`tile::Exchange`): per MoE layer one
+//! exchange that sends the partial sums to every other GPU (`(G - 1) x batch
+//! x width` fp32 out of each GPU; the width is the experts' output, K3's
+//! latent) at the target's NVLink bandwidth, shared by the send tasks, and
+//! its latency.
 //!
 //! Beside it, the tensor-parallel placement ([`TensorParallel`]) from bytes
 //! alone: the planner does not split an operation's heads or rows over GPUs
@@ -43,13 +42,16 @@ pub struct MultiEstimate {
     pub per_gpu: Estimate,
     /// MoE layers: one all-reduce each.
     pub moe_layers: u64,
-    /// Bytes each all-reduce moves out of one GPU, the cheaper form's.
+    /// Bytes each all-reduce moves out of one GPU (each GPU's part to every
+    /// other GPU: the planned exchange).
     pub exchange_bytes: u64,
-    /// Exchanges (latencies) each all-reduce takes, the cheaper form's.
+    /// Exchanges (latencies) each all-reduce takes.
     pub exchanges: u64,
-    /// The exchanges of a step.
+    /// The planned exchanges' time in the step: each MoE layer's, from its
+    /// first send to its last reduce, summed (partly overlapped by other
+    /// work, so not all of it is on the critical path).
     pub comm_us: f64,
-    /// One GPU's step with its exchanges.
+    /// One GPU's step, its planned exchanges included.
     pub step_us: f64,
     /// Tokens per second per user.
     pub tokens_per_s: f64,
@@ -99,7 +101,7 @@ fn in_one_domain(target: &Target, gpus: u32) -> Result<()> {
 }
 
 /// The estimate on `gpus` GPUs of `p`, one GPU's plan (planned with
-/// `expert_parallel` = `gpus`), with the exchanges added.
+/// `expert_parallel` = `gpus`, its exchanges planned).
 pub fn estimate_of(p: &Plan, target: &Target, gpus: u32) -> Result<MultiEstimate> {
     in_one_domain(target, gpus)?;
     let batch = p.options.batch;
@@ -123,10 +125,27 @@ pub fn estimate_of(p: &Plan, target: &Target, gpus: u32) -> Result<MultiEstimate
             _ => other += t.weight_bytes,
         }
     }
-    let reduce = all_reduce(target, gpus, u64::from(batch) * hidden * 4);
-    let comm_us = moe_layers as f64 * reduce.ns / 1e3;
-    let step_us = per_gpu.step_us + comm_us;
-    let shape = Shape { gpus, hidden, layers, stages: p.tiling.stages.len() as u64, routed, other };
+    // The plan has each MoE layer's all-reduce as an exchange's send and
+    // reduce stages (`tile::Exchange`: each GPU's part sent to every other
+    // GPU, one exchange), in its step already; their time is from the first
+    // send to the last reduce, each.
+    let mut spans: Vec<(f64, f64)> = vec![(f64::INFINITY, 0.0); p.tiling.stages.len()];
+    for i in p.schedule.sms.iter().flatten() {
+        let stage = &p.tiling.stages[i.stage];
+        if let Some(x) = stage.exchange {
+            let span = &mut spans[x.send];
+            *span = (span.0.min(i.start_ns), span.1.max(i.end_ns));
+        }
+    }
+    let comm_us = spans.iter().filter(|s| s.1 > 0.0).map(|s| (s.1 - s.0) / 1e3).sum::<f64>();
+    let step_us = per_gpu.step_us;
+    let values = u64::from(batch) * hidden * 4;
+    let reduce =
+        AllReduce { bytes: u64::from(gpus.saturating_sub(1)) * values, exchanges: u64::from(gpus > 1), ns: 0.0 };
+    // The tensor-parallel estimate's chain of stages: the one-GPU program's
+    // (its own all-reduces are counted apart).
+    let stages = p.tiling.stages.iter().filter(|s| s.exchange.is_none()).count() as u64;
+    let shape = Shape { gpus, hidden, layers, stages, routed, other };
     let tensor_parallel = tensor_parallel(&per_gpu, target, shape);
     Ok(MultiEstimate {
         gpus,
@@ -231,9 +250,10 @@ pub fn assumptions(target: &Target, gpus: u32) -> String {
     format!(
         "assumptions ({gpus} GPUs of one {} NVLink domain): each MoE layer's routed experts sharded {gpus} ways; every \
          other weight, all state and every sequence's attention, dense layers, shared experts and router on every GPU; \
-         one all-reduce of the routed experts' partial sums per MoE layer at {:.0} GB/s per GPU and {:.1} us per \
-         exchange (nvlink_bandwidth, nvlink_latency_ns); tensor parallelism, the batch split and overlap of the \
-         exchanges with the weights not modelled; no speculative decoding unless --speculative says so",
+         one all-reduce of the routed experts' partial sums per MoE layer, planned as an exchange (each GPU's part \
+         to every other GPU) at {:.0} GB/s per GPU and {:.1} us per exchange (nvlink_bandwidth, nvlink_latency_ns); \
+         tensor parallelism (estimated from bytes) and the batch split not planned; no speculative decoding unless \
+         --speculative says so",
         target.name,
         target.nvlink_bandwidth / 1e9,
         target.nvlink_latency_ns / 1e3
@@ -289,11 +309,11 @@ pub fn render(m: &MultiEstimate) -> String {
     let e = &m.per_gpu;
     let _ = writeln!(
         s,
-        "batch {} on {} GPUs: one GPU's step {:.1} us ({:.0}% of its floor {:.1} us) + {} all-reduces of {} \
-         ({} exchange{} each) {:.1} us = {:.1} us, {:.1} tokens/s per user",
+        "batch {} on {} GPUs: one GPU's step {:.1} us ({:.0}% of its floor {:.1} us), its {} planned all-reduces \
+         (each {} out of a GPU in {} exchange{}) spanning {:.1} us of it, {:.1} tokens/s per user",
         e.batch,
         m.gpus,
-        e.step_us,
+        m.step_us,
         100.0 * e.fraction_of_floor,
         e.floor_us,
         m.moe_layers,
@@ -301,7 +321,6 @@ pub fn render(m: &MultiEstimate) -> String {
         m.exchanges,
         if m.exchanges == 1 { "" } else { "s" },
         m.comm_us,
-        m.step_us,
         m.tokens_per_s
     );
     let t = &m.tensor_parallel;

@@ -111,6 +111,13 @@ pub struct Counter {
     pub stage: usize,
     /// Bumps per step.
     pub expected: u32,
+    /// Bumped by the other GPUs of an expert-parallel plan: their tasks of
+    /// `stage` (an exchange's send stage), one bump each on every other GPU,
+    /// so `expected` is the stage's tasks times the other GPUs. Every GPU runs
+    /// the same plan, so a wait for all of them is a wait for that stage on
+    /// every other GPU.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub remote: bool,
 }
 
 /// The schedule of one decode step.
@@ -139,6 +146,18 @@ pub struct Schedule {
 /// buffer's previous region (write after read).
 pub fn needs(tiling: &Tiling) -> Vec<Vec<usize>> {
     let mut need: Vec<Vec<usize>> = tiling.stages.iter().map(|s| s.reads.clone()).collect();
+    // An exchange's sends write the half of the other GPUs' inboxes that the
+    // exchange before the last one used: every send after every reduce of the
+    // exchange before it, whose wait saw the other GPUs' sends of that one,
+    // each after their reduces of the one before (`verify`).
+    let mut reduce_before: Option<usize> = None;
+    for s in &tiling.stages {
+        match s.kind {
+            TaskKind::ExchangeSend => need[s.id].extend(reduce_before),
+            TaskKind::ExchangeReduce => reduce_before = Some(s.id),
+            _ => {}
+        }
+    }
     let mut last_in_buffer: Vec<Option<usize>> = vec![None; tiling.buffers.len()];
     for r in &tiling.regions {
         if let Some(prev) = last_in_buffer[r.buffer] {
@@ -206,9 +225,21 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     // the H200 were placed; the predicted times (below) by their consumers'
     // decode, which bounds them.
     let mx_ns = mx_decode_cycles(opts.batch) / target.clock_ghz;
+    // An exchange's send tasks share this GPU's links to the others: a task's
+    // tile to each other GPU at the link's bandwidth over the stage's tasks.
+    let link_per_ns = target.nvlink_bandwidth / 1e9;
+    let link = |t: usize| {
+        let stage = &tiling.stages[tiling.tasks[t].stage];
+        match (stage.kind, stage.exchange) {
+            (TaskKind::ExchangeSend, Some(x)) => {
+                (x.tile_bytes * u64::from(x.ranks - 1)) as f64 * stage.tasks.len() as f64 / link_per_ns
+            }
+            _ => 0.0,
+        }
+    };
     let compute = |t: usize| {
         let task = &tiling.tasks[t];
-        overhead + task.act_bytes as f64 / bw_sm + task.flops as f64 / rate
+        overhead + task.act_bytes as f64 / bw_sm + task.flops as f64 / rate + link(t)
     };
     let mla_rate = MLA_SPLIT_FLOPS_PER_CYCLE * target.clock_ghz; // FLOPs per ns
     let predicted = |t: usize| {
@@ -220,7 +251,7 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
         } else {
             task.flops as f64 / rate
         };
-        overhead + task.act_bytes as f64 / bw_sm + math
+        overhead + task.act_bytes as f64 / bw_sm + math + link(t)
     };
     let load = |t: usize| {
         let task = &tiling.tasks[t];
@@ -234,7 +265,13 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     let mut cp = vec![0f64; tiling.stages.len()];
     let mut placed: Vec<(usize, usize)> = Vec::with_capacity(tiling.tasks.len()); // (task, SM), in placement order
                                                                                   // When a stage's dependencies are met, given when each stage finishes.
-    let ready = |finish: &[f64], s: usize| need[s].iter().map(|r| finish[*r] + sync).fold(0f64, f64::max);
+                                                                                  // An exchange's reduce also waits for the other GPUs' sends, which end
+                                                                                  // when this GPU's do (the same plan), and one link latency later arrive.
+    let remote = |finish: &[f64], s: usize| match (tiling.stages[s].kind, tiling.stages[s].exchange) {
+        (TaskKind::ExchangeReduce, Some(x)) => finish[x.send] + target.nvlink_latency_ns,
+        _ => 0.0,
+    };
+    let ready = |finish: &[f64], s: usize| need[s].iter().map(|r| finish[*r] + sync).fold(remote(finish, s), f64::max);
     for stage in &tiling.stages {
         let (ready_t, cp_ready) = (ready(&finish, stage.id), ready(&cp, stage.id));
         let mut order: Vec<usize> = stage.tasks.clone();
@@ -288,8 +325,23 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
         (i.load_start_ns, i.start_ns, i.end_ns) = times[i.task];
     }
     assign_waits(tiling, &need, &mut lists)?;
-    let counters: Vec<Counter> =
-        tiling.stages.iter().map(|s| Counter { id: s.id, stage: s.id, expected: s.tasks.len() as u32 }).collect();
+    let mut counters: Vec<Counter> = tiling
+        .stages
+        .iter()
+        .map(|s| Counter { id: s.id, stage: s.id, expected: s.tasks.len() as u32, remote: false })
+        .collect();
+    // Each exchange's remote counter, after the stages' own; every reduce task
+    // waits for all its bumps (nothing on this GPU implies them).
+    for s in &tiling.stages {
+        if let (TaskKind::ExchangeReduce, Some(x)) = (s.kind, s.exchange) {
+            let expected = tiling.stages[x.send].tasks.len() as u32 * (x.ranks - 1);
+            let id = counters.len();
+            counters.push(Counter { id, stage: x.send, expected, remote: true });
+            for i in lists.iter_mut().flatten().filter(|i| i.stage == s.id) {
+                i.waits.push(Wait { counter: id, target: expected });
+            }
+        }
+    }
     // The loader runs ahead of the controller's waits: an expert stage's
     // loader waits for the router stage it reads, whole.
     let load_waits = tiling

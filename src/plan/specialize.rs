@@ -132,6 +132,7 @@ pub fn specialize(tiling: &Tiling, target: &Target, opts: Options) -> Result<War
                 | TaskKind::Embedding
                 | TaskKind::ExpertCombine
                 | TaskKind::Elementwise => (4, 2, "activations"),
+                TaskKind::ExchangeSend | TaskKind::ExchangeReduce => (4, 2, "the GPUs' partial sums"),
             };
             KindPlan { kind, compute_warps, ring_depth, streams }
         })

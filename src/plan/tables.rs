@@ -12,7 +12,7 @@ use super::tile::TaskKind;
 use super::Plan;
 
 /// Every task kind, in opcode order.
-pub const OPCODES: [TaskKind; 14] = [
+pub const OPCODES: [TaskKind; 16] = [
     TaskKind::ProjectionRows,
     TaskKind::MlaSplit,
     TaskKind::MlaCombine,
@@ -27,6 +27,8 @@ pub const OPCODES: [TaskKind; 14] = [
     TaskKind::Argmax,
     TaskKind::Elementwise,
     TaskKind::MlaAbsorb,
+    TaskKind::ExchangeSend,
+    TaskKind::ExchangeReduce,
 ];
 
 /// The device opcode of a task kind.

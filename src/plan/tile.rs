@@ -69,6 +69,12 @@ pub enum TaskKind {
     /// MLA's queries absorbed into the latent space for some heads (W_UK
     /// streamed once a step for every KV split).
     MlaAbsorb,
+    /// A tile of this GPU's partial sums written to every other GPU of an
+    /// expert-parallel plan (each GPU's counter of the exchange bumped after).
+    ExchangeSend,
+    /// A tile of the sum of every GPU's partial sums, once the other GPUs'
+    /// tiles have arrived.
+    ExchangeReduce,
 }
 
 /// One unit of work, run by one SM.
@@ -212,6 +218,29 @@ pub struct Stage {
     /// blocks; `mla_fold_mma`), else on the CUDA cores.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub mla_tensor_cores: bool,
+    /// The exchange between GPUs an `ExchangeSend` or `ExchangeReduce` stage
+    /// takes part in.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exchange: Option<Exchange>,
+}
+
+/// An all-reduce between the GPUs of an expert-parallel plan
+/// (`--expert-parallel G`), after each MoE operation's combine: every GPU
+/// runs the same plan on the same tokens with its share of the experts, and
+/// the sum of the GPUs' partial outputs is the operation's output on every
+/// GPU. In one exchange each send task writes its tile of this GPU's partial
+/// sums into every other GPU's inbox (the half of the exchange's parity) and
+/// bumps that GPU's counter of the exchange (a remote counter, `Counter::
+/// remote`); each reduce task waits for the other GPUs' bumps, all of them,
+/// and adds the GPUs' tiles in rank order (the same sum on every GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Exchange {
+    /// GPUs taking part, each running this plan.
+    pub ranks: u32,
+    /// The exchange's send stage (whose tasks bump the other GPUs' counter).
+    pub send: usize,
+    /// Bytes a send task writes to each other GPU.
+    pub tile_bytes: u64,
 }
 
 /// A buffer of the scratch arena holding one stage's results for one step.
@@ -328,7 +357,16 @@ impl Builder<'_> {
             });
             ids.push(tid);
         }
-        self.stages.push(Stage { id, op, kind, tasks: ids, reads, mla_split: None, mla_tensor_cores: false });
+        self.stages.push(Stage {
+            id,
+            op,
+            kind,
+            tasks: ids,
+            reads,
+            mla_split: None,
+            mla_tensor_cores: false,
+            exchange: None,
+        });
         self.out_bytes.push(0);
         id
     }
@@ -621,7 +659,9 @@ impl Builder<'_> {
         self.add_stage(op, TaskKind::AttnRes, reads, parts)
     }
 
-    fn moe(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>) -> (usize, usize, usize) {
+    /// The expert stages: gate/up, down and combine, and with the experts
+    /// sharded over GPUs, the exchange's send and reduce stages.
+    fn moe(&mut self, op: usize, nodes: &[usize], reads: Vec<usize>) -> Vec<usize> {
         let g = self.g;
         let n = nodes.iter().copied().find(|n| op_of(g, *n) == Some(OpKind::Moe)).expect("moe anchor");
         let wg = self.weight_of(n, 3);
@@ -710,7 +750,32 @@ impl Builder<'_> {
             })
             .collect();
         let combine = self.add_stage(op, TaskKind::ExpertCombine, [vec![down], reads].concat(), parts);
-        (up, down, combine)
+        if ep == 1 {
+            return vec![up, down, combine];
+        }
+        // Sharded over GPUs, the combine's sums are this GPU's part; one
+        // exchange (`Exchange`) adds the GPUs' parts in tiles of the combine's.
+        self.out_bytes[combine] = d * 4 * b;
+        let tile = |t: u64| (t * d / tiles, (t + 1) * d / tiles);
+        let parts = |reduce: bool| {
+            (0..tiles)
+                .map(|t| {
+                    let (c0, c1) = tile(t);
+                    let bytes = (c1 - c0) * 4 * b;
+                    // A send reads its tile; a reduce reads every GPU's and writes the sum.
+                    let act = if reduce { (ep + 1) * bytes } else { bytes };
+                    let args = TaskArgs::Tile { tile: t as u32, tiles: tiles as u32 };
+                    (format!("cols {t}/{tiles}"), 0, act, 0, if reduce { ep * (c1 - c0) * b } else { 0 }, args)
+                })
+                .collect::<Vec<Part>>()
+        };
+        let send = self.add_stage(op, TaskKind::ExchangeSend, vec![combine], parts(false));
+        let reduce = self.add_stage(op, TaskKind::ExchangeReduce, vec![combine], parts(true));
+        let tile_bytes = tile(0).1 * 4 * b;
+        for s in [send, reduce] {
+            self.stages[s].exchange = Some(Exchange { ranks: ep as u32, send, tile_bytes });
+        }
+        vec![up, down, combine, send, reduce]
     }
 }
 
@@ -748,7 +813,7 @@ pub fn tile(v: &Validated, fusion: &Fusion, target: &Target, opts: Options) -> R
                 bld.mla(op.id, nodes, reads, gate_reads).2
             }
             FusedKind::KdaDecode => bld.kda(op.id, nodes, reads),
-            FusedKind::Moe => bld.moe(op.id, nodes, reads).2,
+            FusedKind::Moe => *bld.moe(op.id, nodes, reads).last().expect("expert stages"),
             FusedKind::Router => {
                 let e = nodes.iter().map(|n| g.value_type(g.operands(node(g, *n))[0]).elements()).max().unwrap_or(1);
                 bld.single(op.id, nodes, reads, TaskKind::Router, 0, 8 * e * bld.b())

@@ -19,7 +19,18 @@
 //! - write after read and write after write: a task writing a buffer runs
 //!   after every reader and the writer of the region the buffer held before;
 //! - every routed expert stage's loader waits for its router's whole stage
-//!   before reading the ids, and no other stage's loader waits.
+//!   before reading the ids, and no other stage's loader waits;
+//! - across GPUs (an expert-parallel plan, every GPU running it): a remote
+//!   counter is bumped by an exchange's send stage on each other GPU, once a
+//!   task (its expected count is that, and no task here bumps it); every
+//!   task of the exchange's reduce waits for all of it before reading its
+//!   inbox (a wait on an earlier stage, so no deadlock: by induction over the
+//!   stages, every GPU completes each one); and every send follows every
+//!   reduce of the exchange before it, so that a send overwrites an inbox half
+//!   (the exchange before the last one's) only once the other GPUs' reduces
+//!   of it are done: they came before those GPUs' sends of the exchange
+//!   before, which the reduce before this send waited for. A wait on a remote
+//!   counter orders nothing on this GPU.
 //!
 //! [`arena`] checks the arena layout: each block inside its region's buffer,
 //! blocks of a region disjoint, and every value a stage reads written by a
@@ -75,6 +86,22 @@ pub fn verify(fusion: &Fusion, tiling: &Tiling, schedule: &Schedule) -> Result<P
             }
             last_stage = ins.stage;
             signals[ins.signal] += 1;
+            if let (TaskKind::ExchangeReduce, Some(x)) =
+                (tiling.stages[ins.stage].kind, tiling.stages[ins.stage].exchange)
+            {
+                let waits_all = ins.waits.iter().any(|w| {
+                    schedule
+                        .counters
+                        .get(w.counter)
+                        .is_some_and(|c| c.remote && c.stage == x.send && w.target == c.expected)
+                });
+                if !waits_all {
+                    return Err(bug(format!(
+                        "{} reads its inbox without waiting for every other GPU's sends of the exchange",
+                        name(ins.task)
+                    )));
+                }
+            }
             for w in &ins.waits {
                 let c = schedule
                     .counters
@@ -123,6 +150,23 @@ pub fn verify(fusion: &Fusion, tiling: &Tiling, schedule: &Schedule) -> Result<P
         }
     }
     for c in &schedule.counters {
+        if c.remote {
+            let send = &tiling.stages[c.stage];
+            let ok = match (send.kind, send.exchange) {
+                (TaskKind::ExchangeSend, Some(x)) => {
+                    signals[c.id] == 0 && c.expected == send.tasks.len() as u32 * x.ranks.saturating_sub(1)
+                }
+                _ => false,
+            };
+            if !ok {
+                return Err(bug(format!(
+                    "remote counter {} expects {} bumps per step from stage {} ({:?}), which does not send them, \
+                     or tasks of this GPU bump it ({})",
+                    c.id, c.expected, c.stage, send.kind, signals[c.id]
+                )));
+            }
+            continue;
+        }
         if signals[c.id] != c.expected {
             return Err(bug(format!(
                 "counter {} expects {} bumps per step but {} tasks bump it",
@@ -162,6 +206,22 @@ pub fn verify(fusion: &Fusion, tiling: &Tiling, schedule: &Schedule) -> Result<P
         }
         tenant[r.buffer] = Some(r.id);
     }
+    let mut reduce_before: Option<usize> = None;
+    for s in &tiling.stages {
+        match s.kind {
+            TaskKind::ExchangeSend => {
+                if let Some(r) = reduce_before {
+                    must[s.id].push((
+                        r,
+                        "overwrites the other GPUs' inbox half their reduce two exchanges back reads, \
+                                        ordered only after every reduce of",
+                    ));
+                }
+            }
+            TaskKind::ExchangeReduce => reduce_before = Some(s.id),
+            _ => {}
+        }
+    }
 
     // Clocks, in stage order (a topological order, checked above).
     let mut order: Vec<usize> = (0..tiling.tasks.len()).collect();
@@ -175,7 +235,8 @@ pub fn verify(fusion: &Fusion, tiling: &Tiling, schedule: &Schedule) -> Result<P
         let mut clock = sm_clock[m].clone();
         for w in &ins.waits {
             waits += 1;
-            if w.target == schedule.counters[w.counter].expected {
+            let c = &schedule.counters[w.counter];
+            if w.target == c.expected && !c.remote {
                 for (x, y) in clock.iter_mut().zip(&counter_clock[w.counter]) {
                     *x = (*x).max(*y);
                 }

@@ -135,6 +135,8 @@ fn what(kind: TaskKind) -> &'static str {
         LmHeadRows => "rows",
         Argmax => "argmax",
         Elementwise => "element-wise",
+        ExchangeSend => "send to GPUs",
+        ExchangeReduce => "sum of GPUs",
     }
 }
 
