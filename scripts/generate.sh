@@ -2,8 +2,9 @@
 # Regenerates generated/ from the model graphs: the tiny configs and the full
 # 93-layer K3 and the full K2 (FP8, as released) for every target, Kimi
 # Linear's full config, K2's per-layer-dims config and its tiny config in FP8
-# for the H200, and speculative verify steps of K2 and K3 (tiny, and the full
-# K3 for the GB300). With --check (CI), fails if anything
+# for the H200, speculative verify steps of K2 and K3 (tiny, and the full
+# K3 for the GB300), and expert-parallel programs of K2 and K3 tiny (one GPU
+# of two). With --check (CI), fails if anything
 # differs from what is committed, then compiles every generated program with
 # nvcc for its target, reporting each one's time and peak memory. The sources
 # are formatted with the pinned clang-format (templates/clang-format).
@@ -43,6 +44,13 @@ gen kimi_k2 test_2l16e.json h200 kimi_k2_dims_2l16e_h200
 gen kimi_k2 tiny.json h200 kimi_k2_tiny_b2_t4_h200 --batch 2 --positions 4
 gen kimi_k3 tiny.json h200 kimi_k3_tiny_b2_t4_h200 --batch 2 --positions 4
 gen kimi_k3 config.json gb300 kimi_k3_t4_gb300 --positions 4 --ignore-capacity
+# One GPU's program of two (`--expert-parallel 2`: the routed experts sharded, each MoE layer's
+# parts exchanged), K2 tiny for every target and K3 tiny for the H200: compiled here; the runtime
+# launches one GPU so far.
+for target in h200 b200 gb300; do
+  gen kimi_k2 tiny.json "$target" "kimi_k2_tiny_ep2_${target}" --expert-parallel 2
+done
+gen kimi_k3 tiny.json h200 kimi_k3_tiny_ep2_h200 --expert-parallel 2
 if [ "${1:-}" = "--check" ]; then
   untracked=$(git ls-files --others --exclude-standard -- generated)
   if ! git diff --quiet HEAD -- generated || [ -n "$untracked" ]; then

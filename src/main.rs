@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 
 use mkc::config::Config;
+use mkc::contract::MAX_RANKS;
 use mkc::lower::Limits;
 use mkc::sizes::{graph_sizes, Resident, MAX_EXPERT_PARALLEL};
 use mkc::target::Target;
@@ -169,6 +170,13 @@ enum Command {
         /// Context length the attention work is sized for.
         #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=MAX_CONTEXT))]
         context: u64,
+        /// GPUs the routed experts are sharded over: the program of one GPU
+        /// of them (each runs it with its share of every MoE layer's experts
+        /// and exchanges its part of the layer's output with the others).
+        /// The runtime launches one GPU so far: such a program compiles, and
+        /// loading it says so.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_RANKS as i64))]
+        expert_parallel: u32,
         /// The output folder (created if missing).
         #[arg(short, long)]
         out: PathBuf,
@@ -466,6 +474,7 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
             batch,
             positions,
             context,
+            expert_parallel,
             out: folder,
             tables_only,
             ignore_capacity,
@@ -484,23 +493,23 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<ExitCode, Stop> {
                 return Err(plain(&e).into());
             }
             let batch = batch * positions;
-            let opts = plan::Options { batch, context, positions, ..Default::default() };
+            let opts = plan::Options { batch, context, positions, expert_parallel };
             let p = plan::plan(&v, &t, opts).map_err(|e| render(&e))?;
-            let resident = Resident::of_plan(graph_sizes(&v, batch.into(), context, 1), &p, t.sms);
+            let resident = Resident::of_plan(graph_sizes(&v, batch.into(), context, expert_parallel.into()), &p, t.sms);
             if !ignore_capacity && !resident.fits(t.hbm_bytes) {
                 // The program is written (the full K3 is the product; generated/ holds it and CI compiles
-                // it); that one GPU cannot hold the model is said, with the degree that would fit. The
-                // several-GPU program (experts sharded) is not generated yet, so no option is offered.
+                // it); that one GPU cannot hold the model is said, with the degree that would fit.
                 let shard = match resident.expert_parallel_that_fits(&v, t.hbm_bytes) {
-                    Some(n) => {
-                        format!("; its experts sharded over {n} GPUs would fit, which codegen does not generate yet")
+                    Some(n) if n > expert_parallel => {
+                        format!("; its experts sharded over {n} GPUs would fit (--expert-parallel {n})")
                     }
-                    None => String::new(),
+                    _ => String::new(),
                 };
+                let share = if expert_parallel > 1 { "one GPU's share of" } else { "every expert included in" };
                 eprint!(
                     "warning[mkc::limit]: the model does not fit one {}: {} resident > {} HBM (batch {batch}, \
-                     context {context}){shard}\n  = note: the one-GPU program is written, every expert included; \
-                     it will not load on one {}. --ignore-capacity silences this warning\n",
+                     context {context}, --expert-parallel {expert_parallel}){shard}\n  = note: the program is \
+                     written, {share} it; it will not load on one {}. --ignore-capacity silences this warning\n",
                     t.name,
                     report::bytes(resident.total()),
                     report::bytes(t.hbm_bytes),

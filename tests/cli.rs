@@ -129,11 +129,43 @@ fn codegen_writes_the_full_k3_and_says_what_does_not_fit() {
     let err = stderr(&o);
     assert!(err.starts_with("warning[mkc::limit]: the model does not fit one h200"), "{err}");
     assert!(err.contains("--ignore-capacity"), "{err}");
-    // The degree that would fit is said; codegen has no option for it yet, so none is offered.
-    assert!(err.contains("its experts sharded over") && !err.contains("(--expert-parallel"), "{err}");
+    // The degree that would fit is said, as the option that makes that program.
+    assert!(err.contains("its experts sharded over") && err.contains("(--expert-parallel "), "{err}");
     // --ignore-capacity silences the warning.
     let o = run(&["codegen", &k3(), "--target", "h200", "--ignore-capacity", "-o", out.to_str().unwrap()]);
     assert!(o.status.success() && !stderr(&o).contains("warning"), "{}", stderr(&o));
+}
+
+/// `codegen --expert-parallel G` writes one GPU's program of G: its share of
+/// each MoE layer's experts from its rank, an exchange after each layer; a
+/// degree that does not divide the experts, or past the device's peer
+/// tables, is refused by name.
+#[test]
+fn codegen_expert_parallel_writes_one_gpus_program() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("k2ep");
+    let graph = root("model_graphs/kimi_k2/graph.mkc").display().to_string();
+    let config = root("model_graphs/kimi_k2/tiny.json").display().to_string();
+    let args = ["codegen", &graph, "--config", &config, "--target", "h200", "--expert-parallel", "2", "-o"];
+    let o = run(&[&args[..], &[out.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let program = std::fs::read_to_string(out.join("program.cuh")).unwrap();
+    for want in [
+        "inline constexpr uint32_t kRanks = 2;",
+        "inline constexpr uint32_t kExchanges = 2;",
+        ".experts = 4,",
+        ".first = m.peers->rank * 4u}",
+        "exchange_send<kBatch>(Exchange{.peers = m.peers",
+        "exchange_reduce<kBatch>(Exchange{.peers = m.peers",
+    ] {
+        assert!(program.contains(want), "the expert-parallel program has {want}");
+    }
+    // The full K3's 896 experts in 9 equal shares: no.
+    let o = run(&["codegen", &k3(), "--target", "gb300", "--expert-parallel", "9", "-o", out.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("896 routed experts, which 9 GPUs cannot hold in equal shares"), "{}", stderr(&o));
+    let o = run(&["codegen", &graph, "--config", &config, "--target", "h200", "--expert-parallel", "73", "-o", "x"]);
+    assert!(!o.status.success() && stderr(&o).contains("--expert-parallel"), "{}", stderr(&o));
 }
 
 /// `check` and `plan` print the same weights read per step, under the same name.

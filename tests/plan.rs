@@ -951,6 +951,33 @@ fn expert_parallel_plans_exchange_the_partial_sums() {
     // follows from the data here: its combine reads the layer that read that reduce's sum.)
 }
 
+/// Configs whose stages would have millions of tasks are refused at the
+/// operation's line before the tiling makes them: a MoE layer's choices past
+/// the device's (batch x top-k), an MLA split past the planner's bound.
+#[test]
+fn huge_task_counts_are_refused_before_tiling() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("model_graphs/kimi_k2");
+    let source = std::fs::read_to_string(root.join("graph.mkc")).unwrap();
+    let tiny: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("tiny.json")).unwrap()).unwrap();
+    let t = Target::load("h200").unwrap();
+    for (edits, want) in [
+        (vec![("n_routed_experts", 1u64 << 20), ("num_experts_per_tok", 1 << 19)], "choices per step (524288 here"),
+        (vec![("num_attention_heads", 1 << 24), ("num_key_value_heads", 1 << 24)], "an MLA split of at most"),
+    ] {
+        let mut c = tiny.clone();
+        for (k, v) in &edits {
+            c[*k] = serde_json::json!(v);
+        }
+        let config = Config::parse(&c.to_string(), "edited tiny.json").unwrap();
+        let v = compile_with(&source, &config);
+        let start = std::time::Instant::now();
+        let err = plan::plan(&v, &t, Options::default()).unwrap_err().to_string();
+        assert!(err.contains(want), "{edits:?}: {err}");
+        assert!(start.elapsed().as_secs() < 10, "refused before the tiling");
+    }
+}
+
 /// Speculation on several GPUs: the verify step is the plan `codegen
 /// --positions` makes, on one GPU of the domain, its all-reduces carrying
 /// every position's row; it costs more than the plain step and less than

@@ -75,6 +75,10 @@ constexpr uint32_t kRouterMaxGroups = 64;
 // Routed experts: batch x top-k choices per step, up to kMoeMaxChoices.
 constexpr uint32_t kMoeMaxChoices = 512;
 
+// Several GPUs (an expert-parallel program, ops/exchange.cuh): up to
+// kMaxRanks GPUs of one NVLink domain (a GB300 NVL72's).
+constexpr uint32_t kMaxRanks = 72;
+
 // The attention-residual mix: banks of up to kMaxBankRows rows (plus the
 // current one, a lane each).
 constexpr uint32_t kMaxBankRows = 31;

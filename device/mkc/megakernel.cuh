@@ -140,7 +140,9 @@ __device__ __forceinline__ void run_step(const Schedule& p, const typename Tasks
   } else if (warp < kConsumerWarps) {
     for (uint32_t i = begin; i < end; ++i) {
       const uint32_t task = p.instructions[i].task;  // read while the controller waits
-      if (threadIdx.x == 0) task_marks() = TaskMarks{p.profile != nullptr ? p.profile + kProfileMarks * i : nullptr, 0};
+      if (threadIdx.x == 0) {
+        task_marks() = TaskMarks{p.profile != nullptr ? p.profile + kProfileMarks * i : nullptr, 0, step};
+      }
       named_barrier(1, kBarrierThreads);
       Tasks::run(task, params, it, warp);
       if (threadIdx.x == 0 && task_marks().at != nullptr) task_marks().at[kMarkPages] = task_marks().pages;

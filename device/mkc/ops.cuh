@@ -28,3 +28,4 @@
 #include "ops/kda.cuh"
 #include "ops/attn_res.cuh"
 #include "ops/moe.cuh"
+#include "ops/exchange.cuh"

@@ -75,15 +75,20 @@ enum ProfileMark : uint32_t {
 };
 // Where consumer thread 0 writes the marks of the task it runs (null in an
 // unprofiled step: ring_init clears it), and the pages it has waited for in
-// the task so far. Only thread 0 reads or writes it.
+// the task so far (only thread 0 reads or writes these two); and the step the
+// task is of (from 1 over the engine's life), which every consumer thread may
+// read once the task has started (thread 0 writes it before the barrier that
+// starts it).
 struct TaskMarks {
   uint64_t* at;
   uint32_t pages;
+  uint32_t step;
 };
 __device__ __forceinline__ TaskMarks& task_marks() {
   __shared__ TaskMarks marks;
   return marks;
 }
+__device__ __forceinline__ uint32_t current_step() { return task_marks().step; }
 
 // Releases page `slot` after this thread's (warp's) reads of it: the reads
 // (generic proxy) are ordered before the loader's next bulk copy (async

@@ -28,6 +28,12 @@ inline constexpr uint32_t kRouters = 5;
 // Their common top-k (0: no routers, or routers of different top-k).
 inline constexpr uint32_t kRouterTopK = 2;
 inline constexpr uint64_t kRouteLogInts = 80;
+// GPUs the program runs on: on several (an expert-parallel program), each holds 1/kRanks of
+// every MoE layer's routed experts and kExchanges exchanges a step add the GPUs' parts
+// (ops/exchange.cuh), kExchangeFloats floats a GPU's part at most.
+inline constexpr uint32_t kRanks = 1;
+inline constexpr uint32_t kExchanges = 0;
+inline constexpr uint64_t kExchangeFloats = 0;
 // fp32 staging floats per SM for projection epilogues.
 inline constexpr uint64_t kStagingFloats = 2048;
 // The plan sized the page ring and shared memory for this many pages.

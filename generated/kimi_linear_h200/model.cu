@@ -23,6 +23,7 @@ struct Program {
   static constexpr uint32_t kRoles = g::kRoles;
   static constexpr int kBatch = g::kBatch;
   static constexpr uint32_t kPositions = g::kPositions;
+  static constexpr uint32_t kRanks = g::kRanks;
   static constexpr uint64_t kContext = g::kContext;
   static constexpr uint64_t kArenaBytes = g::kArenaBytes;
   static constexpr uint64_t kRouteLog = g::kRouteLog;

@@ -186,7 +186,8 @@ pub fn emit(
             batch => plan.options.batch, positions => plan.options.positions, context => plan.options.context,
             arena_bytes => p.arena_bytes, route_log => p.route_log, routers => p.routers.len(),
             router_top_k => p.router_top_k, route_log_ints => p.route_log_ints,
-            staging_floats => p.staging_floats, pages => p.pages,
+            staging_floats => p.staging_floats, pages => p.pages, ranks => p.ranks, exchanges => p.exchanges,
+            exchange_floats => p.exchange_floats,
             outputs => p.outputs, next_token_output => p.next_token_output, logits_output => p.logits_output,
             vocab => p.vocab, kinds, cases, load_cases, commit_cases, prefetch, format => plan_file::FORMAT,
             stages => plan.tiling.stages.len(), tasks => plan.tiling.tasks.len(), ..provenance.clone()

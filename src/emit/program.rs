@@ -25,12 +25,14 @@ use std::collections::HashMap;
 use std::fmt::Write;
 
 use crate::checkpoint::requirements;
+use crate::contract::MAX_RANKS;
 use crate::diag::{Error, ErrorKind, Result};
 use crate::ir::{DType, Graph, NodeId, NodeKind, TensorType, ValueRef};
 use crate::ops::Attrs;
 use crate::ops::OpKind;
 use crate::plan::arena::{kept, Block};
 use crate::plan::fuse::{FusedKind, FusedOp};
+use crate::plan::tile::TaskKind;
 use crate::plan::Plan;
 use crate::valid::Validated;
 
@@ -66,6 +68,13 @@ pub use crate::plan::arena::ArenaSlot;
 /// The generated program of one step.
 #[derive(Debug, Clone)]
 pub struct Program {
+    /// GPUs the program runs on (an expert-parallel program: each holds
+    /// `1 / ranks` of every MoE layer's routed experts); 1 on one GPU.
+    pub ranks: u32,
+    /// Exchanges a step (one after each MoE layer on several GPUs).
+    pub exchanges: u32,
+    /// An exchanged part's floats, the largest (its inbox slots).
+    pub exchange_floats: u64,
     /// Every arena slot, at its arena offset.
     pub layout: Vec<ArenaSlot>,
     /// Each buffer's (arena offset, size).
@@ -208,6 +217,9 @@ impl Program {
     /// of `codegen --tables-only`.
     pub fn tables_only(tasks: Vec<(usize, usize, [u32; 4])>) -> Program {
         Program {
+            ranks: 1,
+            exchanges: 0,
+            exchange_floats: 0,
             layout: vec![],
             buffers: vec![],
             arena_bytes: 0,
@@ -329,6 +341,8 @@ struct Gen<'a> {
     kind_of: HashMap<String, usize>,
     /// Per stage: (kind, role in the kind, parameter values).
     stage_kind: Vec<Option<(usize, usize, Vec<Param>)>>,
+    /// An expert-parallel program's largest exchanged part, in floats.
+    exchange_floats: u64,
 }
 
 impl Gen<'_> {
@@ -720,18 +734,44 @@ pub fn rope_table(attrs: &Attrs) -> (Vec<f64>, f64) {
     (inv, mscale)
 }
 
+/// Whether an expert-parallel plan of `ranks` GPUs makes a program: at most
+/// [`MAX_RANKS`] GPUs (the device's peer tables), each holding the same
+/// number of every MoE layer's experts.
+fn expert_parallel_fits(plan: &Plan, ranks: u32) -> Result<()> {
+    if u64::from(ranks) > MAX_RANKS {
+        return Err(Error::new(
+            ErrorKind::Invalid,
+            format!("codegen: an expert-parallel program runs on at most {MAX_RANKS} GPUs (kMaxRanks), not {ranks}"),
+        ));
+    }
+    let g = plan.graph.graph();
+    for op in plan.fusion.ops.iter().filter(|o| o.kind == FusedKind::Moe) {
+        let n = op.anchor(g);
+        let experts = g.value_type(g.operands(n)[3]).shape[0];
+        if !experts.is_multiple_of(u64::from(ranks)) {
+            return Err(Error::new(
+                ErrorKind::Invalid,
+                format!(
+                    "codegen: {} has {experts} routed experts, which {ranks} GPUs cannot hold in equal shares \
+                     (--expert-parallel must divide the expert count)",
+                    g.node(n).name
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Builds the program of `plan`. `source` is the graph file's text (for the
 /// comments' line:column; may be empty).
 pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
     // What the library does not compute is refused before anything is rendered.
     crate::plan::limits::computable(plan)?;
-    if plan.options.expert_parallel > 1 {
-        return Err(Error::new(
-            ErrorKind::Invalid,
-            "codegen: plans sharding the experts over several GPUs are estimates only (no dispatch yet)".to_string(),
-        ));
-    }
     let g = v.graph();
+    let ranks = plan.options.expert_parallel.max(1);
+    if ranks > 1 {
+        expert_parallel_fits(plan, ranks)?;
+    }
     let mut weight_index = HashMap::new();
     for (i, r) in requirements(v).into_iter().enumerate() {
         weight_index.entry(r.key).or_insert(i);
@@ -782,6 +822,7 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         kinds: vec![],
         kind_of: HashMap::new(),
         stage_kind: vec![None; plan.tiling.stages.len()],
+        exchange_floats: 0,
     };
     for op in &plan.fusion.ops {
         gen.fused(op)?;
@@ -815,7 +856,11 @@ pub fn program(v: &Validated, plan: &Plan, source: &str) -> Result<Program> {
         let load_wait = plan.schedule.load_waits[s].map_or((0, 0), |(c, n)| (c as u32, n));
         stages.push(StageRecord { role: role_base[*kind] + *role as u32, params, load_wait });
     }
+    let exchanges = plan.tiling.stages.iter().filter(|s| s.kind == TaskKind::ExchangeSend).count() as u32;
     Ok(Program {
+        ranks,
+        exchanges,
+        exchange_floats: gen.exchange_floats,
         layout: arena.slots.clone(),
         buffers: arena.buffers.clone(),
         arena_bytes: arena.bytes,

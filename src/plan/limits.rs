@@ -47,6 +47,52 @@ pub fn check(g: &Graph, fusion: &Fusion, tiling: &Tiling, opts: Options) -> Resu
     })
 }
 
+/// The planner's bound on one stage's tasks (plan tables hold 32-bit
+/// indices; a real model's largest stage has a few hundred).
+pub const MAX_STAGE_TASKS: u64 = 1 << 20;
+
+/// What must hold before the tiling, whose task counts grow with the
+/// config's sizes: a MoE layer's choices a step (`batch x top_k`, the device's
+/// [`MOE_MAX_CHOICES`]; its expert stages have a part per choice) and an MLA
+/// layer's split tasks (head groups x KV splits, [`MAX_STAGE_TASKS`]). A
+/// config past them is refused at the operation's line before the tiling
+/// makes millions of tasks.
+pub fn before_tiling(g: &Graph, fusion: &Fusion, target: &crate::target::Target, opts: Options) -> Result<()> {
+    for op in &fusion.ops {
+        let anchor = op.anchor(g);
+        let Some((kind, attrs)) = g.op(anchor) else { continue };
+        let what = match (op.kind, kind) {
+            (FusedKind::Moe, OpKind::Moe) => {
+                let k = g.value_type(g.operands(anchor)[1]).elements();
+                let choices = u64::from(opts.batch).saturating_mul(k);
+                (choices > MOE_MAX_CHOICES)
+                    .then(|| format!("at most {MOE_MAX_CHOICES} choices per step ({choices} here: batch x top-k)"))
+            }
+            (FusedKind::MlaDecode, OpKind::MlaDecode) => {
+                let heads = attrs.int("heads").max(1) as u64;
+                let (groups, _, splits) = super::tile::mla_split_shape(heads, opts.context, target.sms);
+                let tasks = groups.saturating_mul(splits);
+                (tasks > MAX_STAGE_TASKS).then(|| {
+                    format!("an MLA split of at most {MAX_STAGE_TASKS} tasks ({tasks} here for {heads} heads)")
+                })
+            }
+            _ => None,
+        };
+        if let Some(what) = what {
+            return Err(Error::new(
+                ErrorKind::Invalid,
+                format!(
+                    "fused operation {} ({}) needs {what}, which the device library does not compute",
+                    op.id, op.name
+                ),
+            )
+            .at(g.node(anchor).span)
+            .label(format!("fused operation {}", op.id)));
+        }
+    }
+    Ok(())
+}
+
 /// A verify step (`opts.positions` > 1 rows a sequence): the batch is whole
 /// sequences of at most [`MAX_POSITIONS`] positions. The device library takes
 /// a sequence's positions in the per-sequence state it has: MLA's cache

@@ -120,6 +120,7 @@ pub fn plan(graph: &Validated, target: &Target, options: Options) -> Result<Plan
     let graph = &planned;
     arena::bound(graph.graph(), options)?;
     let fusion = fuse::fuse(graph)?;
+    limits::before_tiling(graph.graph(), &fusion, target, options)?;
     let tiling = tile::tile(graph, &fusion, target, options)?;
     limits::check(graph.graph(), &fusion, &tiling, options)?;
     let arena = arena::layout(graph.graph(), &fusion, &tiling, options)?;

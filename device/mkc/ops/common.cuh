@@ -21,6 +21,8 @@ constexpr int kConsumerThreads = kConsumerWarps * 32;
 // routing) and the projections' staged activations (kActivationBytes):
 // contract.h.
 
+struct Peers;  // ops/exchange.cuh
+
 // Everything a step reads and writes, as the runtime resolved it.
 struct Memory {
   void* const* w;            // weight tensors, in the plan file's weight-table order
@@ -33,6 +35,9 @@ struct Memory {
   const TaskArgs* tasks;     // every plan task
   const StageRecord* stages; // every plan stage
   const uint64_t* params;    // the stages' parameters
+  // Several GPUs (an expert-parallel program): this GPU's place and its
+  // peers' inboxes and counters (ops/exchange.cuh); null on one GPU.
+  const Peers* peers = nullptr;
 };
 
 // A stage's parameters as its kind's struct P (all uint64_t fields), by value.

@@ -123,16 +123,20 @@ __device__ void router(Router a) {
 // D distinct experts and N tasks, slot s takes tasks [s N / D, (s + 1) N / D)
 // and splits its rows evenly over them in units of `unit` rows, so every task
 // streams about D / N of an expert however many experts the step chose (the
-// plan's tasks cover the worst case, min(B top_k, experts) slots).
+// plan's tasks cover the worst case, min(B top_k, experts) slots). On one of
+// several GPUs (an expert-parallel program) the GPU holds experts [first,
+// first + experts) of the router's: the others' choices take no slot here,
+// and their rows are the other GPUs' (the exchange adds the GPUs' sums).
 struct MoeShape {
-  uint32_t experts;  // routed experts
+  uint32_t experts;  // routed experts (this GPU's)
   uint32_t top_k;    // experts chosen per token
   uint32_t inter;    // an expert's intermediate width
   uint32_t hidden;   // the model's width
   uint32_t slots;    // expert slots per step: min(B top_k, experts)
-  uint32_t gate_base, up_base, down_base;  // weight index of expert 0's tensors
+  uint32_t gate_base, up_base, down_base;  // weight index of the router's expert 0's tensors
   // MXFP4 experts: expert e's codes at base + stride e, its scales right after.
   uint32_t stride = 1;
+  uint32_t first = 0;  // the router's id of this GPU's expert 0
 };
 
 // Bit e % 32 set for each expert e of ids[0..n) in this lane's word `word`
@@ -140,7 +144,8 @@ struct MoeShape {
 // each and 128 at a time, all four loads in flight, and passes each id to
 // every lane by a shuffle (each lane reading all n ids one after another
 // waited out a memory latency every few ids). Every lane of the warp calls it.
-__device__ inline uint32_t expert_word(const int32_t* ids, uint32_t n, uint32_t word) {
+__device__ inline uint32_t expert_word(const int32_t* ids, uint32_t n, uint32_t word, uint32_t first,
+                                       uint32_t experts) {
   const uint32_t lane = threadIdx.x % 32;
   uint32_t bits = 0;
   for (uint32_t j0 = 0; j0 < n; j0 += 128) {
@@ -154,8 +159,8 @@ __device__ inline uint32_t expert_word(const int32_t* ids, uint32_t n, uint32_t 
     for (uint32_t q = 0; q < 4; ++q) {
       const uint32_t first = j0 + 32 * q, count = first < n ? min(32u, n - first) : 0u;
       for (uint32_t k = 0; k < count; ++k) {
-        const uint32_t e = uint32_t(__shfl_sync(~0u, id[q], k));
-        if (e >> 5 == word) bits |= 1u << (e & 31);
+        const uint32_t e = uint32_t(__shfl_sync(~0u, id[q], k)) - first;  // this GPU's expert e (if e < experts)
+        if (e < experts && e >> 5 == word) bits |= 1u << (e & 31);
       }
     }
   }
@@ -173,16 +178,18 @@ __device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t v) {
   return v;
 }
 
-// The distinct experts of ids[0..n) as a bitmap, a word a lane, 32 words
-// (1,024 experts) a round: `visit(bits, before)` gets this lane's word of the
-// round and the number of distinct experts in the words before it, and the
-// call returns the distinct count. Every lane of the warp calls it.
+// The distinct experts of ids[0..n) among [first, first + experts), as a
+// bitmap of e - first, a word a lane, 32 words (1,024 experts) a round:
+// `visit(bits, before)` gets this lane's word of the round and the number of
+// distinct experts in the words before it, and the call returns the distinct
+// count. Every lane of the warp calls it.
 template <class F>
-__device__ inline uint32_t expert_words(const int32_t* ids, uint32_t n, uint32_t experts, F visit) {
+__device__ inline uint32_t expert_words(const int32_t* ids, uint32_t n, uint32_t experts, F visit,
+                                        uint32_t first = 0) {
   const uint32_t lane = threadIdx.x % 32;
   uint32_t before = 0;
   for (uint32_t w0 = 0; 32 * w0 < experts; w0 += 32) {
-    const uint32_t bits = expert_word(ids, n, w0 + lane);
+    const uint32_t bits = expert_word(ids, n, w0 + lane, first, experts);
     const uint32_t c = __popc(bits), incl = warp_inclusive_sum(c);
     visit(w0, bits, before + incl - c);
     before += __shfl_sync(~0u, incl, 31);
@@ -191,8 +198,10 @@ __device__ inline uint32_t expert_words(const int32_t* ids, uint32_t n, uint32_t
 }
 
 // Lane's expert e's slot (the number of distinct experts of ids[0..n) below
-// it; 0 for e < 0). Every lane of the warp calls it.
-__device__ inline uint32_t expert_slot_of(const int32_t* ids, uint32_t n, uint32_t experts, int e) {
+// it; 0 for e < 0), e counted from `first` as in expert_words. Every lane of
+// the warp calls it.
+__device__ inline uint32_t expert_slot_of(const int32_t* ids, uint32_t n, uint32_t experts, int e,
+                                          uint32_t first = 0) {
   uint32_t slot = 0;
   expert_words(ids, n, experts, [&](uint32_t w0, uint32_t bits, uint32_t before) {
     const uint32_t q = uint32_t(e) / 32 - w0;  // e's word in this round
@@ -200,12 +209,13 @@ __device__ inline uint32_t expert_slot_of(const int32_t* ids, uint32_t n, uint32
     const uint32_t src = here ? q : 0;
     const uint32_t b = __shfl_sync(~0u, before, src), w = __shfl_sync(~0u, bits, src);
     if (here) slot = b + __popc(w & ((1u << (e % 32)) - 1));
-  });
+  }, first);
   return slot;
 }
 
 // A task's share of the step's expert rows: rows [r0, r1) of the expert in
-// slot `slot` (expert -1, no rows, past the step's distinct experts).
+// slot `slot` (expert -1, no rows, past the step's distinct experts), the
+// expert counted from MoeShape::first.
 struct ExpertPart {
   int expert;
   uint32_t slot;
@@ -230,7 +240,7 @@ template <int B>
 __device__ inline ExpertPart expert_part(const ExpertRows& a) {
   const MoeShape& s = a.shape;
   const uint32_t n = B * s.top_k;
-  const uint32_t distinct = expert_words(a.ids, n, s.experts, [](uint32_t, uint32_t, uint32_t) {});
+  const uint32_t distinct = expert_words(a.ids, n, s.experts, [](uint32_t, uint32_t, uint32_t) {}, s.first);
   if (distinct == 0 || a.part >= a.parts) return ExpertPart{-1, 0, 0, 0};
   if (a.parts < distinct) __trap();  // the plan gives a stage at least as many parts as slots
   // Slot s holds parts [s N / D, (s + 1) N / D): the part's slot is the
@@ -250,7 +260,7 @@ __device__ inline ExpertPart expert_part(const ExpertRows& a) {
     uint32_t w = __shfl_sync(~0u, bits, lane);
     for (uint32_t j = __shfl_sync(~0u, slot - before, lane); j > 0; --j) w &= w - 1;  // drop the j lowest
     expert = int(32 * (w0 + lane) + __ffs(w) - 1);
-  });
+  }, s.first);
   return ExpertPart{r0 < r1 ? expert : -1, slot, r0, r1};
 }
 
@@ -264,7 +274,7 @@ __device__ inline uint32_t expert_tokens(const ExpertRows& a, const ExpertPart& 
   const uint32_t k = a.shape.top_k;
   uint32_t bits = 0;
   for (uint32_t i = threadIdx.x % 32; i < B * k; i += 32)
-    if (a.ids[i] == q.expert) bits |= 1u << (i / k);
+    if (uint32_t(a.ids[i]) - a.shape.first == uint32_t(q.expert)) bits |= 1u << (i / k);
   return __reduce_or_sync(~0u, bits);
 }
 
@@ -273,7 +283,7 @@ template <int B>
 __device__ inline Rows expert_rows(const ExpertRows& a, const ExpertPart& q) {
   const MoeShape& s = a.shape;
   if (q.expert < 0) return Rows{nullptr, nullptr, 0, 0, a.down ? s.inter : s.hidden};
-  const uint32_t e = uint32_t(q.expert);
+  const uint32_t e = s.first + uint32_t(q.expert);  // the weight table lists every GPU's experts
   if (a.down) return Rows{static_cast<const __nv_bfloat16*>(a.w[s.down_base + e]), nullptr, q.r0, q.r1, s.inter};
   return Rows{static_cast<const __nv_bfloat16*>(a.w[s.gate_base + e]),
               static_cast<const __nv_bfloat16*>(a.w[s.up_base + e]), q.r0, q.r1, s.hidden};
@@ -290,7 +300,7 @@ __device__ inline R expert_coded_rows(const ExpertRows& a, const ExpertPart& q) 
   auto codes = [&](uint32_t i) { return static_cast<const uint8_t*>(a.w[i]); };
   auto scales = [&](uint32_t i) { return static_cast<const S*>(a.w[i]); };
   if (q.expert < 0) return R{nullptr, nullptr, nullptr, nullptr, 0, 0, a.down ? s.inter : s.hidden};
-  const uint32_t e = uint32_t(q.expert);
+  const uint32_t e = s.first + uint32_t(q.expert);  // the weight table lists every GPU's experts
   if (a.down) {
     const uint32_t i = s.down_base + s.stride * e;
     return R{codes(i), scales(i + 1), nullptr, nullptr, q.r0, q.r1, s.inter};
@@ -312,7 +322,8 @@ __device__ inline Fp8Rows expert_fp8_rows(const ExpertRows& a, const ExpertPart&
 }
 
 // routed[b, d] = sum_j weight[b, j] out[slot(ids[b, j]), b, d], for column
-// tile `tile` of `tiles`.
+// tile `tile` of `tiles`, over the choices of this GPU's experts (all of
+// them on one GPU).
 template <class T>
 struct ExpertCombine {
   MoeShape shape;
@@ -333,18 +344,22 @@ __device__ void expert_combine(ExpertCombine<T> a) {
   __shared__ uint32_t slot[B * 64];
   const uint32_t n = B * s.top_k;
   if (n > B * 64) __trap();
+  constexpr uint32_t kElsewhere = ~0u;  // a choice of another GPU's expert
   for (uint32_t i0 = threadIdx.x / 32 * 32; i0 < n; i0 += kConsumerThreads) {  // a warp's 32 choices a round
     const uint32_t i = i0 + threadIdx.x % 32;
-    const uint32_t at = expert_slot_of(ids, n, s.experts, i < n ? ids[i] : -1);
-    if (i < n) slot[i] = at;
+    const uint32_t e = i < n ? uint32_t(ids[i]) - s.first : kElsewhere;  // this GPU's expert e, if e < experts
+    const uint32_t at = expert_slot_of(ids, n, s.experts, e < s.experts ? int(e) : -1, s.first);
+    if (i < n) slot[i] = e < s.experts ? at : kElsewhere;
   }
   consumer_sync();
   const uint32_t d0 = tile * s.hidden / tiles, d1 = (tile + 1) * s.hidden / tiles;
   for (uint32_t i = threadIdx.x; i < B * (d1 - d0); i += kConsumerThreads) {
     const uint32_t b = i / (d1 - d0), d = d0 + i % (d1 - d0);
     float acc = 0.f;
-    for (uint32_t j = 0; j < s.top_k; ++j)
-      acc = fmaf(wts[b * s.top_k + j], dn[(size_t(slot[b * s.top_k + j]) * B + b) * s.hidden + d], acc);
+    for (uint32_t j = 0; j < s.top_k; ++j) {
+      const uint32_t at = slot[b * s.top_k + j];
+      if (at != kElsewhere) acc = fmaf(wts[b * s.top_k + j], dn[(size_t(at) * B + b) * s.hidden + d], acc);
+    }
     routed[size_t(b) * s.hidden + d] = from_float<T>(acc);
   }
   consumer_sync();

@@ -81,6 +81,12 @@ class Engine {
   // its weight table, before any CUDA call: a wrong plan or checkpoint is
   // reported by name on any machine.
   Engine(const char* dir, const std::string& plan_path) {
+    if (P::kRanks > 1) {
+      throw Failure{std::string(P::kModel) + " is one GPU's program of " + std::to_string(P::kRanks) +
+                    " (expert-parallel: each GPU holds 1/" + std::to_string(P::kRanks) +
+                    " of the routed experts and exchanges its part of each MoE layer's output); this runtime "
+                    "launches one GPU, not several yet"};
+    }
     std::string why;
     if (!read_plan_file(plan_path, PlanIdentity{P::kModel, P::kTarget, uint32_t(P::kBatch), P::kContext}, &plan_, &why)) {
       throw Failure{why};

@@ -74,7 +74,12 @@ impl Gen<'_> {
         let paired = mx || fp8;
         let (e, i, d) = (wg.shape[0], wg.shape[1], wg.shape[2]);
         let k = g.value_type(ops[1]).elements();
-        let slots = (self.batch * k).min(e);
+        // On one GPU of several (an expert-parallel program), its share of the
+        // experts: `local` of them from the router's id `rank local` (program()
+        // checked that they divide evenly).
+        let ranks = u64::from(self.plan.options.expert_parallel.max(1));
+        let local = e / ranks;
+        let slots = (self.batch * k).min(local);
         // The input, or the input of its RMSNorm prologue.
         let (_, x, norm, eps) = self.with_norm_prologue(op, ops[0])?;
         let ids = self.value(ops[1], op)?;
@@ -100,7 +105,7 @@ impl Gen<'_> {
         let act_at = self.block(op, up, Block::ExpertAct)?;
         let down_at = self.block(op, down, Block::ExpertDown)?;
         let shape = init!("MoeShape";
-            experts = e,
+            experts = local,
             top_k = k,
             inter = i,
             hidden = d,
@@ -110,10 +115,22 @@ impl Gen<'_> {
             down_base = format!("uint32_t({bd})"),
             stride = stride,
         );
-        let _ = writeln!(
-            self.code,
-            "\n__device__ inline MoeShape @K@_shape(const @K@_params& p) {{\n  return {shape};\n}}"
-        );
+        // The shape, and how a task's functions call for it (this GPU's first
+        // expert is the runtime's: m.peers).
+        let shape_call = if ranks > 1 {
+            let shape = with_field(&shape, "first", &format!("m.peers->rank * {local}u"));
+            let _ = writeln!(
+                self.code,
+                "\n__device__ inline MoeShape @K@_shape(const Memory& m, const @K@_params& p) {{\n  return {shape};\n}}"
+            );
+            "@K@_shape(m, p)"
+        } else {
+            let _ = writeln!(
+                self.code,
+                "\n__device__ inline MoeShape @K@_shape(const @K@_params& p) {{\n  return {shape};\n}}"
+            );
+            "@K@_shape(p)"
+        };
         // The row type, its loader and its consumer.
         let (rows_t, rows_fn, load_fn, compute_fn) = if mx {
             ("MxRows", "expert_mx_rows", "mx_rows_load", "mx_rows_compute")
@@ -151,7 +168,7 @@ impl Gen<'_> {
         // device/mkc/ops/moe.cuh), found alike by the loader and the consumers.
         let expert_args = |down: bool| {
             init!("ExpertRows";
-                shape = "@K@_shape(p)",
+                shape = shape_call,
                 part = "t.a[0]",
                 parts = "t.a[1]",
                 unit = "t.a[2]",
@@ -213,14 +230,22 @@ impl Gen<'_> {
         self.role(down, format!("{f}(t, m, p, it, warp);"), Some(format!("{load_fn}({f}_rows(t, m, p), it);")));
         self.header(combine, op, "weighted sum of the slots");
         let f = self.fname(op, combine);
+        // On one GPU of several, the sum of its experts' rows: its part, which
+        // the exchange's stages send and add.
+        let part = if ranks > 1 {
+            let at = self.block(op, combine, Block::ExpertPart)?;
+            Some(format!("reinterpret_cast<float*>({})", self.arena("part", at)))
+        } else {
+            None
+        };
         let args = init!("ExpertCombine";
-            shape = "@K@_shape(p)",
+            shape = shape_call,
             tile = "t.a[0]",
             tiles = "t.a[1]",
             ids = ids,
             wts = wts,
             dn = dn,
-            routed = out,
+            routed = part.clone().unwrap_or_else(|| out.clone()),
         );
         let _ = writeln!(
             self.code,
@@ -228,6 +253,53 @@ impl Gen<'_> {
              expert_combine<kBatch>({args});\n}}"
         );
         self.role(combine, format!("{f}(t, m, p);"), None);
+        if let Some(part) = part {
+            self.exchange(op, &stages, &part, &out, d)?;
+        }
+        Ok(())
+    }
+
+    /// An expert-parallel program's exchange after a MoE combine: its send
+    /// and reduce stages (`stages[3..5]`), over this GPU's part `part` of the
+    /// `[batch][width]` output `out`.
+    fn exchange(&mut self, op: &FusedOp, stages: &[usize], part: &str, out: &str, width: u64) -> Result<()> {
+        let &[_, _, _, send, reduce] = stages else {
+            return Err(internal(op, "an expert-parallel MoE operation without its exchange's two stages"));
+        };
+        let plan = self.plan;
+        // The exchange's place among the step's (its inbox half) and its remote counter.
+        let index = plan.tiling.stages[..send].iter().filter(|s| s.kind == TaskKind::ExchangeSend).count() as u64;
+        let Some(counter) = plan.schedule.counters.iter().find(|c| c.remote && c.stage == send) else {
+            return Err(internal(op, "an exchange without its remote counter"));
+        };
+        let (counter, expected) = (counter.id as u64, u64::from(counter.expected));
+        self.exchange_floats = self.exchange_floats.max(self.batch * width);
+        let x = init!("Exchange";
+            peers = "m.peers",
+            index = format!("uint32_t({})", self.param("exchange", Param::Int(index))),
+            per_step = "kExchanges",
+            floats = "uint32_t(kExchangeFloats)",
+            width = width,
+            tile = "t.a[0]",
+            tiles = "t.a[1]",
+            counter = format!("uint32_t({})", self.param("remote_counter", Param::Int(counter))),
+        );
+        self.header(send, op, "this GPU's part of a column tile to every other GPU");
+        let f = self.fname(op, send);
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
+             exchange_send<kBatch>({x}, {part});\n}}"
+        );
+        self.role(send, format!("{f}(t, m, p);"), None);
+        self.header(reduce, op, "a column tile's sum over the GPUs");
+        let f = self.fname(op, reduce);
+        let _ = writeln!(
+            self.code,
+            "__device__ inline void {f}(const TaskArgs& t, const Memory& m, const @K@_params& p) {{\n  \
+             exchange_reduce<kBatch>({x}, {part}, {expected}u, {out});\n}}"
+        );
+        self.role(reduce, format!("{f}(t, m, p);"), None);
         Ok(())
     }
 }
