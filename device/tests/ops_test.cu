@@ -7,13 +7,14 @@
 // position inside one of them, and KDA's short-conv and L2-norm epilogues,
 // decode step (both gate forms) and gated output norm; K3's SiTU-GLU epilogue
 // and attention-residual mix; MXFP4 rows and FP8 (e4m3, 128 x 128 block scales) rows
-// through the page ring. Each kernel runs the 256 consumer threads of
+// through the page ring; the exchange of an expert-parallel program, its GPUs emulated by
+// concurrent launches on this one. Each kernel runs the 256 consumer threads of
 // one CTA with the megakernel's shared memory. Every output element is
 // compared; every CUDA call is checked. Prints one line per test and exits 1
 // on any failure.
 //
 //   target/device/ops_test_sm90a [GROUP...]   (on an H200; GROUPs, to run some only: rows router slots
-//                                             rope mla conv kda situ mx fp8 attn_res copies; e.g. one
+//                                             rope mla conv kda situ mx fp8 attn_res copies exchange; e.g. one
 //                                             group under compute-sanitizer's racecheck)
 #include <algorithm>
 #include <cmath>
@@ -34,7 +35,7 @@ static int failures = 0;
 
 // The test groups named on the command line (all when none is).
 static const char* const kGroups[] = {"rows", "router", "slots", "rope", "mla", "conv",
-                                      "kda", "situ", "mx", "fp8", "attn_res", "copies"};
+                                      "kda", "situ", "mx", "fp8", "attn_res", "copies", "exchange"};
 static std::vector<std::string> selected;
 static bool want(const char* group) {
   return selected.empty() || std::find(selected.begin(), selected.end(), group) != selected.end();
@@ -1356,6 +1357,97 @@ __global__ void stack_kernel() {
       mkc::StackRows<float, float>{.bank = c.bank, .rows = c.rows, .row = c.row, .hidden = c.hidden, .out = c.out});
 }
 
+// ---------------------------------------------------------------------------
+// The exchange of an expert-parallel program (ops/exchange.cuh): `ranks` GPUs
+// emulated on this one, a launch of one CTA each on its own stream (all
+// running at once), their inboxes and counters in this GPU's memory. Each
+// step, each of `per_step` exchanges sends every column tile of each rank's
+// part [kXB][width] and adds the ranks' tiles; three steps cycle the inbox
+// halves. Every rank's sum must be the ranks' parts added in rank order, the
+// same bits on every rank.
+constexpr int kXB = 4;
+__global__ void exchange_kernel(const mkc::Peers* peers, const float* parts, float* outs, uint32_t width,
+                                uint32_t tiles, uint32_t per_step, uint32_t floats, uint32_t step) {
+  if (threadIdx.x == 0) mkc::task_marks() = mkc::TaskMarks{nullptr, 0, step};
+  mkc::consumer_sync();
+  const uint32_t rank = peers->rank, ranks = peers->ranks;
+  for (uint32_t x = 0; x < per_step; ++x) {
+    const float* part = parts + (size_t(x) * ranks + rank) * kXB * width;
+    float* out = outs + (size_t(x) * ranks + rank) * kXB * width;
+    const uint32_t counter = x;  // an exchange's remote counter
+    for (uint32_t t = 0; t < tiles; ++t) {
+      mkc::exchange_send<kXB>(mkc::Exchange{peers, x, per_step, floats, width, t, tiles, counter}, part);
+    }
+    for (uint32_t t = 0; t < tiles; ++t) {
+      mkc::exchange_reduce<kXB>(mkc::Exchange{peers, x, per_step, floats, width, t, tiles, counter}, part,
+                                (ranks - 1) * tiles, out);
+    }
+  }
+}
+
+static void test_exchange(std::mt19937& rng, uint32_t ranks, uint32_t width, uint32_t tiles) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const uint32_t per_step = 2, floats = kXB * width;
+  std::vector<float*> inbox(ranks);
+  std::vector<uint32_t*> counters(ranks);
+  std::vector<mkc::Peers*> peers(ranks);
+  std::vector<cudaStream_t> streams(ranks);
+  for (uint32_t r = 0; r < ranks; ++r) {
+    CHECK(cudaMalloc(&inbox[r], size_t(2) * ranks * floats * sizeof(float)));
+    CHECK(cudaMemset(inbox[r], 0xFF, size_t(2) * ranks * floats * sizeof(float)));  // NaN until written
+    CHECK(cudaMalloc(&counters[r], per_step * sizeof(uint32_t)));
+    CHECK(cudaMemset(counters[r], 0, per_step * sizeof(uint32_t)));
+    CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
+  }
+  for (uint32_t r = 0; r < ranks; ++r) {
+    mkc::Peers p{};
+    p.rank = r, p.ranks = ranks;
+    for (uint32_t q = 0; q < ranks; ++q) p.inbox[q] = inbox[q], p.counters[q] = counters[q];
+    peers[r] = upload(std::vector<mkc::Peers>{p});
+  }
+  const size_t n = size_t(per_step) * ranks * kXB * width;  // [exchange][rank][kXB][width]
+  double worst = 0;
+  bool same = true, ok = true;
+  for (uint32_t step = 1; step <= 3; ++step) {
+    std::vector<float> parts(n);
+    for (auto& v : parts) v = nd(rng);
+    float* d_parts = upload(parts);
+    float* d_outs = upload(std::vector<float>(n, NAN));
+    for (uint32_t r = 0; r < ranks; ++r) {
+      exchange_kernel<<<1, mkc::kConsumerThreads, 0, streams[r]>>>(peers[r], d_parts, d_outs, width, tiles, per_step,
+                                                                   floats, step);
+      CHECK(cudaGetLastError());
+    }
+    CHECK(cudaDeviceSynchronize());
+    const auto outs = download(d_outs, n);
+    for (uint32_t x = 0; x < per_step; ++x) {
+      for (size_t e = 0; e < size_t(kXB) * width; ++e) {
+        float want = 0.f;  // rank order, in fp32, as every rank adds
+        for (uint32_t q = 0; q < ranks; ++q) want += parts[(size_t(x) * ranks + q) * kXB * width + e];
+        for (uint32_t r = 0; r < ranks; ++r) {
+          const float got = outs[(size_t(x) * ranks + r) * kXB * width + e];
+          ok &= std::isfinite(got);
+          worst = std::max(worst, double(std::fabs(got - want)));
+          same &= got == outs[size_t(x) * ranks * kXB * width + e];
+        }
+      }
+    }
+    CHECK(cudaFree(d_parts));
+    CHECK(cudaFree(d_outs));
+  }
+  ok &= same && worst == 0.0;
+  char detail[128];
+  std::snprintf(detail, sizeof detail, "%u ranks, width %u in %u tiles, 3 steps of 2: max error %.1e, ranks %s",
+                ranks, width, tiles, worst, same ? "equal" : "DIFFER");
+  report("exchange (expert-parallel parts added)", ok, detail);
+  for (uint32_t r = 0; r < ranks; ++r) {
+    CHECK(cudaFree(inbox[r]));
+    CHECK(cudaFree(counters[r]));
+    CHECK(cudaFree(peers[r]));
+    CHECK(cudaStreamDestroy(streams[r]));
+  }
+}
+
 static void test_copies(std::mt19937& rng, uint32_t hidden, uint32_t rows) {
   std::normal_distribution<float> nd(0.f, 1.f);
   const uint32_t vocab = 50;
@@ -1565,6 +1657,9 @@ int main(int argc, char** argv) {
   if (want("copies")) test_copies(rng, 7168, 3);     // K3's width: 16-byte rows, four-column snapshots
   if (want("copies")) test_copies(rng, 36, 0);       // not a multiple of 8 (rows an element at a time); no bank rows
   if (want("copies")) test_copies(rng, 6, 2);        // not a multiple of 4 either
+  if (want("exchange")) test_exchange(rng, 2, 64, 1);     // K2 tiny's two GPUs
+  if (want("exchange")) test_exchange(rng, 4, 7168, 7);   // K2's width in the combine's tiles
+  if (want("exchange")) test_exchange(rng, 3, 100, 3);    // tiles not multiples of four columns
   std::printf("%s\n", failures == 0 ? "PASS" : "FAIL");
   return failures == 0 ? 0 : 1;
 }
