@@ -29,7 +29,10 @@
 //! understood.
 //!
 //! Counters: one per stage, bumped once by each of its tasks with release
-//! semantics, so its expected count per step is the stage's task count. They
+//! semantics, so its expected count per step is the stage's task count; and
+//! in an expert-parallel plan one remote counter per exchange, bumped by the
+//! exchange's send tasks on every other GPU (`Counter::remote`), on which
+//! each of its reduce tasks waits. They
 //! are never reset: in step `n` (from 1) a wait targets `n * expected`.
 //! Waits: an instruction waits on a stage's counter only if the program order
 //! and its other waits do not already guarantee that stage is complete; a
@@ -263,10 +266,11 @@ pub fn schedule(tiling: &Tiling, target: &Target, opts: Options) -> Result<Sched
     let mut load_free = vec![0f64; sms];
     let mut finish = vec![0f64; tiling.stages.len()];
     let mut cp = vec![0f64; tiling.stages.len()];
-    let mut placed: Vec<(usize, usize)> = Vec::with_capacity(tiling.tasks.len()); // (task, SM), in placement order
-                                                                                  // When a stage's dependencies are met, given when each stage finishes.
-                                                                                  // An exchange's reduce also waits for the other GPUs' sends, which end
-                                                                                  // when this GPU's do (the same plan), and one link latency later arrive.
+    // (task, SM), in placement order.
+    let mut placed: Vec<(usize, usize)> = Vec::with_capacity(tiling.tasks.len());
+    // When a stage's dependencies are met, given when each stage finishes. An
+    // exchange's reduce also waits for the other GPUs' sends, which end when
+    // this GPU's do (the same plan) and arrive one link latency later.
     let remote = |finish: &[f64], s: usize| match (tiling.stages[s].kind, tiling.stages[s].exchange) {
         (TaskKind::ExchangeReduce, Some(x)) => finish[x.send] + target.nvlink_latency_ns,
         _ => 0.0,
