@@ -459,12 +459,15 @@ __global__ void router_kernel() {
       mkc::Router{.shape = g_router, .logits = g_logits, .bias = g_bias, .ids = g_ids, .wts = g_wts, .log = g_log});
 }
 
+// ties: the logits in steps of 0.5 and no bias, so that many choices are
+// equal and the lower expert id must win each tie.
 template <int kRB>
-static void test_router(std::mt19937& rng, uint32_t e, uint32_t k, uint32_t groups, uint32_t topk_group) {
+static void test_router(std::mt19937& rng, uint32_t e, uint32_t k, uint32_t groups, uint32_t topk_group,
+                        bool ties = false) {
   std::normal_distribution<float> n(0.f, 1.f);
   std::vector<float> logits(kRB * e), bias(e);
-  for (auto& x : logits) x = n(rng);
-  for (auto& x : bias) x = 0.1f * n(rng);
+  for (auto& x : logits) x = ties ? std::round(2.f * n(rng)) / 2.f : n(rng);
+  for (auto& x : bias) x = ties ? 0.f : 0.1f * n(rng);
   const mkc::RouterShape shape{
       .experts = e, .top_k = k, .n_group = groups, .topk_group = topk_group, .renormalize = true, .scale = 2.5f};
   float* d_l = upload(logits);
@@ -520,8 +523,8 @@ static void test_router(std::mt19937& rng, uint32_t e, uint32_t k, uint32_t grou
   }
   ok &= worst < 1e-5;
   char detail[128];
-  std::snprintf(detail, sizeof detail, "B %d, E %u top-%u groups %u/%u: max rel weight error %.2e", kRB, e, k,
-                topk_group, groups, worst);
+  std::snprintf(detail, sizeof detail, "B %d, E %u top-%u groups %u/%u%s: max rel weight error %.2e", kRB, e, k,
+                topk_group, groups, ties ? " (ties)" : "", worst);
   report("router (DeepSeek-V3 selection and weights)", ok, detail);
   CHECK(cudaFree(d_l));
   CHECK(cudaFree(d_b));
@@ -1580,6 +1583,9 @@ int main(int argc, char** argv) {
   if (want("router")) test_router<1>(rng, 384, 8, 8, 4);   // one warp busy
   if (want("router")) test_router<8>(rng, 384, 8, 8, 4);   // every warp a token
   if (want("router")) test_router<8>(rng, 896, 16, 1, 1);  // K3 at batch 8: 28 KiB of choices
+  if (want("router")) test_router<4>(rng, 896, 16, 1, 1, true);  // ties to the lower id
+  if (want("router")) test_router<2>(rng, 384, 8, 8, 4, true);
+  if (want("router")) test_router<1>(rng, 160, 40, 1, 1);  // a lane holds two picks
   if (want("slots")) test_slots(rng);
   if (want("rope")) test_rope(rng, true);
   if (want("rope")) test_rope(rng, false);
