@@ -61,6 +61,17 @@ __device__ __forceinline__ void add_release(uint32_t* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// The same at system scope: a counter another GPU bumps or reads (an
+// expert-parallel program's exchange, ops/exchange.cuh).
+__device__ __forceinline__ uint32_t load_acquire_system(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void add_release_system(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // Waits until counters[w.counter] reaches step * w.target. In a debug build,
 // gives up after kDebugMaxSpins, fills `report` and returns false.
 template <bool kDebug>

@@ -139,9 +139,6 @@ pub fn estimate_of(p: &Plan, target: &Target, gpus: u32) -> Result<MultiEstimate
     }
     let comm_us = spans.iter().filter(|s| s.1 > 0.0).map(|s| (s.1 - s.0) / 1e3).sum::<f64>();
     let step_us = per_gpu.step_us;
-    let values = u64::from(batch) * hidden * 4;
-    let reduce =
-        AllReduce { bytes: u64::from(gpus.saturating_sub(1)) * values, exchanges: u64::from(gpus > 1), ns: 0.0 };
     // The tensor-parallel estimate's chain of stages: the one-GPU program's
     // (its own all-reduces are counted apart).
     let stages = p.tiling.stages.iter().filter(|s| s.exchange.is_none()).count() as u64;
@@ -151,8 +148,8 @@ pub fn estimate_of(p: &Plan, target: &Target, gpus: u32) -> Result<MultiEstimate
         gpus,
         per_gpu,
         moe_layers,
-        exchange_bytes: reduce.bytes,
-        exchanges: reduce.exchanges,
+        exchange_bytes: u64::from(gpus.saturating_sub(1)) * u64::from(batch) * hidden * 4,
+        exchanges: u64::from(gpus > 1),
         comm_us,
         step_us,
         tokens_per_s: if step_us > 0.0 { 1e6 / step_us } else { 0.0 },
@@ -160,34 +157,19 @@ pub fn estimate_of(p: &Plan, target: &Target, gpus: u32) -> Result<MultiEstimate
     })
 }
 
-/// One all-reduce of `values` bytes over `gpus` GPUs, the cheaper of one
-/// exchange sending them to every other GPU and a reduce-scatter and
-/// all-gather (two exchanges of `2 (G - 1) / G` of them).
-struct AllReduce {
-    /// Bytes out of each GPU.
-    bytes: u64,
-    /// Exchanges, a latency each.
-    exchanges: u64,
-    /// Its time.
-    ns: f64,
-}
-
-fn all_reduce(target: &Target, gpus: u32, values: u64) -> AllReduce {
+/// The time of one all-reduce of `values` bytes over `gpus` GPUs (the
+/// tensor-parallel estimate's), in ns: the cheaper of one exchange sending
+/// them to every other GPU and a reduce-scatter and all-gather (two exchanges
+/// of `2 (G - 1) / G` of them).
+fn all_reduce_ns(target: &Target, gpus: u32, values: u64) -> f64 {
     let g = u64::from(gpus);
     if g <= 1 {
-        return AllReduce { bytes: 0, exchanges: 0, ns: 0.0 };
+        return 0.0;
     }
-    let form = |bytes: u64, exchanges: u64| AllReduce {
-        bytes,
-        exchanges,
-        ns: exchanges as f64 * target.nvlink_latency_ns + bytes as f64 / target.nvlink_bandwidth * 1e9,
+    let form = |bytes: u64, exchanges: u64| {
+        exchanges as f64 * target.nvlink_latency_ns + bytes as f64 / target.nvlink_bandwidth * 1e9
     };
-    let (one_shot, two_step) = (form((g - 1) * values, 1), form((2 * (g - 1) * values).div_ceil(g), 2));
-    if one_shot.ns <= two_step.ns {
-        one_shot
-    } else {
-        two_step
-    }
+    form((g - 1) * values, 1).min(form((2 * (g - 1) * values).div_ceil(g), 2))
 }
 
 /// What the tensor-parallel estimate needs of the replicated plan.
@@ -238,8 +220,7 @@ fn tensor_parallel(per_gpu: &Estimate, target: &Target, s: Shape) -> TensorParal
     let efficiency = per_gpu.fraction_of_floor.clamp(0.01, 1.0);
     let chain_us = s.stages as f64 * (target.task_overhead_ns + target.sync_latency_ns) / 1e3;
     let compute_us = (bytes as f64 / target.read_bandwidth() * 1e6 / efficiency).max(chain_us);
-    let reduce = all_reduce(target, s.gpus, u64::from(per_gpu.batch) * s.hidden * 4);
-    let comm_us = 2.0 * s.layers as f64 * reduce.ns / 1e3;
+    let comm_us = 2.0 * s.layers as f64 * all_reduce_ns(target, s.gpus, u64::from(per_gpu.batch) * s.hidden * 4) / 1e3;
     let step_us = compute_us + comm_us;
     let tokens_per_s = if step_us > 0.0 { 1e6 / step_us } else { 0.0 };
     TensorParallel { bytes, efficiency, chain_us, layers: s.layers, comm_us, step_us, tokens_per_s }

@@ -33,15 +33,6 @@ struct Peers {
   uint32_t* counters[kMaxRanks];  // GPU r's schedule counters
 };
 
-__device__ __forceinline__ uint32_t load_acquire_system(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void add_release_system(uint32_t* p, uint32_t v) {
-  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
 // One exchange of a step (compiled in: its place among the step's and the
 // inbox's part size), a task's column tile of a [B][width] fp32 part.
 struct Exchange {
